@@ -1,0 +1,215 @@
+"""Helpers shared by the benchmark scripts: timing, machine facts, tables, BENCHMARKS.md.
+
+Every benchmark records its result as one ``## <title>`` section of ``BENCHMARKS.md`` at the
+repository root; ``update_benchmarks_md`` replaces that section in place (or appends it) and
+leaves every other section as it was, so each script owns exactly one section::
+
+    # Benchmarks            <- preamble, kept
+    ## Engine throughput    <- owned by engine_throughput.py
+    ## KV transfer          <- owned by another script, kept
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
+MD_PREAMBLE = (
+    "# Benchmarks\n\n"
+    "Each section is written by the script named in its command; rerun that command to "
+    "refresh it.\n"
+)
+_FENCE = "```"
+
+T = TypeVar("T")
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """Runs ``fn`` once and returns its result and the wall-clock seconds it took."""
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def median(values: Sequence[float]) -> float:
+    if not values:
+        raise ValueError("median of no values")
+    return float(statistics.median(values))
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from ``/proc/cpuinfo`` (or ``platform`` where that is absent)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def machine_info(num_threads: int) -> dict[str, Any]:
+    """Facts a reader needs to compare runs: CPU, cores, threads used, library versions."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "num_cpus": os.cpu_count(),
+        "num_threads": num_threads,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    return info
+
+
+def machine_markdown(info: dict[str, Any]) -> str:
+    parts = [
+        f"CPU: {info['cpu']} ({info['num_cpus']} logical CPUs visible)",
+        f"threads: {info['num_threads']}",
+        f"torch {info['torch']}",
+        f"Python {info['python']}",
+    ]
+    if info.get("transformers"):
+        parts.append(f"transformers {info['transformers']}")
+    return "Machine: " + "; ".join(parts) + "."
+
+
+def command_line(script: str | Path | None = None) -> str:
+    """The command that reproduces this run, with the script path relative to the repo."""
+    path = Path(script or sys.argv[0]).resolve()
+    try:
+        shown = str(path.relative_to(REPO_ROOT))
+    except ValueError:
+        shown = str(path)
+    return shlex.join(["python", shown, *sys.argv[1:]])
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-flavoured Markdown table; numbers are right-aligned."""
+    align = [
+        "---:" if rows and all(_is_number(r[i]) for r in rows) else "---"
+        for i in range(len(headers))
+    ]
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "| " + " | ".join(align) + " |",
+        *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
+    ]
+    return "\n".join(lines)
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain fixed-width table for the terminal."""
+    cells = [[str(h) for h in headers], *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    out = []
+    for n, row in enumerate(cells):
+        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True
+    try:
+        float(str(value).replace(",", "").rstrip("x"))
+    except ValueError:
+        return False
+    return True
+
+
+def render_section(section_title: str, body_markdown: str, command: str) -> str:
+    return (
+        f"## {section_title}\n\n{body_markdown.strip()}\n\n"
+        f"Command:\n\n{_FENCE}\n{command}\n{_FENCE}\n"
+    )
+
+
+def update_benchmarks_md(
+    section_title: str, body_markdown: str, command: str, path: Path = BENCHMARKS_MD
+) -> Path:
+    """Replaces the ``## section_title`` section of ``path`` (or appends it), keeping the rest.
+
+    A section runs from its ``## `` heading to the next ``# ``/``## `` heading outside a code
+    fence. The file is created with a short preamble if it does not exist, and written
+    atomically (a temporary file renamed over it).
+    """
+    old = path.read_text(encoding="utf-8") if path.is_file() else MD_PREAMBLE
+    preamble, sections = split_sections(old)
+    new_section = render_section(section_title, body_markdown, command)
+    replaced = False
+    for i, (title, _) in enumerate(sections):
+        if title == section_title:
+            sections[i] = (title, new_section)
+            replaced = True
+    if not replaced:
+        sections.append((section_title, new_section))
+    parts = [preamble.rstrip("\n") + "\n"] if preamble.strip() else []
+    parts += [text.rstrip("\n") + "\n" for _, text in sections]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(parts), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def split_sections(markdown: str) -> tuple[str, list[tuple[str, str]]]:
+    """Splits Markdown into the text before the first ``## `` heading and ``(title, text)``."""
+    preamble: list[str] = []
+    sections: list[tuple[str, list[str]]] = []
+    in_fence = False
+    for line in markdown.splitlines():
+        if line.lstrip().startswith(_FENCE):
+            in_fence = not in_fence
+        if not in_fence and line.startswith("## "):
+            sections.append((line[3:].strip(), [line]))
+        elif sections:
+            sections[-1][1].append(line)
+        else:
+            preamble.append(line)
+    return "\n".join(preamble), [(title, "\n".join(lines)) for title, lines in sections]
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> None:
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def measure_memory_bandwidth(
+    num_bytes: int = 512 << 20, num_runs: int = 7, num_threads: int | None = None
+) -> float:
+    """Copy bandwidth in bytes/s: median over runs of ``dst.copy_(src)`` on float32 tensors.
+
+    Counts the bytes read plus the bytes written (STREAM's "copy" convention), so it is the
+    rate at which a kernel that streams its operands once can touch memory.
+    """
+    import torch
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    numel = num_bytes // 4
+    src = torch.ones(numel, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch: page faults are not bandwidth
+    seconds = [timed(lambda: dst.copy_(src))[1] for _ in range(num_runs)]
+    return 2 * numel * 4 / median(seconds)
+
+
+def fmt(value: float, digits: int = 1) -> str:
+    """A number with thousands separators and ``digits`` decimals."""
+    return f"{value:,.{digits}f}"

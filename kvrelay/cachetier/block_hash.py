@@ -1,0 +1,46 @@
+"""Chained 128-bit block hashes: the one key that names a KV block in every tier and host.
+
+``h_i = blake2b-128(h_{i-1} || fingerprint || tokens of block i)``. The chain makes a block's
+key depend on every token before it, so equal keys mean equal KV; the model fingerprint keeps
+two models (or two tokenizers) from ever sharing an entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+"""16 bytes; a typed value, never a joined string."""
+
+HASH_BYTES = 16
+_ROOT = b"\x00" * HASH_BYTES
+
+
+def hash_block(parent: BlockHash | None, fingerprint: bytes, token_ids: Sequence[int]) -> BlockHash:
+    """Hash of one full block given its parent's hash (None for the first block)."""
+    h = hashlib.blake2b(digest_size=HASH_BYTES)
+    h.update(parent if parent is not None else _ROOT)
+    h.update(fingerprint)
+    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return BlockHash(h.digest())
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    fingerprint: bytes,
+    start: int = 0,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids`` from block index ``start`` on.
+
+    ``parent`` must be the hash of block ``start - 1`` when ``start > 0``.
+    """
+    out: list[BlockHash] = []
+    for i in range(start, len(token_ids) // block_size):
+        parent = hash_block(parent, fingerprint, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out

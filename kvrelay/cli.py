@@ -1,0 +1,177 @@
+"""The ``kvrelay`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+logger = logging.getLogger("kvrelay")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face format)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=1.0,
+        help="GiB for the KV pool when --num-blocks is unset",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)"
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="disable reuse of cached prompt blocks"
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "num_threads": args.threads,
+        "block_size": args.block_size,
+        "num_blocks": args.num_blocks,
+        "kv_cache_memory_bytes": int(args.kv_cache_memory * (1 << 30)),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": not args.no_prefix_caching,
+    }
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object per output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    model = sub.add_parser("model", help="checkpoint utilities")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    tiny = model_sub.add_parser(
+        "make-tiny", help="write a random-initialised checkpoint with a locally trained tokenizer"
+    )
+    tiny.add_argument("dir", help="output directory")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
+    tiny.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    gen = sub.add_parser("generate", help="complete prompts with the offline engine")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.add_argument("prompts", nargs="*", help="prompts (default: one per line on stdin)")
+
+    chat = sub.add_parser("chat", help="one chat turn per --user message, with the chat template")
+    _add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system message")
+    chat.add_argument("--user", action="append", required=True, help="user message (repeatable)")
+    return parser
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from kvrelay.engine.make_tiny import make_tiny
+
+    path = make_tiny(args.dir, arch=args.arch, size=args.size, seed=args.seed, dtype=args.dtype)
+    print(path)
+    return 0
+
+
+def _sampling(args: argparse.Namespace):
+    from kvrelay.engine.sampling import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sample_seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _print_outputs(outputs: list, as_json: bool) -> None:
+    for out in outputs:
+        comp = out.outputs[0]
+        if as_json:
+            print(
+                json.dumps(
+                    {
+                        "prompt": out.prompt,
+                        "text": comp.text,
+                        "token_ids": comp.token_ids,
+                        "finish_reason": comp.finish_reason,
+                    }
+                )
+            )
+        else:
+            print(comp.text)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvrelay.engine.llm import LLM
+
+    prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("kvrelay generate: no prompts given", file=sys.stderr)
+        return 2
+    llm = LLM(args.model, **engine_kwargs(args))
+    _print_outputs(llm.generate(prompts, _sampling(args)), args.json)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from kvrelay.engine.llm import LLM
+
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    conversations = [[*system, {"role": "user", "content": u}] for u in args.user]
+    llm = LLM(args.model, **engine_kwargs(args))
+    _print_outputs(llm.chat(conversations, _sampling(args)), args.json)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from kvrelay.engine.config import ConfigError
+    from kvrelay.engine.loader import CheckpointError
+
+    try:
+        if args.command == "model":
+            return cmd_make_tiny(args)
+        return COMMANDS[args.command](args)
+    except (ConfigError, CheckpointError, ValueError) as e:
+        print(f"kvrelay {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The iteration-level engine both worker roles run: scheduler + runner + detokenizer.
+
+``step()`` is the whole loop: schedule, run, update, then turn new tokens into text and
+apply stop strings. Requests are added and aborted between steps by the same thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrelay.engine.block_manager import BlockManager
+from kvrelay.engine.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+)
+from kvrelay.engine.loader import TORCH_DTYPES, check_model_dir, load_weights, model_fingerprint
+from kvrelay.engine.models.llama import LlamaModel
+from kvrelay.engine.runner import ModelRunner, allocate_kv_cache
+from kvrelay.engine.sampling import Sampler, SamplingParams, TokenLogprobs
+from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.sequence import Sequence, SequenceStatus
+from kvrelay.engine.stop import StopChecker
+from kvrelay.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot run (too long, bad parameters); nothing was queued."""
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The state of one request after a step; ``new_*`` hold only this step's part."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    new_token_ids: list[int]
+    text: str
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    num_cached_tokens: int = 0
+
+
+def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> EngineConfig:
+    """Splits flat vLLM-style keyword arguments into the frozen per-part configs."""
+    cache_keys = set(CacheConfig.__dataclass_fields__)
+    sched_keys = set(SchedulerConfig.__dataclass_fields__)
+    engine_keys = {"seed", "num_threads"}
+    unknown = set(kwargs) - cache_keys - sched_keys - engine_keys
+    if unknown:
+        raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+    model_config = ModelConfig.from_dir(check_model_dir(model))
+    max_len = kwargs.get("max_model_len") or model_config.max_position_embeddings
+    sched = {k: v for k, v in kwargs.items() if k in sched_keys}
+    sched["max_model_len"] = max_len
+    return EngineConfig(
+        model=str(model),
+        dtype=dtype,  # type: ignore[arg-type]
+        model_config=model_config,
+        cache=CacheConfig(**{k: v for k, v in kwargs.items() if k in cache_keys}),
+        scheduler=SchedulerConfig(**sched),
+        **{k: v for k, v in kwargs.items() if k in engine_keys},
+    )
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        mc = config.model_config
+        self.tokenizer = tokenizer
+        self.fingerprint = model_fingerprint(config.model)
+        weights = load_weights(config.model, mc, config.dtype)
+        num_blocks = config.cache.num_blocks or self._blocks_for_memory(config)
+        max_len = min(config.scheduler.max_model_len, num_blocks * config.cache.block_size)
+        self.config = config = replace(
+            config, scheduler=replace(config.scheduler, max_model_len=max_len)
+        )
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            self.fingerprint,
+        )
+        eos = set(mc.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
+        self.eos_token_ids = frozenset(eos)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.eos_token_ids)
+        kv_cache = allocate_kv_cache(mc, num_blocks, config.cache.block_size, config.dtype)
+        sampler = Sampler(self.eos_token_ids, seed=config.seed)
+        self.runner = ModelRunner(
+            LlamaModel(mc, weights), kv_cache, config.cache.block_size, sampler
+        )
+        self._stops: dict[str, StopChecker] = {}
+
+    @classmethod
+    def from_args(
+        cls,
+        model: str | Path,
+        dtype: str = "float32",
+        skip_tokenizer_init: bool = False,
+        **kwargs: Any,
+    ) -> LLMEngine:
+        config = build_engine_config(str(model), dtype, **kwargs)
+        tokenizer = None if skip_tokenizer_init else Tokenizer.from_pretrained(model)
+        return cls(config, tokenizer)
+
+    @staticmethod
+    def _blocks_for_memory(config: EngineConfig) -> int:
+        elem = torch.empty((), dtype=TORCH_DTYPES[config.dtype]).element_size()
+        per_block = config.model_config.kv_bytes_per_token * elem * config.cache.block_size
+        return max(1, config.cache.kv_cache_memory_bytes // per_block)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queues a request; raises RequestError (queuing nothing) when it cannot run."""
+        self._validate(prompt_token_ids, params)
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer (engine started without one)")
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time or time.monotonic())
+        self.scheduler.add(seq)
+        self._stops[request_id] = StopChecker(self.tokenizer, seq.prompt_token_ids, params)
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        max_len = self.config.scheduler.max_model_len
+        vocab = self.config.model_config.vocab_size
+        if not prompt_token_ids:
+            raise RequestError("prompt is empty")
+        if len(prompt_token_ids) >= max_len:
+            raise RequestError(
+                f"prompt has {len(prompt_token_ids)} tokens; this model's context window is "
+                f"{max_len} tokens and at least one must be left for output"
+            )
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Ends a request now and frees its blocks; False if it is unknown or finished."""
+        self._stops.pop(request_id, None)
+        return self.scheduler.finish(request_id, SequenceStatus.FINISHED_ABORTED) is not None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """Runs one iteration; returns an output for every request that made progress."""
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return []
+        result = self.runner.run(plan)
+        self.scheduler.update(plan, result)
+        outputs = []
+        for item, token_id in zip(plan.scheduled, result.token_ids):
+            if token_id is not None:
+                outputs.append(self._make_output(item.seq, token_id))
+        return outputs
+
+    def _make_output(self, seq: Sequence, token_id: int) -> RequestOutput:
+        stop = self._stops[seq.seq_id]
+        new_text, stop_str = stop.append(token_id, finished=seq.is_finished)
+        if stop_str is not None and not seq.is_finished:
+            self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+            seq.stop_reason = stop_str
+            new_text += stop.flush()
+        if seq.is_finished:
+            del self._stops[seq.seq_id]
+        return RequestOutput(
+            request_id=seq.seq_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids,
+            new_token_ids=[token_id],
+            text=stop.text,
+            new_text=new_text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=seq.output_logprobs,
+            num_cached_tokens=seq.num_cached_tokens,
+        )

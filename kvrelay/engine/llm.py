@@ -1,0 +1,166 @@
+"""Offline API shaped like vLLM's ``LLM``: batch in, one output per prompt out."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput
+from kvrelay.engine.sampling import SamplingParams, TokenLogprobs
+from kvrelay.engine.tokenizer import Tokenizer
+
+PromptType = str | list[int] | dict[str, Any]
+Message = dict[str, Any]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprobs | None] | None = None
+    cumulative_logprob: float | None = None
+
+
+@dataclass(slots=True)
+class GenerateOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """Runs a model in this process.
+
+    Args:
+        model: checkpoint directory (Hugging Face format).
+        dtype: "float32" or "bfloat16" (or "float16").
+        seed: seed for requests that do not set their own.
+        skip_tokenizer_init: run without a tokenizer (token-id prompts only, no text).
+        **engine_args: ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``,
+            ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
+            ``max_model_len``, ``num_threads``.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        dtype: str = "float32",
+        seed: int = 0,
+        skip_tokenizer_init: bool = False,
+        **engine_args: Any,
+    ) -> None:
+        self.engine = LLMEngine.from_args(
+            model, dtype=dtype, seed=seed, skip_tokenizer_init=skip_tokenizer_init, **engine_args
+        )
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise RequestError("this LLM was started with skip_tokenizer_init=True")
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[GenerateOutput]:
+        """Generates for every prompt (a string, token ids, or ``{"prompt_token_ids": ...}``)."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        requests = [self._encode(p) for p in prompt_list]
+        return self._run(requests, params_list)
+
+    def chat(
+        self,
+        messages: Seq[Message] | Seq[Seq[Message]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[GenerateOutput]:
+        """Applies the chat template to one conversation or a list of them, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.get_tokenizer()
+        requests: list[tuple[str | None, list[int]]] = []
+        for conv in conversations:
+            text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
+            requests.append((text, tok.encode(text, add_special_tokens=False)))
+        return self._run(requests, _as_params_list(sampling_params, len(requests)))
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.get_tokenizer().encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return self._encode(str(prompt["prompt"]))
+        return None, list(prompt)
+
+    def _run(
+        self, requests: list[tuple[str | None, list[int]]], params_list: list[SamplingParams]
+    ) -> list[GenerateOutput]:
+        results: list[GenerateOutput] = []
+        owners: dict[str, tuple[GenerateOutput, int]] = {}
+        for (text, ids), params in zip(requests, params_list):
+            out = GenerateOutput(str(next(self._ids)), text, ids)
+            results.append(out)
+            for i in range(params.n):
+                sub_params = params
+                if params.n > 1:
+                    seed = None if params.seed is None else params.seed + i
+                    sub_params = replace(params, n=1, seed=seed)
+                sub_id = f"{out.request_id}-{i}"
+                self.engine.add_request(sub_id, ids, sub_params)
+                owners[sub_id] = (out, i)
+                out.outputs.append(CompletionOutput(i, "", [], None))
+        while self.engine.has_unfinished_requests():
+            for step_out in self.engine.step():
+                if step_out.finished:
+                    owner, index = owners[step_out.request_id]
+                    owner.outputs[index] = _completion(index, step_out, params_list)
+                    owner.num_cached_tokens = max(
+                        owner.num_cached_tokens, step_out.num_cached_tokens
+                    )
+        return results
+
+
+def _completion(index: int, out: RequestOutput, _params: list[SamplingParams]) -> CompletionOutput:
+    logprobs = out.logprobs if any(lp is not None for lp in out.logprobs) else None
+    cumulative = sum(lp.logprob for lp in logprobs if lp is not None) if logprobs else None
+    return CompletionOutput(
+        index,
+        out.text,
+        list(out.token_ids),
+        out.finish_reason,
+        out.stop_reason,
+        logprobs,
+        cumulative,
+    )
+
+
+def _as_prompt_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    items = list(prompts)
+    if items and isinstance(items[0], int):
+        return [items]  # type: ignore[list-item]
+    return items  # type: ignore[return-value]
+
+
+def _as_params_list(
+    params: SamplingParams | Seq[SamplingParams] | None, num: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num
+    if isinstance(params, SamplingParams):
+        return [params] * num
+    if len(params) != num:
+        raise ValueError(f"got {len(params)} sampling params for {num} prompts")
+    return list(params)

@@ -1,0 +1,140 @@
+"""Hugging Face checkpoint directory -> runtime tensors for ``LlamaModel``.
+
+Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json``, maps
+HF tensor names to the runtime names of ``models/llama.py`` (q/k/v and gate/up fused),
+casts to the engine dtype, and computes the model fingerprint that keys KV blocks and the
+parameter pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvrelay.engine.config import ConfigError, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+_SAMPLE_BYTES = 1 << 16
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that is missing files or tensors kvrelay needs."""
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in a stable order."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"missing file(s) named by {index}: {', '.join(missing)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise CheckpointError(
+        f"missing file: {single} (or model.safetensors.index.json) in {model_dir}"
+    )
+
+
+def iter_hf_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in weight_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)
+
+
+def load_weights(
+    model_dir: str | Path, config: ModelConfig, dtype: str = "float32"
+) -> dict[str, torch.Tensor]:
+    """Loads a checkpoint from disk as runtime tensors (see ``models/llama.py``)."""
+    hf = {
+        name: t
+        for name, t in iter_hf_tensors(model_dir)
+        if not name.endswith("rotary_emb.inv_freq")
+    }
+    return prepare_weights(config, hf, dtype)
+
+
+def prepare_weights(
+    config: ModelConfig, hf: dict[str, torch.Tensor], dtype: str = "float32"
+) -> dict[str, torch.Tensor]:
+    """Maps HF names to runtime names, fusing q/k/v and gate/up; consumes ``hf``."""
+    torch_dtype = TORCH_DTYPES[dtype]
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return hf.pop(name).to(torch_dtype)
+        except KeyError:
+            raise CheckpointError(f"checkpoint has no tensor {name!r}") from None
+
+    out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
+    if "lm_head.weight" in hf and not config.tie_word_embeddings:
+        out["lm_head"] = take("lm_head.weight")
+    elif not config.tie_word_embeddings:
+        raise CheckpointError(
+            "checkpoint has no tensor 'lm_head.weight' and embeddings are not tied"
+        )
+    hf.pop("lm_head.weight", None)
+    for i in range(config.num_layers):
+        a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
+        out[p + "in_norm"] = take(f"model.layers.{i}.input_layernorm.weight")
+        out[p + "post_norm"] = take(f"model.layers.{i}.post_attention_layernorm.weight")
+        out[p + "qkv"] = torch.cat(
+            [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]
+        )
+        if config.attention_bias:
+            out[p + "qkv_bias"] = torch.cat(
+                [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")]
+            )
+        out[p + "o"] = take(a + "o_proj.weight")
+        out[p + "gate_up"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        out[p + "down"] = take(m + "down_proj.weight")
+    if hf:
+        logger.warning("ignoring %d unused checkpoint tensors, e.g. %s", len(hf), next(iter(hf)))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def model_fingerprint(model_dir: str | Path) -> bytes:
+    """A stable 16-byte identity of a checkpoint: same bytes on every host.
+
+    Covers config and tokenizer files, every weight file's size and safetensors header, and
+    samples of its tensor data (hashing every weight byte of a large model would cost
+    seconds on every start).
+    """
+    model_dir = Path(model_dir)
+    h = hashlib.blake2b(digest_size=16)
+    for name in _FINGERPRINT_FILES:
+        path = model_dir / name
+        if path.is_file():
+            h.update(name.encode())
+            h.update(path.read_bytes())
+    for path in weight_files(model_dir):
+        size = path.stat().st_size
+        h.update(path.name.encode() + size.to_bytes(8, "little"))
+        with path.open("rb") as f:
+            h.update(f.read(_SAMPLE_BYTES))
+            f.seek(max(0, size // 2 - _SAMPLE_BYTES // 2))
+            h.update(f.read(_SAMPLE_BYTES))
+            f.seek(max(0, size - _SAMPLE_BYTES))
+            h.update(f.read(_SAMPLE_BYTES))
+    return h.digest()
+
+
+def check_model_dir(model_dir: str | Path) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ConfigError(f"model directory not found: {path}")
+    return path

@@ -1,0 +1,115 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral) over a paged KV cache.
+
+Selective batching: every token of a step is one row of a flat ``[T, hidden]`` tensor for
+embeddings, norms, projections and the MLP; only attention is split per sequence, in
+``kvrelay.kernels.attention``. The model holds no parameters of its own: it reads a flat
+dict of runtime tensors (``loader.prepare_weights``), so weights can live in a shared pool.
+
+Runtime weight names: ``embed``, ``norm``, ``lm_head`` (absent when tied) and, per layer
+``i``: ``layers.i.in_norm``, ``layers.i.qkv``, ``layers.i.qkv_bias`` (Qwen2), ``layers.i.o``,
+``layers.i.post_norm``, ``layers.i.gate_up``, ``layers.i.down``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from kvrelay.engine.config import ModelConfig, RopeConfig
+from kvrelay.kernels.attention import AttentionMetadata, paged_attention
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Rotary inverse frequencies, with linear or Llama-3 scaling applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x [T, H, D]`` by half-split pairs (the Hugging Face checkpoint convention)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32, as the reference implementation does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
+        self.config = config
+        self.weights = weights
+        self.dtype = weights["embed"].dtype
+        self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
+        self.scale = config.head_dim**-0.5
+        self._q_size = config.num_heads * config.head_dim
+        self._kv_size = config.num_kv_heads * config.head_dim
+        self._lm_head = weights.get("lm_head", weights["embed"])
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of shape ``[T, 1, head_dim / 2]`` for the given positions."""
+        freqs = positions.float().unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        return freqs.cos().to(self.dtype).unsqueeze(1), freqs.sin().to(self.dtype).unsqueeze(1)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` (before the final norm) for a flat batch of tokens.
+
+        ``kv_cache`` is ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; this
+        step's K/V are written into it at ``meta.slot_mapping``.
+        """
+        w, cfg = self.weights, self.config
+        x = F.embedding(input_ids, w["embed"])
+        cos, sin = self.rotary(positions)
+        for i in range(cfg.num_layers):
+            p = f"layers.{i}."
+            h = rms_norm(x, w[p + "in_norm"], cfg.rms_norm_eps)
+            qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))
+            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
+            q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            attn = paged_attention(q, k, v, kv_cache[i], meta, self.scale)
+            x = x + F.linear(attn.reshape(-1, self._q_size), w[p + "o"])
+            h = rms_norm(x, w[p + "post_norm"], cfg.rms_norm_eps)
+            gate, up = F.linear(h, w[p + "gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w[p + "down"])
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, vocab]`` for the rows of ``hidden`` that are sampled."""
+        h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
+        return F.linear(h, self._lm_head).float()

@@ -1,0 +1,130 @@
+"""Runs one step: flattens the plan into one batch, runs the model, samples.
+
+The runner owns the KV pool tensor ``[layers, 2, num_blocks, block_size, kv_heads,
+head_dim]``; block ids come from the scheduler's plan and are never chosen here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.loader import TORCH_DTYPES
+from kvrelay.engine.models.llama import LlamaModel
+from kvrelay.engine.sampling import Sampler, SampleRequest
+from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
+from kvrelay.engine.sequence import Sequence
+from kvrelay.kernels.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    PrefillSegment,
+    causal_mask,
+)
+
+
+def allocate_kv_cache(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: str
+) -> torch.Tensor:
+    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return torch.zeros(shape, dtype=TORCH_DTYPES[dtype])
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, sampler: Sampler
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.sampler = sampler
+        self.window = model.config.sliding_window
+
+    def run(self, plan: StepPlan) -> StepResult:
+        input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        sampled = [item for item in plan.scheduled if item.needs_sample]
+        token_ids: list[int | None] = [None] * len(plan.scheduled)
+        logprobs: list = [None] * len(plan.scheduled)
+        if sampled:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            out = self.sampler(logits, [self._sample_request(item.seq) for item in sampled])
+            j = 0
+            for i, item in enumerate(plan.scheduled):
+                if item.needs_sample:
+                    token_ids[i], logprobs[i] = out.token_ids[j], out.logprobs[j]
+                    j += 1
+        return StepResult(token_ids, logprobs)
+
+    def compute_logits_for(self, plan: StepPlan) -> torch.Tensor:
+        """Runs a step and returns the float32 logits of its sampled rows (for tests)."""
+        input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden[sample_rows])
+
+    # ------------------------------------------------------------------ batch
+    def _prepare(
+        self, scheduled: tuple[ScheduledSeq, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        tokens: list[int] = []
+        pos_list: list[torch.Tensor] = []
+        slot_list: list[torch.Tensor] = []
+        prefills: list[PrefillSegment] = []
+        decode_rows: list[int] = []
+        decode_items: list[ScheduledSeq] = []
+        sample_rows: list[int] = []
+        for item in scheduled:
+            seq, start, n = item.seq, item.start, item.num_new_tokens
+            row = len(tokens)
+            tokens.extend(seq.token_ids[start : start + n])
+            positions = torch.arange(start, start + n)
+            table = torch.tensor(seq.block_ids, dtype=torch.long)
+            pos_list.append(positions)
+            slot_list.append(self._slots(table, positions))
+            if n == 1:
+                decode_rows.append(row)
+                decode_items.append(item)
+            else:
+                prefills.append(self._prefill_segment(row, start, n, table))
+            if item.needs_sample:
+                sample_rows.append(row + n - 1)
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_list), prefills=prefills)
+        if decode_items:
+            meta.decode = self._decode_batch(decode_rows, decode_items)
+        return (
+            torch.tensor(tokens, dtype=torch.long),
+            torch.cat(pos_list),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.long),
+        )
+
+    def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _prefill_segment(self, row: int, start: int, n: int, table: torch.Tensor) -> PrefillSegment:
+        ctx_len = start + n
+        ctx_slots = None if start == 0 else self._slots(table, torch.arange(ctx_len))
+        return PrefillSegment(row, n, ctx_slots, causal_mask(start, n, ctx_len, self.window))
+
+    def _decode_batch(self, rows: list[int], items: list[ScheduledSeq]) -> DecodeBatch:
+        bs = self.block_size
+        ctx_lens = torch.tensor([item.start + 1 for item in items])
+        max_len = int(ctx_lens.max())
+        num_table = -(-max_len // bs)
+        tables = torch.zeros(len(items), num_table, dtype=torch.long)
+        for i, item in enumerate(items):
+            ids = item.seq.block_ids[:num_table]
+            tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        offsets = torch.arange(bs)
+        slots = (tables.unsqueeze(-1) * bs + offsets).view(len(items), -1)[:, :max_len]
+        key_pos = torch.arange(max_len).unsqueeze(0)
+        mask = key_pos < ctx_lens.unsqueeze(1)
+        if self.window is not None:
+            mask &= key_pos > (ctx_lens.unsqueeze(1) - 1 - self.window)
+        return DecodeBatch(torch.tensor(rows, dtype=torch.long), slots, mask[:, None, None, :])
+
+    # ------------------------------------------------------------------ sampling
+    @staticmethod
+    def _sample_request(seq: Sequence) -> SampleRequest:
+        if seq.params.seed is not None and seq.generator is None:
+            seq.generator = torch.Generator().manual_seed(seq.params.seed)
+        return SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)

@@ -1,0 +1,403 @@
+"""Per-step token sampling: validated user parameters and a batched sampler.
+
+One step's logits (one row per request) go through, in this order::
+
+    raw logits ──► logprobs: log_softmax of the raw logits (vLLM's default ``raw_logprobs``)
+        │
+        ├─ penalties: repetition (prompt + output tokens), then frequency, presence (output)
+        ├─ min_tokens: eos ids and stop_token_ids set to -inf while the output is too short
+        ├─ greedy rows ──► argmax (ties: lowest id)
+        └─ other rows  ──► / temperature ──► top_k ──► top_p ──► min_p ──► draw
+
+A row whose request carries its own ``torch.Generator`` draws only from it, exactly one
+vocab-sized noise vector per step, so a seeded request gets the same tokens whatever else is in
+the batch and wherever its row is. Rows without one share the sampler's generator.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, NoReturn
+
+import torch
+
+MAX_N = 128  # completions per request
+MAX_LOGPROBS = 20  # alternatives returned per token (OpenAI's limit)
+MAX_STOP_STRINGS = 64  # stop strings per request
+MAX_STOP_TOKEN_IDS = 256  # stop token ids per request
+PENALTY_RANGE = (-2.0, 2.0)  # presence / frequency penalty, inclusive (OpenAI's range)
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts, inclusive
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+def _fail(name: str, value: object, rule: str) -> NoReturn:
+    raise ValueError(f"SamplingParams.{name} must be {rule}, got {value!r}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _as_tuple(value: object) -> tuple[object, ...]:
+    """None -> (); a lone str or int -> (value,); any other iterable -> tuple(value)."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, int)):
+        return (value,)
+    if isinstance(value, Iterable):
+        return tuple(value)
+    return (value,)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request chooses its tokens and when it stops; shaped like vLLM's.
+
+    ``stop`` and ``stop_token_ids`` also accept a single value, a list or None and are
+    normalised to tuples, so the object stays hashable.
+    """
+
+    n: int = 1  # completions to generate, in [1, MAX_N]
+    temperature: float = 1.0  # >= 0; below GREEDY_TEMPERATURE decodes greedily
+    top_p: float = 1.0  # in (0, 1]; nucleus mass kept
+    top_k: int = 0  # 0 or -1 disables; else keep the k most likely tokens
+    min_p: float = 0.0  # in [0, 1]; drop tokens below min_p * p(most likely)
+    seed: int | None = None  # per-request generator seed; None shares the sampler's generator
+    presence_penalty: float = 0.0  # in PENALTY_RANGE; subtracted once per seen output token
+    frequency_penalty: float = 0.0  # in PENALTY_RANGE; subtracted per output occurrence
+    repetition_penalty: float = 1.0  # > 0; HF-style, on prompt and output tokens
+    max_tokens: int | None = 16  # >= 1; None runs up to the context window
+    min_tokens: int = 0  # >= 0 and <= max_tokens; eos / stop ids masked until reached
+    stop: tuple[str, ...] = ()  # non-empty strings, at most MAX_STOP_STRINGS
+    stop_token_ids: tuple[int, ...] = ()  # ids >= 0, at most MAX_STOP_TOKEN_IDS
+    ignore_eos: bool = False  # eos does not end generation (min_tokens masking still applies)
+    logprobs: int | None = None  # None: none; 0: chosen token only; k: chosen + top-k
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    skip_special_tokens: bool = True  # drop special tokens when detokenising
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop", _as_tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
+        self._check_sampling()
+        self._check_penalties()
+        self._check_lengths()
+        self._check_stops()
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "a bool")
+
+    def _check_sampling(self) -> None:
+        if not (_is_int(self.n) and 1 <= self.n <= MAX_N):
+            _fail("n", self.n, f"an integer in [1, {MAX_N}]")
+        if not (_is_real(self.temperature) and self.temperature >= 0):
+            _fail("temperature", self.temperature, "a finite number >= 0")
+        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+            _fail("top_p", self.top_p, "a number in (0, 1]")
+        if not (_is_int(self.top_k) and self.top_k >= -1):
+            _fail("top_k", self.top_k, "an integer >= -1 (0 or -1 disables it)")
+        if not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
+            _fail("min_p", self.min_p, "a number in [0, 1]")
+        low, high = SEED_RANGE
+        if self.seed is not None and not (_is_int(self.seed) and low <= self.seed <= high):
+            _fail("seed", self.seed, f"None or an integer in [{low}, {high}]")
+
+    def _check_penalties(self) -> None:
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_is_real(value) and low <= value <= high):
+                _fail(name, value, f"a number in [{low}, {high}]")
+        if not (_is_real(self.repetition_penalty) and self.repetition_penalty > 0):
+            _fail("repetition_penalty", self.repetition_penalty, "a finite number > 0")
+
+    def _check_lengths(self) -> None:
+        if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
+            _fail("max_tokens", self.max_tokens, "None or an integer >= 1")
+        if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
+            _fail("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not (
+            _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            _fail("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+
+    def _check_stops(self) -> None:
+        if len(self.stop) > MAX_STOP_STRINGS:
+            _fail("stop", self.stop, f"at most {MAX_STOP_STRINGS} strings")
+        for text in self.stop:
+            if not (isinstance(text, str) and text):
+                _fail("stop", text, "non-empty strings")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _fail("stop_token_ids", self.stop_token_ids, f"at most {MAX_STOP_TOKEN_IDS} ids")
+        for token_id in self.stop_token_ids:
+            if not (_is_int(token_id) and token_id >= 0):
+                _fail("stop_token_ids", token_id, "integers >= 0")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
+    def has_filters(self) -> bool:
+        """Whether top_k, top_p or min_p can drop tokens."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def create_generator(
+    params: SamplingParams, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """Returns a generator seeded with ``params.seed``, or None when the request has no seed.
+
+    The caller owns it for the life of the sequence and passes it in every step's
+    ``SampleRequest``; sequences that must differ (``n > 1``) need their own seeds.
+    """
+    if params.seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(params.seed)
+    return generator
+
+
+class SampleRequest(NamedTuple):
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None  # the request's own (seeded); None: the shared one
+
+
+class TokenLogprobs(NamedTuple):
+    token_id: int
+    logprob: float  # from the raw logits, before penalties and temperature
+    rank: int  # 1 + number of tokens with a strictly higher logprob
+    top: tuple[tuple[int, float], ...]  # (id, logprob), most likely first; () for logprobs=0
+
+
+class SampleOutput(NamedTuple):
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
+
+
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _token_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Returns [len(token_ids), vocab_size] float32 occurrence counts; ids >= vocab_size drop."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    if width:
+        padded = [[*ids, *([vocab_size] * (width - len(ids)))] for ids in token_ids]
+        index = torch.tensor(padded, dtype=torch.long, device=device).clamp_(max=vocab_size)
+        counts.scatter_add_(1, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+    """Returns a new [M, V] tensor: ``logits`` with each row's request penalties applied.
+
+    Repetition (HF / vLLM): a token seen in the prompt or the output has a positive logit
+    divided by the penalty and a negative one multiplied. Then, for output tokens only,
+    ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+    """
+    vocab_size, device = logits.shape[1], logits.device
+    output_counts = _token_counts([r.output_token_ids for r in requests], vocab_size, device)
+    output_seen = output_counts > 0
+    repetition = [r.params.repetition_penalty for r in requests]
+    if any(value != 1 for value in repetition):
+        prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1 else () for r in requests]
+        seen = (_token_counts(prompts, vocab_size, device) > 0) | output_seen
+        factor = _column(repetition, device)
+        scaled = torch.where(logits > 0, logits / factor, logits * factor)
+        logits = torch.where(seen, scaled, logits)
+    frequency = _column([r.params.frequency_penalty for r in requests], device)
+    presence = _column([r.params.presence_penalty for r in requests], device)
+    return logits - frequency * output_counts - presence * output_seen.to(logits.dtype)
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
+) -> torch.Tensor:
+    """Returns a new [M, V] tensor with tokens outside each row's kept set at -inf.
+
+    Works in stably sorted order, so equal logits keep the lowest id first: top-k keeps exactly
+    the first k (k <= 0: all); top-p keeps a token while the probability mass (after top-k)
+    before it is below p; min-p drops tokens whose probability is below min_p times the most
+    likely token's. The most likely token always survives.
+    """
+    vocab_size, device = logits.shape[1], logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    position = torch.arange(vocab_size, device=device)
+    keep_k = _index([k if 0 < k < vocab_size else vocab_size for k in top_k], device)
+    removed = position >= keep_k.unsqueeze(1)
+    p = _column(top_p, device)
+    probs = sorted_logits.masked_fill(removed, -math.inf).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    removed |= (mass_before >= p) & (p < 1)
+    log_min_p = _column(min_p, device).log()  # log(0) = -inf keeps everything
+    removed |= sorted_logits < sorted_logits[:, :1] + log_min_p
+    kept = sorted_logits.masked_fill(removed, -math.inf)
+    return torch.full_like(logits, -math.inf).scatter_(1, order, kept)
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, requests: Sequence[SampleRequest]
+) -> list[TokenLogprobs | None]:
+    """Logprobs of the chosen tokens and the top alternatives, from the raw ``logits``."""
+    result: list[TokenLogprobs | None] = [None] * len(requests)
+    wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not wanted:
+        return result
+    rows = _index(wanted, logits.device)
+    logprobs = logits[rows].log_softmax(dim=-1)
+    chosen_ids = token_ids[rows]
+    chosen = logprobs.gather(1, chosen_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    num_top = min(max(requests[i].params.logprobs or 0 for i in wanted), logprobs.shape[1])
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    columns = (chosen_ids, chosen.squeeze(1), ranks, top_ids, top_values)
+    as_lists = zip(*(column.tolist() for column in columns))
+    for i, (token_id, logprob, rank, ids, values) in zip(wanted, as_lists):
+        k = requests[i].params.logprobs or 0
+        result[i] = TokenLogprobs(token_id, logprob, rank, tuple(zip(ids[:k], values[:k])))
+    return result
+
+
+def _is_plain_greedy(request: SampleRequest) -> bool:
+    params = request.params
+    return (
+        params.is_greedy
+        and not params.has_penalties
+        and params.logprobs is None
+        and len(request.output_token_ids) >= params.min_tokens
+    )
+
+
+class Sampler:
+    """Chooses one token per row of a step's logits.
+
+    Holds only the shared generator (one per device, seeded with ``seed``); never mutates the
+    logits it is given.
+    """
+
+    def __init__(self, eos_token_ids: Iterable[int], seed: int = 0) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> SampleOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(
+                f"logits must be [num_requests={len(requests)}, vocab_size], "
+                f"got shape {tuple(logits.shape)}"
+            )
+        logits = logits.float()
+        if all(_is_plain_greedy(r) for r in requests):
+            return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        scores = self._apply_constraints(logits, requests)
+        token_ids = self._choose(scores, requests)
+        return SampleOutput(token_ids.tolist(), compute_logprobs(logits, token_ids, requests))
+
+    def _apply_constraints(
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest]
+    ) -> torch.Tensor:
+        """Penalties, then min_tokens masking; returns ``logits`` itself when neither applies."""
+        penalised = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        mask_rows, mask_ids = self._min_tokens_mask(requests, logits.shape[1])
+        if not penalised and not mask_rows:
+            return logits
+        scores = logits.clone()
+        if penalised:
+            rows = _index(penalised, logits.device)
+            scores[rows] = apply_penalties(scores[rows], [requests[i] for i in penalised])
+        if mask_rows:
+            index = (_index(mask_rows, logits.device), _index(mask_ids, logits.device))
+            scores.index_put_(index, torch.tensor(-math.inf, device=logits.device))
+        return scores
+
+    def _min_tokens_mask(
+        self, requests: Sequence[SampleRequest], vocab_size: int
+    ) -> tuple[list[int], list[int]]:
+        """(row, token id) pairs to mask: eos and stop ids of rows still short of min_tokens."""
+        rows: list[int] = []
+        token_ids: list[int] = []
+        for row, request in enumerate(requests):
+            if len(request.output_token_ids) >= request.params.min_tokens:
+                continue
+            for token_id in {*self.eos_token_ids, *request.params.stop_token_ids}:
+                if token_id < vocab_size:
+                    rows.append(row)
+                    token_ids.append(token_id)
+        return rows, token_ids
+
+    def _choose(self, scores: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=scores.device)
+        greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
+        sampled = [i for i, r in enumerate(requests) if not r.params.is_greedy]
+        if greedy:
+            rows = _index(greedy, scores.device)
+            token_ids[rows] = scores[rows].argmax(dim=-1)
+        if sampled:
+            rows = _index(sampled, scores.device)
+            token_ids[rows] = self._sample(scores[rows], [requests[i] for i in sampled])
+        return token_ids
+
+    def _sample(self, scores: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
+        scores = scores / _column([r.params.temperature for r in requests], scores.device)
+        filtered = [i for i, r in enumerate(requests) if r.params.has_filters]
+        if filtered:
+            rows = _index(filtered, scores.device)
+            scores[rows] = filter_logits(
+                scores[rows],
+                top_k=[requests[i].params.top_k for i in filtered],
+                top_p=[requests[i].params.top_p for i in filtered],
+                min_p=[requests[i].params.min_p for i in filtered],
+            )
+        return self._draw(scores.softmax(dim=-1), [r.generator for r in requests])
+
+    def _draw(
+        self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+    ) -> torch.Tensor:
+        """Exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i."""
+        noise = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if len(shared) == len(generators):
+            noise.exponential_(generator=self._shared_generator(probs.device))
+        elif shared:
+            rows = _index(shared, probs.device)
+            shared_noise = probs.new_empty((len(shared), probs.shape[1]))
+            noise[rows] = shared_noise.exponential_(generator=self._shared_generator(probs.device))
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                noise[row].exponential_(generator=generator)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero draw would give 0/0 = nan
+        return (probs / noise).argmax(dim=-1)
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self._seed)
+            self._generators[device] = generator
+        return generator

@@ -1,0 +1,200 @@
+"""Iteration-level scheduler: which sequences compute how many tokens this step.
+
+The step loop is a protocol over plain data (ORCA)::
+
+    plan = scheduler.schedule()          # None: nothing to run
+    result = runner.run(plan)            # tokens sampled for sequences that finished a chunk
+    finished = scheduler.update(plan, result)
+
+Policy, every step, under a token budget (``max_num_batched_tokens``):
+1. Running sequences in arrival order: each gets its remaining tokens (1 when decoding, a
+   chunk of the prompt otherwise). If blocks run out, the newest running sequence is
+   preempted (blocks freed, recomputed later from its tokens) until the older one fits.
+2. If nothing was preempted, waiting sequences are admitted in order while the budget,
+   ``max_num_seqs`` and the free blocks allow; a prefix-cache hit skips computed blocks.
+Finished and aborted sequences leave at once and free their blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+from kvrelay.engine.block_manager import BlockManager
+from kvrelay.engine.config import SchedulerConfig
+from kvrelay.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from kvrelay.engine.sampling import TokenLogprobs
+
+
+class ScheduledSeq(NamedTuple):
+    seq: Sequence
+    start: int  # first position computed this step (== seq.num_computed_tokens)
+    num_new_tokens: int  # tokens computed this step
+
+    @property
+    def needs_sample(self) -> bool:
+        """The chunk reaches the end of the sequence's tokens, so a token is sampled."""
+        return self.start + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    scheduled: tuple[ScheduledSeq, ...]
+    num_batched_tokens: int
+    preempted: tuple[str, ...] = ()
+
+
+class StepResult(NamedTuple):
+    """Per scheduled sequence (same order as the plan): the sampled token or None."""
+
+    token_ids: list[int | None]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ queue
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self._by_id:
+            raise ValueError(f"duplicate request id {seq.seq_id!r}")
+        self._by_id[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self._by_id.get(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def finish(self, seq_id: str, status: SequenceStatus) -> Sequence | None:
+        """Ends a sequence now (abort, stop string) and frees its blocks; None if unknown."""
+        seq = self._by_id.pop(seq_id, None)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        seq.status = status
+        return seq
+
+    # ------------------------------------------------------------------ step
+    def schedule(self) -> StepPlan | None:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted: list[str] = []
+        queue = deque(self.running)
+        kept: list[Sequence] = []
+        while queue and budget > 0:
+            seq = queue.popleft()
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(seq, num_new, queue, preempted):
+                break
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            kept.append(seq)
+            budget -= num_new
+        kept.extend(queue)
+        self.running = kept
+        if not preempted:
+            budget -= self._admit_waiting(budget, scheduled)
+        if not scheduled:
+            return None
+        num_tokens = self.config.max_num_batched_tokens - budget
+        return StepPlan(tuple(scheduled), num_tokens, tuple(preempted))
+
+    def _allocate_or_preempt(
+        self, seq: Sequence, num_new: int, queue: deque[Sequence], preempted: list[str]
+    ) -> bool:
+        """Allocates for ``seq``, preempting the newest running sequences as needed."""
+        while not self.block_manager.allocate(seq, num_new):
+            victim = queue.pop() if queue else seq
+            self._preempt(victim)
+            preempted.append(victim.seq_id)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
+        """Admits waiting sequences in order; returns the tokens of budget used."""
+        used = 0
+        while self.waiting and used < budget and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_new = min(
+                seq.num_tokens - len(cached) * self.block_manager.block_size, budget - used
+            )
+            if not self.block_manager.allocate(seq, num_new, cached):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            used += num_new
+        return used
+
+    def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """Applies a step's result; returns the sequences that finished in it."""
+        finished: list[Sequence] = []
+        for item, token_id, logprobs in zip(plan.scheduled, result.token_ids, result.logprobs):
+            seq = item.seq
+            if seq.is_finished:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if token_id is None:
+                continue
+            seq.token_ids.append(token_id)
+            seq.output_logprobs.append(logprobs)
+            status = self._stop_status(seq, token_id)
+            if status is not None:
+                self.finish(seq.seq_id, status)
+                finished.append(seq)
+        return finished
+
+    def _stop_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        params = seq.params
+        num_out = seq.num_output_tokens
+        if num_out >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
+                return SequenceStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None

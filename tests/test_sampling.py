@@ -1,0 +1,377 @@
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from kvrelay.engine.sampling import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    Sampler,
+    SampleRequest,
+    SamplingParams,
+    apply_penalties,
+    create_generator,
+    filter_logits,
+)
+
+GREEDY = SamplingParams(temperature=0.0)
+EOS = 2
+
+
+def request(
+    params: SamplingParams,
+    output: tuple[int, ...] = (),
+    prompt: tuple[int, ...] = (0,),
+    generator: torch.Generator | None = None,
+) -> SampleRequest:
+    return SampleRequest(params, prompt, output, generator)
+
+
+def random_logits(num_rows: int, vocab_size: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_rows, vocab_size, generator=generator) * 3
+
+
+# --- SamplingParams validation ---------------------------------------------------------------
+
+INVALID: list[tuple[dict[str, Any], str]] = [
+    ({"n": 0}, "n"),
+    ({"n": 1.5}, "n"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": math.nan}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 2.0}, "top_k"),
+    ({"min_p": -0.01}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": "7"}, "seed"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": math.inf}, "repetition_penalty"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 17, "max_tokens": 16}, "min_tokens"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["ok", ""]}, "stop"),
+    ({"stop": [str(i) for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": MAX_LOGPROBS + 1}, "logprobs"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"skip_special_tokens": None}, "skip_special_tokens"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "field"), INVALID)
+def test_invalid_values_name_field_and_value(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be") as info:
+        SamplingParams(**kwargs)
+    assert "got " in str(info.value)
+
+
+def test_offending_value_is_in_message() -> None:
+    with pytest.raises(ValueError, match=r"got 1\.5$"):
+        SamplingParams(top_p=1.5)
+
+
+def test_boundary_values_are_valid() -> None:
+    SamplingParams(
+        temperature=0,
+        top_p=1.0,
+        top_k=-1,
+        min_p=1.0,
+        seed=-(2**63),
+        presence_penalty=-2.0,
+        frequency_penalty=2.0,
+        repetition_penalty=0.5,
+        max_tokens=None,
+        min_tokens=1000,
+        logprobs=MAX_LOGPROBS,
+        stop=[str(i) for i in range(MAX_STOP_STRINGS)],
+    )
+    SamplingParams(max_tokens=1, min_tokens=1, logprobs=0, seed=2**64 - 1)
+
+
+@pytest.mark.parametrize(
+    ("stop", "expected"),
+    [(None, ()), ("END", ("END",)), (["a", "b"], ("a", "b")), (("c",), ("c",))],
+)
+def test_stop_is_normalised_to_tuple(stop: Any, expected: tuple[str, ...]) -> None:
+    params = SamplingParams(stop=stop)
+    assert params.stop == expected
+    hash(params)
+
+
+@pytest.mark.parametrize(
+    ("ids", "expected"), [(None, ()), (7, (7,)), ([1, 2], (1, 2)), (range(3), (0, 1, 2))]
+)
+def test_stop_token_ids_are_normalised_to_tuple(ids: Any, expected: tuple[int, ...]) -> None:
+    assert SamplingParams(stop_token_ids=ids).stop_token_ids == expected
+
+
+def test_is_greedy() -> None:
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=1e-5).is_greedy
+    assert not SamplingParams().is_greedy
+
+
+def test_create_generator() -> None:
+    assert create_generator(SamplingParams()) is None
+    first = create_generator(SamplingParams(seed=5))
+    second = create_generator(SamplingParams(seed=5))
+    assert first is not None and second is not None
+    assert torch.equal(torch.rand(4, generator=first), torch.rand(4, generator=second))
+
+
+# --- greedy and filters ------------------------------------------------------------------------
+
+
+def test_greedy_is_argmax_and_lowest_id_on_ties() -> None:
+    logits = random_logits(5, 11, seed=0)
+    logits[4] = torch.tensor([0.0, 3.0, 1.0, 3.0] + [0.0] * 7)
+    before = logits.clone()
+    out = Sampler([EOS])(logits, [request(GREEDY)] * 5)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.token_ids[4] == 1
+    assert out.logprobs == [None] * 5
+    assert torch.equal(logits, before)
+
+
+def test_greedy_casts_half_logits() -> None:
+    logits = random_logits(3, 9, seed=1).half()
+    out = Sampler([EOS])(logits, [request(GREEDY, output=(1,))] * 3)
+    assert out.token_ids == logits.float().argmax(dim=-1).tolist()
+
+
+def test_empty_batch() -> None:
+    assert Sampler([EOS])(torch.zeros(0, 8), []).token_ids == []
+
+
+def test_logits_shape_must_match_requests() -> None:
+    with pytest.raises(ValueError, match="num_requests=2"):
+        Sampler([EOS])(torch.zeros(3, 8), [request(GREEDY)] * 2)
+
+
+def test_top_k_one_equals_greedy_at_temperature_one() -> None:
+    logits = random_logits(64, 50, seed=2)
+    logits[0, :3] = 100.0  # a three-way tie: top_k=1 keeps the lowest id
+    out = Sampler([EOS])(logits, [request(SamplingParams(top_k=1))] * 64)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.token_ids[0] == 0
+
+
+def test_tiny_top_p_picks_argmax() -> None:
+    logits = random_logits(64, 50, seed=3)
+    params = SamplingParams(temperature=1.5, top_p=1e-6)
+    out = Sampler([EOS])(logits, [request(params)] * 64)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_filter_logits_exact_masks() -> None:
+    probs = torch.tensor([[0.1, 0.4, 0.2, 0.3]] * 4)
+    logits = probs.log()
+    kept = filter_logits(
+        logits, top_k=[2, 0, 0, -1], top_p=[1.0, 0.65, 0.75, 1.0], min_p=[0.0, 0.0, 0.0, 0.6]
+    )
+    masks = torch.isfinite(kept).tolist()
+    assert masks[0] == [False, True, False, True]  # top-2: 0.4, 0.3
+    assert masks[1] == [False, True, False, True]  # 0.4 + 0.3 >= 0.65
+    assert masks[2] == [False, True, True, True]  # 0.4 + 0.3 < 0.75, so 0.2 stays
+    assert masks[3] == [False, True, False, True]  # p >= 0.6 * 0.4
+    assert torch.equal(kept[torch.isfinite(kept)], logits[torch.isfinite(kept)])
+
+
+def test_top_p_applies_after_top_k() -> None:
+    logits = torch.tensor([[0.1, 0.4, 0.2, 0.3]]).log()
+    kept = filter_logits(logits, top_k=[2], top_p=[0.55], min_p=[0.0])
+    # renormalised over {1, 3}: 4/7 >= 0.55, so only token 1 is left
+    assert torch.isfinite(kept).tolist() == [[False, True, False, False]]
+
+
+def test_min_p_never_draws_dropped_tokens() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(2000, 4)
+    out = Sampler([EOS], seed=4)(logits, [request(SamplingParams(min_p=0.2))] * 2000)
+    assert set(out.token_ids) == {0, 1, 2}
+
+
+# --- distributions and seeds ---------------------------------------------------------------------
+
+
+def chi_square(token_ids: list[int], probs: torch.Tensor) -> float:
+    counts = torch.bincount(torch.tensor(token_ids), minlength=len(probs)).double()
+    expected = probs.double() * len(token_ids)
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_temperature_gives_expected_distribution(temperature: float) -> None:
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log().expand(20000, 4)
+    params = SamplingParams(temperature=temperature)
+    out = Sampler([9], seed=123)(logits, [request(params)] * 20000)
+    tempered = probs ** (1 / temperature)
+    # 3 degrees of freedom: 16.27 is the 99.9% quantile; fixed seed, so this is deterministic
+    assert chi_square(out.token_ids, tempered / tempered.sum()) < 16.27
+
+
+def test_seeded_request_draws_from_its_own_distribution() -> None:
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    sampler = Sampler([9])
+    params = SamplingParams(seed=77)
+    generator = create_generator(params)
+    rows = [request(params, generator=generator)]
+    token_ids = [sampler(probs.log()[None], rows).token_ids[0] for _ in range(4000)]
+    assert chi_square(token_ids, probs) < 16.27
+
+
+def run_steps(params: SamplingParams, layout: str, num_steps: int = 12) -> list[int]:
+    """Decodes ``num_steps`` tokens for ``params``, placed among other rows as ``layout`` says.
+
+    The target row always sees the same logits; the other rows differ per layout.
+    """
+    vocab_size = 40
+    generator = create_generator(params)
+    others = {
+        "alone": [],
+        "first": [SamplingParams(), GREEDY, SamplingParams(seed=9, top_k=5)],
+        "middle": [SamplingParams(top_p=0.8), SamplingParams(seed=3)],
+        "last": [SamplingParams(temperature=0.7), SamplingParams(seed=1, min_p=0.1), GREEDY],
+    }[layout]
+    position = {"alone": 0, "first": 0, "middle": 1, "last": len(others)}[layout]
+    sampler = Sampler([EOS], seed=len(others))
+    other_generators = [create_generator(p) for p in others]
+    output: list[int] = []
+    for step in range(num_steps):
+        target_logits = random_logits(1, vocab_size, seed=step)
+        other_logits = random_logits(len(others), vocab_size, seed=1000 + step)
+        rows = [request(p, generator=g) for p, g in zip(others, other_generators)]
+        rows.insert(position, request(params, output=tuple(output), generator=generator))
+        logits = torch.cat([other_logits[:position], target_logits, other_logits[position:]])
+        output.append(sampler(logits, rows).token_ids[position])
+    return output
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(seed=42),
+        SamplingParams(seed=42, temperature=0.8, top_k=10, top_p=0.9),
+        SamplingParams(seed=7, min_p=0.05, presence_penalty=0.5, logprobs=2),
+    ],
+)
+def test_seeded_tokens_do_not_depend_on_batch(params: SamplingParams) -> None:
+    expected = run_steps(params, "alone")
+    assert len(set(expected)) > 3  # it really samples
+    for layout in ("first", "middle", "last"):
+        assert run_steps(params, layout) == expected, layout
+
+
+def test_different_seeds_give_different_sequences() -> None:
+    sequences = {tuple(run_steps(SamplingParams(seed=seed), "alone")) for seed in range(5)}
+    assert len(sequences) == 5
+
+
+def test_shared_generator_is_seeded_by_sampler() -> None:
+    logits = random_logits(8, 30, seed=5)
+    rows = [request(SamplingParams())] * 8
+    first = [Sampler([EOS], seed=11)(logits, rows).token_ids for _ in range(2)]
+    second = [Sampler([EOS], seed=11)(logits, rows).token_ids for _ in range(2)]
+    assert first == second
+
+
+# --- penalties and min_tokens ---------------------------------------------------------------------
+
+
+def test_penalties_exact_arithmetic() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -4.0], [2.0, -1.0, 0.5, 3.0, -4.0]])
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    rows = [
+        request(params, prompt=(0, 0, 4), output=(1, 1, 2)),
+        request(SamplingParams(frequency_penalty=-1.0), prompt=(0,), output=(3, 3, 3)),
+    ]
+    penalised = apply_penalties(logits, rows)
+    # row 0: 0 in prompt: 2/2; 1 twice in output: -1*2 - 2*0.5 - 0.25; 2 once: 0.5/2 - 0.5 - 0.25;
+    #        3 unseen; 4 in prompt: -4*2
+    # row 1: no repetition penalty; 3 three times with frequency -1: 3 + 3
+    assert penalised.tolist() == [[1.0, -3.25, -0.5, 3.0, -8.0], [2.0, -1.0, 0.5, 6.0, -4.0]]
+    assert logits[0, 0] == 2.0  # input untouched
+
+
+def test_repetition_penalty_below_one_boosts_seen_tokens() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.0]])
+    rows = [request(SamplingParams(repetition_penalty=0.5), prompt=(0, 1, 2))]
+    assert apply_penalties(logits, rows).tolist() == [[4.0, -0.5, 0.0]]
+
+
+def test_penalties_change_greedy_choice() -> None:
+    logits = torch.tensor([[1.0, 3.0, 2.5, 0.0]] * 3)
+    params = [
+        SamplingParams(temperature=0, presence_penalty=1.0),
+        SamplingParams(temperature=0, repetition_penalty=1.5),
+        GREEDY,
+    ]
+    rows = [request(p, prompt=(1,), output=(1,)) for p in params]
+    assert Sampler([EOS])(logits, rows).token_ids == [2, 2, 1]
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_min_tokens_masks_eos_and_stop_ids(ignore_eos: bool) -> None:
+    logits = torch.tensor([[0.0, 1.0, 9.0, 8.0, 7.0, 2.0]])
+    params = SamplingParams(
+        temperature=0, min_tokens=3, stop_token_ids=[3, 40], ignore_eos=ignore_eos
+    )
+    sampler = Sampler([EOS, 4])
+    assert sampler(logits, [request(params, output=(1, 1))]).token_ids == [5]
+    assert sampler(logits, [request(params, output=(1, 1, 1))]).token_ids == [EOS]
+
+
+def test_min_tokens_applies_to_sampled_rows() -> None:
+    logits = torch.tensor([[0.0, 0.0, 5.0, 5.0]]).expand(500, 4)
+    params = SamplingParams(min_tokens=1, stop_token_ids=[3])
+    out = Sampler([EOS], seed=0)(logits, [request(params)] * 500)
+    assert set(out.token_ids) == {0, 1}
+
+
+# --- logprobs ---------------------------------------------------------------------------------
+
+
+def test_logprobs_are_raw_log_softmax_with_ranked_top_k() -> None:
+    logits = random_logits(4, 25, seed=6)
+    rows = [
+        request(SamplingParams(temperature=0, logprobs=3, repetition_penalty=1.3), output=(1,)),
+        request(SamplingParams(temperature=0.6, logprobs=0, seed=2)),
+        request(SamplingParams(temperature=2.0, logprobs=MAX_LOGPROBS, top_k=8)),
+        request(SamplingParams(temperature=0.9)),
+    ]
+    out = Sampler([EOS], seed=1)(logits, rows)
+    expected = logits.log_softmax(dim=-1)
+    assert out.logprobs[3] is None
+    for row, k in [(0, 3), (1, 0), (2, MAX_LOGPROBS)]:
+        entry = out.logprobs[row]
+        assert entry is not None
+        token_id = out.token_ids[row]
+        assert entry.token_id == token_id
+        assert entry.logprob == pytest.approx(expected[row, token_id].item(), abs=1e-6)
+        assert entry.rank == int((expected[row] > expected[row, token_id]).sum()) + 1
+        top_values, top_ids = expected[row].topk(k)
+        assert [token for token, _ in entry.top] == top_ids.tolist()
+        assert [value for _, value in entry.top] == pytest.approx(top_values.tolist(), abs=1e-6)
+    assert out.logprobs[1] is not None and out.logprobs[1].top == ()
+
+
+def test_greedy_logprob_rank_is_one() -> None:
+    logits = torch.tensor([[0.0, 2.0, 1.0]])
+    out = Sampler([EOS])(logits, [request(SamplingParams(temperature=0, logprobs=1))])
+    entry = out.logprobs[0]
+    assert entry is not None
+    assert (entry.token_id, entry.rank) == (1, 1)
+    assert entry.top == ((1, pytest.approx(entry.logprob)),)
+    assert entry.logprob == pytest.approx(2.0 - math.log(1 + math.e**2 + math.e), abs=1e-6)

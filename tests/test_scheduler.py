@@ -1,0 +1,163 @@
+"""Scheduler policy with a fake runner: exact plans, preemption, abort, leak checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.engine.block_manager import BlockManager
+from kvrelay.engine.config import SchedulerConfig
+from kvrelay.engine.sampling import SamplingParams
+from kvrelay.engine.scheduler import Scheduler, StepPlan, StepResult
+from kvrelay.engine.sequence import Sequence, SequenceStatus
+
+BS = 4
+EOS = 2
+
+
+def make(num_blocks=16, max_tokens_step=64, max_seqs=8, max_len=128) -> Scheduler:
+    bm = BlockManager(num_blocks, BS)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step, max_model_len=max_len
+    )
+    return Scheduler(cfg, bm, eos_token_ids=[EOS])
+
+
+def add(s: Scheduler, seq_id: str, n: int, max_tokens: int = 4, **kw) -> Sequence:
+    seq = Sequence(seq_id, list(range(10, 10 + n)), SamplingParams(max_tokens=max_tokens, **kw))
+    s.add(seq)
+    return seq
+
+
+def step(s: Scheduler, token: int = 7) -> tuple[StepPlan | None, list[Sequence]]:
+    plan = s.schedule()
+    if plan is None:
+        return None, []
+    tokens = [token if item.needs_sample else None for item in plan.scheduled]
+    finished = s.update(plan, StepResult(tokens, [None] * len(tokens)))
+    return plan, finished
+
+
+def shape(plan: StepPlan) -> list[tuple[str, int, int]]:
+    return [(i.seq.seq_id, i.start, i.num_new_tokens) for i in plan.scheduled]
+
+
+def test_requests_join_and_leave_every_step():
+    s = make()
+    add(s, "a", 5, max_tokens=2)
+    plan, _ = step(s)
+    assert shape(plan) == [("a", 0, 5)]
+    add(s, "b", 3, max_tokens=3)
+    plan, finished = step(s)
+    assert shape(plan) == [("a", 5, 1), ("b", 0, 3)]
+    assert [f.seq_id for f in finished] == ["a"]  # 2 tokens: done, leaves at once
+    plan, _ = step(s)
+    assert shape(plan) == [("b", 3, 1)]
+    plan, finished = step(s)
+    assert [f.seq_id for f in finished] == ["b"]
+    assert not s.has_unfinished()
+    s.block_manager.check_integrity()
+    assert s.block_manager.num_leaked() == 0
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    s = make(max_tokens_step=8)
+    add(s, "long", 20, max_tokens=1)
+    add(s, "short", 3, max_tokens=1)
+    plans = []
+    while s.has_unfinished():
+        plan, _ = step(s)
+        plans.append(shape(plan))
+    assert plans == [
+        [("long", 0, 8)],
+        [("long", 8, 8)],
+        [("long", 16, 4), ("short", 0, 3)],
+    ]
+    assert s.block_manager.num_leaked() == 0
+
+
+def test_decodes_are_not_starved_by_a_long_prompt():
+    s = make(max_tokens_step=6)
+    add(s, "a", 2, max_tokens=10)
+    step(s)
+    add(s, "long", 20, max_tokens=1)
+    plan, _ = step(s)
+    assert shape(plan) == [("a", 2, 1), ("long", 0, 5)]
+
+
+def test_max_num_seqs_caps_the_running_set():
+    s = make(max_seqs=2)
+    for name in "abc":
+        add(s, name, 2)
+    plan, _ = step(s)
+    assert [i.seq.seq_id for i in plan.scheduled] == ["a", "b"]
+    assert s.num_waiting == 1
+
+
+def test_preemption_frees_the_newest_and_recomputes_it():
+    s = make(num_blocks=4)  # 16 tokens of KV
+    a = add(s, "a", 7, max_tokens=6)
+    b = add(s, "b", 7, max_tokens=6)
+    plan, _ = step(s)
+    assert shape(plan) == [("a", 0, 7), ("b", 0, 7)]  # 2 blocks each: pool full
+    plan, _ = step(s)  # a: 8 tokens fits its 2 blocks; b: 8 too
+    assert shape(plan) == [("a", 7, 1), ("b", 7, 1)]
+    plan, _ = step(s)  # a needs a 3rd block: b (newest) is preempted
+    assert shape(plan) == [("a", 8, 1)]
+    assert plan.preempted == ("b",)
+    assert b.status is SequenceStatus.WAITING and b.block_ids == [] and b.num_preemptions == 1
+    assert b.num_output_tokens == 2  # its output is kept and recomputed with the prompt
+    while s.has_unfinished():
+        step(s)
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 6
+    s.block_manager.check_integrity()
+    assert s.block_manager.num_leaked() == 0
+
+
+def test_abort_frees_blocks_at_once():
+    s = make()
+    a = add(s, "a", 9, max_tokens=50)
+    add(s, "w", 3)
+    s.config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=128)
+    step(s)
+    assert len(a.block_ids) == 3
+    assert s.finish("a", SequenceStatus.FINISHED_ABORTED) is a
+    assert a.block_ids == [] and a.finish_reason == "abort"
+    assert s.finish("w", SequenceStatus.FINISHED_ABORTED) is not None  # waiting: removed
+    assert s.finish("nope", SequenceStatus.FINISHED_ABORTED) is None
+    assert not s.has_unfinished()
+    assert s.block_manager.num_leaked() == 0
+    s.block_manager.check_integrity()
+
+
+def test_stop_conditions():
+    s = make()
+    eos = add(s, "eos", 3, max_tokens=10)
+    step(s, token=EOS)
+    assert eos.finish_reason == "stop"
+    ign = add(s, "ign", 3, max_tokens=2, ignore_eos=True)
+    step(s, token=EOS)
+    step(s, token=EOS)
+    assert ign.finish_reason == "length" and ign.num_output_tokens == 2
+    st = add(s, "st", 3, max_tokens=10, stop_token_ids=[99])
+    step(s, token=99)
+    assert st.finish_reason == "stop" and st.stop_reason == 99
+    mn = add(s, "mn", 3, max_tokens=10, min_tokens=2)
+    step(s, token=EOS)
+    assert not mn.is_finished
+    step(s, token=EOS)
+    assert mn.finish_reason == "stop"
+
+
+def test_context_window_ends_a_sequence():
+    s = make(max_len=6)
+    seq = add(s, "a", 4, max_tokens=None)
+    while s.has_unfinished():
+        step(s)
+    assert seq.num_tokens == 6 and seq.finish_reason == "length"
+
+
+def test_duplicate_ids_are_rejected():
+    s = make()
+    add(s, "a", 2)
+    with pytest.raises(ValueError, match="duplicate"):
+        add(s, "a", 2)
