@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from kvrelay.engine.sampling import (
-    MAX_LOGPROBS,
-    MAX_STOP_STRINGS,
     Sampler,
     SampleRequest,
     SamplingParams,
@@ -16,6 +14,7 @@ from kvrelay.engine.sampling import (
     create_generator,
     filter_logits,
 )
+from kvrelay.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
 
 GREEDY = SamplingParams(temperature=0.0)
 EOS = 2

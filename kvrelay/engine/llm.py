@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput
-from kvrelay.engine.sampling import SamplingParams, TokenLogprobs
+from kvrelay.engine.sampling_params import SamplingParams, TokenLogprobs
 from kvrelay.engine.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]

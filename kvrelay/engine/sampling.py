@@ -1,4 +1,4 @@
-"""Per-step token sampling: validated user parameters and a batched sampler.
+"""Per-step token sampling: a batched sampler over ``SamplingParams`` (``sampling_params.py``).
 
 One step's logits (one row per request) go through, in this order::
 
@@ -18,145 +18,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple, NoReturn
+from typing import NamedTuple
 
 import torch
 
-MAX_N = 128  # completions per request
-MAX_LOGPROBS = 20  # alternatives returned per token (OpenAI's limit)
-MAX_STOP_STRINGS = 64  # stop strings per request
-MAX_STOP_TOKEN_IDS = 256  # stop token ids per request
-PENALTY_RANGE = (-2.0, 2.0)  # presence / frequency penalty, inclusive (OpenAI's range)
-GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts, inclusive
-_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
-
-
-def _fail(name: str, value: object, rule: str) -> NoReturn:
-    raise ValueError(f"SamplingParams.{name} must be {rule}, got {value!r}")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _as_tuple(value: object) -> tuple[object, ...]:
-    """None -> (); a lone str or int -> (value,); any other iterable -> tuple(value)."""
-    if value is None:
-        return ()
-    if isinstance(value, (str, int)):
-        return (value,)
-    if isinstance(value, Iterable):
-        return tuple(value)
-    return (value,)
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How one request chooses its tokens and when it stops; shaped like vLLM's.
-
-    ``stop`` and ``stop_token_ids`` also accept a single value, a list or None and are
-    normalised to tuples, so the object stays hashable.
-    """
-
-    n: int = 1  # completions to generate, in [1, MAX_N]
-    temperature: float = 1.0  # >= 0; below GREEDY_TEMPERATURE decodes greedily
-    top_p: float = 1.0  # in (0, 1]; nucleus mass kept
-    top_k: int = 0  # 0 or -1 disables; else keep the k most likely tokens
-    min_p: float = 0.0  # in [0, 1]; drop tokens below min_p * p(most likely)
-    seed: int | None = None  # per-request generator seed; None shares the sampler's generator
-    presence_penalty: float = 0.0  # in PENALTY_RANGE; subtracted once per seen output token
-    frequency_penalty: float = 0.0  # in PENALTY_RANGE; subtracted per output occurrence
-    repetition_penalty: float = 1.0  # > 0; HF-style, on prompt and output tokens
-    max_tokens: int | None = 16  # >= 1; None runs up to the context window
-    min_tokens: int = 0  # >= 0 and <= max_tokens; eos / stop ids masked until reached
-    stop: tuple[str, ...] = ()  # non-empty strings, at most MAX_STOP_STRINGS
-    stop_token_ids: tuple[int, ...] = ()  # ids >= 0, at most MAX_STOP_TOKEN_IDS
-    ignore_eos: bool = False  # eos does not end generation (min_tokens masking still applies)
-    logprobs: int | None = None  # None: none; 0: chosen token only; k: chosen + top-k
-    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
-    skip_special_tokens: bool = True  # drop special tokens when detokenising
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop", _as_tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
-        self._check_sampling()
-        self._check_penalties()
-        self._check_lengths()
-        self._check_stops()
-        for name in _BOOL_FIELDS:
-            if not isinstance(getattr(self, name), bool):
-                _fail(name, getattr(self, name), "a bool")
-
-    def _check_sampling(self) -> None:
-        if not (_is_int(self.n) and 1 <= self.n <= MAX_N):
-            _fail("n", self.n, f"an integer in [1, {MAX_N}]")
-        if not (_is_real(self.temperature) and self.temperature >= 0):
-            _fail("temperature", self.temperature, "a finite number >= 0")
-        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
-            _fail("top_p", self.top_p, "a number in (0, 1]")
-        if not (_is_int(self.top_k) and self.top_k >= -1):
-            _fail("top_k", self.top_k, "an integer >= -1 (0 or -1 disables it)")
-        if not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
-            _fail("min_p", self.min_p, "a number in [0, 1]")
-        low, high = SEED_RANGE
-        if self.seed is not None and not (_is_int(self.seed) and low <= self.seed <= high):
-            _fail("seed", self.seed, f"None or an integer in [{low}, {high}]")
-
-    def _check_penalties(self) -> None:
-        low, high = PENALTY_RANGE
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not (_is_real(value) and low <= value <= high):
-                _fail(name, value, f"a number in [{low}, {high}]")
-        if not (_is_real(self.repetition_penalty) and self.repetition_penalty > 0):
-            _fail("repetition_penalty", self.repetition_penalty, "a finite number > 0")
-
-    def _check_lengths(self) -> None:
-        if self.max_tokens is not None and not (_is_int(self.max_tokens) and self.max_tokens >= 1):
-            _fail("max_tokens", self.max_tokens, "None or an integer >= 1")
-        if not (_is_int(self.min_tokens) and self.min_tokens >= 0):
-            _fail("min_tokens", self.min_tokens, "an integer >= 0")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            _fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not (
-            _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            _fail("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
-
-    def _check_stops(self) -> None:
-        if len(self.stop) > MAX_STOP_STRINGS:
-            _fail("stop", self.stop, f"at most {MAX_STOP_STRINGS} strings")
-        for text in self.stop:
-            if not (isinstance(text, str) and text):
-                _fail("stop", text, "non-empty strings")
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            _fail("stop_token_ids", self.stop_token_ids, f"at most {MAX_STOP_TOKEN_IDS} ids")
-        for token_id in self.stop_token_ids:
-            if not (_is_int(token_id) and token_id >= 0):
-                _fail("stop_token_ids", token_id, "integers >= 0")
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE
-
-    @property
-    def has_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0
-            or self.frequency_penalty != 0
-            or self.repetition_penalty != 1
-        )
-
-    @property
-    def has_filters(self) -> bool:
-        """Whether top_k, top_p or min_p can drop tokens."""
-        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+from kvrelay.engine.sampling_params import (
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 def create_generator(
@@ -179,13 +48,6 @@ class SampleRequest(NamedTuple):
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None  # the request's own (seeded); None: the shared one
-
-
-class TokenLogprobs(NamedTuple):
-    token_id: int
-    logprob: float  # from the raw logits, before penalties and temperature
-    rank: int  # 1 + number of tokens with a strictly higher logprob
-    top: tuple[tuple[int, float], ...]  # (id, logprob), most likely first; () for logprobs=0
 
 
 class SampleOutput(NamedTuple):

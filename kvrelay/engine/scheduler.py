@@ -27,7 +27,7 @@ from kvrelay.engine.config import SchedulerConfig
 from kvrelay.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from kvrelay.engine.sampling import TokenLogprobs
+    from kvrelay.engine.sampling_params import TokenLogprobs
 
 
 class ScheduledSeq(NamedTuple):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from kvrelay.engine.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from kvrelay.engine.sampling import SamplingParams
+    from kvrelay.engine.sampling_params import SamplingParams
     from kvrelay.engine.tokenizer import Tokenizer
 
 
@@ -46,6 +46,8 @@ class StopChecker:
             return "", None
         search_from = max(0, len(self._text) - self._hold)
         self._text += self._detok.step([token_id])
+        if finished:
+            self._text += self._detok.flush()  # a last, incomplete character
         if self._stops and self._num_tokens >= self._min_tokens:
             hit = self._find_stop(search_from)
             if hit is not None:

@@ -18,7 +18,6 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
-from tokenizers import processors
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +74,9 @@ class Tokenizer:
         eos_ids = [self._named_id("eos_token", None)]
         eos_ids += _as_id_list(generation_config.get("eos_token_id"))
         self._eos_token_ids = frozenset(i for i in eos_ids if i is not None)
+        self._all_special_ids = self._collect_special_ids()
         self._chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
-        if "add_bos_token" in config or "add_eos_token" in config:
-            self._set_post_processor(
-                bool(config.get("add_bos_token", False)), bool(config.get("add_eos_token", False))
-            )
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
@@ -120,10 +116,8 @@ class Tokenizer:
 
     @property
     def all_special_ids(self) -> frozenset[int]:
-        """Ids of special added tokens and of the named (bos/eos/pad/...) tokens."""
-        added = {i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special}
-        named = {self._backend.token_to_id(token) for token in self._named_tokens.values()}
-        return frozenset(added | {i for i in named if i is not None} | self._eos_token_ids)
+        """Ids of special added tokens, of the named (bos/eos/pad/...) tokens and the eos ids."""
+        return self._all_special_ids
 
     @property
     def chat_template(self) -> str | None:
@@ -151,7 +145,11 @@ class Tokenizer:
     # ---- encode / decode ---------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; with ``add_special_tokens`` the post-processor adds bos/eos."""
+        """Token ids of ``text``; with ``add_special_tokens`` the post-processor adds bos/eos.
+
+        As in transformers 5, ``tokenizer.json``'s post-processor decides which special tokens
+        are added; ``add_bos_token``/``add_eos_token`` in tokenizer_config.json are ignored.
+        """
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -198,6 +196,11 @@ class Tokenizer:
 
     # ---- internals -----------------------------------------------------------------------------
 
+    def _collect_special_ids(self) -> frozenset[int]:
+        added = {i for i, tok in self._backend.get_added_tokens_decoder().items() if tok.special}
+        named = {self._backend.token_to_id(token) for token in self._named_tokens.values()}
+        return frozenset(added | {i for i in named if i is not None} | self._eos_token_ids)
+
     def _named_id(self, name: str, fallback: Any) -> int | None:
         token = self._named_tokens.get(name)
         token_id = self._backend.token_to_id(token) if token is not None else None
@@ -211,27 +214,6 @@ class Tokenizer:
         if token is None:
             raise TokenizerError(f"token id {token_id} is outside the vocabulary")
         return token
-
-    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
-        """Adds bos/eos the way an explicit ``add_bos_token``/``add_eos_token`` asks for."""
-        bos = self._named_token_and_id("bos_token") if add_bos else None
-        eos = self._named_token_and_id("eos_token") if add_eos else None
-
-        def wrap(sequence: str, type_id: int) -> list[str]:
-            head = [f"{bos[0]}:{type_id}"] if bos else []
-            tail = [f"{eos[0]}:{type_id}"] if eos else []
-            return [*head, f"{sequence}:{type_id}", *tail]
-
-        self._backend.post_processor = processors.TemplateProcessing(
-            single=" ".join(wrap("$A", 0)),
-            pair=" ".join(wrap("$A", 0) + wrap("$B", 1)),
-            special_tokens=list(dict(s for s in (bos, eos) if s is not None).items()),
-        )
-
-    def _named_token_and_id(self, name: str) -> tuple[str, int] | None:
-        token = self._named_tokens.get(name)
-        token_id = self._backend.token_to_id(token) if token is not None else None
-        return (token, token_id) if token is not None and token_id is not None else None
 
     def _template(self) -> jinja2.Template:
         if self._chat_template is None:

@@ -1,0 +1,243 @@
+"""Control-plane messages and their one codec (msgpack).
+
+Sockets (ZMQ; every address is chosen at start, none is hard-coded):
+- the router binds one ROUTER socket; every worker connects a DEALER whose identity is its
+  instance id, and sends ``Register`` then a ``LoadReport`` every heartbeat;
+- every worker binds one ROUTER "peer" socket for the KV handoff with other workers.
+
+Request path (disaggregated)::
+
+    router --GenerateRequest(decode=D)--> prefill P
+    P --TokenEvent(first token)--> router          (TTFT does not wait for the transfer)
+    P --KvReady(blocks, checksum, lease)--> D      (P holds the blocks under the lease)
+    D pulls the blocks through transport/ when it has room, verifies, then
+    D --KvAck(ok)--> P                              (P releases; a NACK too)
+    D --TokenEvent(...)--> router                   (every later token, then finished)
+    router --Abort--> P and D                       (client gone, stop string)
+
+Colocated workers get ``GenerateRequest(decode=None)`` and stream every token themselves.
+
+Every message is a frozen dataclass registered here; the codec packs each as a msgpack
+extension ``[tag, field values...]``, recursively, so nested values keep their types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, TypeVar
+
+import msgpack
+
+from kvrelay.engine.sampling_params import SamplingParams
+
+_EXT_CODE = 1
+
+
+class Role(str, enum.Enum):
+    ROUTER = "router"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvLayout:
+    """Shape of a KV pool: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32" | "bfloat16" | "float16"
+
+    def compatible(self, other: KvLayout) -> bool:
+        """Same per-block layout (the block count may differ between pools)."""
+        return dataclasses.replace(other, num_blocks=self.num_blocks) == self
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerInfo:
+    """What another instance needs to reach this one."""
+
+    instance_id: str
+    role: Role
+    host_id: str  # equal host ids: shared memory is reachable
+    peer_addr: str  # ZMQ address of this instance's peer ROUTER socket
+    status_url: str  # http://host:port of /health, /ready, /metrics
+    kv_segment: str | None  # shared-memory name of the KV pool (None: not shared)
+    layout: KvLayout
+    fingerprint: bytes  # model identity (loader.model_fingerprint)
+    transport: str = "auto"  # the transport this instance asks for: auto | shm | tcp | cuda_ipc
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Register:
+    info: PeerInfo
+    model_name: str
+    max_model_len: int
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadReport:
+    instance_id: str
+    num_waiting: int
+    num_running: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_pending_kv: int = 0  # handoffs waiting for room (decode) or for an ack (prefill)
+    num_leaked_blocks: int = 0  # blocks held by nothing the worker knows about (tests)
+    draining: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)  # already streamed
+    decode: PeerInfo | None = None  # where the KV goes; None: generate here (colocated)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenEvent:
+    request_id: str
+    instance_id: str
+    token_ids: list[int]
+    logprobs: list[Any] | None = None  # per token: [token_id, logprob, rank, [[id, lp], ...]]
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    handed_off_to: str | None = None  # prefill: the decode instance that continues
+    error: str | None = None  # the worker could not run the request
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvReady:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    src: PeerInfo
+    block_ids: list[int]  # prefill's blocks covering the prompt's tokens, in order
+    num_tokens: int  # tokens whose KV the blocks hold
+    checksum: int
+    lease_deadline: float  # wall-clock time after which prefill may reuse the blocks
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvPull:
+    """Decode asks prefill to send a request's blocks (tcp transport)."""
+
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvData:
+    """Header of a tcp transfer; the blocks follow as raw frames, one per layer and K/V."""
+
+    request_id: str
+    ok: bool
+    reason: str = ""
+    num_frames: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KvAck:
+    request_id: str
+    ok: bool
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Drain:
+    """Stop taking new requests; finish the ones in flight."""
+
+    instance_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shutdown:
+    reason: str = ""
+
+
+WIRE_TYPES: tuple[type, ...] = (
+    KvLayout,
+    PeerInfo,
+    Register,
+    LoadReport,
+    GenerateRequest,
+    TokenEvent,
+    KvReady,
+    KvPull,
+    KvData,
+    KvAck,
+    Abort,
+    Drain,
+    Shutdown,
+    SamplingParams,
+)
+_TAG = {cls: i for i, cls in enumerate(WIRE_TYPES)}
+_FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in WIRE_TYPES}
+
+T = TypeVar("T")
+
+
+class ProtocolError(ValueError):
+    """Bytes from a peer that are not a valid message."""
+
+
+def _default(obj: Any) -> Any:
+    tag = _TAG.get(type(obj))
+    if tag is not None:
+        values = [getattr(obj, name) for name in _FIELDS[type(obj)]]
+        return msgpack.ExtType(_EXT_CODE, msgpack.packb([tag, *values], default=_default))
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, tuple):
+        return list(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code != _EXT_CODE:
+        raise ProtocolError(f"unknown msgpack extension {code}")
+    tag, *values = msgpack.unpackb(data, ext_hook=_ext_hook, strict_map_key=False)
+    if not isinstance(tag, int) or not 0 <= tag < len(WIRE_TYPES):
+        raise ProtocolError(f"unknown message tag {tag!r}")
+    cls = WIRE_TYPES[tag]
+    names = _FIELDS[cls]
+    if len(values) != len(names):
+        raise ProtocolError(f"{cls.__name__}: expected {len(names)} fields, got {len(values)}")
+    kwargs = dict(zip(names, values))
+    try:
+        if cls is PeerInfo:
+            kwargs["role"] = Role(kwargs["role"])
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"invalid {cls.__name__}: {e}") from e
+
+
+def encode(msg: Any) -> bytes:
+    """One message to bytes."""
+    return msgpack.packb(msg, default=_default)
+
+
+def decode(data: bytes | memoryview, expected: type[T] | None = None) -> T:
+    """Bytes to one message; raises ProtocolError for anything malformed."""
+    try:
+        msg = msgpack.unpackb(data, ext_hook=_ext_hook, strict_map_key=False)
+    except (ValueError, TypeError, msgpack.UnpackException) as e:
+        raise ProtocolError(f"malformed message: {e}") from e
+    if expected is not None and not isinstance(msg, expected):
+        raise ProtocolError(f"expected {expected.__name__}, got {type(msg).__name__}")
+    return msg
