@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -87,7 +88,83 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument("--user", action="append", required=True, help="user message (repeatable)")
+    serve = sub.add_parser("serve", help="run one cluster process (router or worker)")
+    serve.add_argument(
+        "--role", required=True, choices=["router", "prefill", "decode", "colocated"]
+    )
+    _add_engine_args(serve)
+    _add_serve_args(serve)
     return parser
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (and advertise)")
+    p.add_argument("--port", type=int, default=8000, help="router: HTTP port")
+    p.add_argument(
+        "--control-addr",
+        required=True,
+        help="ZMQ address of the router's control socket (the router binds it, workers connect)",
+    )
+    p.add_argument(
+        "--status-port", type=int, default=0, help="worker: /health /ready /metrics port"
+    )
+    p.add_argument("--peer-port", type=int, default=0, help="worker: KV hand-off port (0: any)")
+    p.add_argument("--cluster-id", default="default", help="namespaces shared-memory names")
+    p.add_argument("--instance-id", default="", help="worker: unique name (default role-pid)")
+    p.add_argument(
+        "--transport",
+        default="auto",
+        choices=["auto", "shm", "tcp", "cuda_ipc"],
+        help="KV transport between prefill and decode (auto: shm on one host, else tcp)",
+    )
+    p.add_argument("--served-model-name", default="", help="model name clients use")
+    p.add_argument(
+        "--admin-token", default=None, help="bearer token for /admin/* (env KVRELAY_ADMIN_TOKEN)"
+    )
+    p.add_argument("--dead-after", type=float, default=2.0, help="router: heartbeat timeout (s)")
+    p.add_argument("--lease-ttl", type=float, default=30.0, help="prefill: KV lease (s)")
+    p.add_argument("--corrupt-transfers", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.role == "router":
+        from kvrelay.router.server import RouterConfig, run_router
+
+        run_router(
+            RouterConfig(
+                model=args.model,
+                control_addr=args.control_addr,
+                host=args.host,
+                port=args.port,
+                served_model_name=args.served_model_name,
+                admin_token=args.admin_token or os.environ.get("KVRELAY_ADMIN_TOKEN") or None,
+                max_model_len=args.max_model_len,
+                dead_after=args.dead_after,
+            )
+        )
+        return 0
+    from kvrelay.cluster.messages import Role
+    from kvrelay.cluster.serve import run_worker
+    from kvrelay.cluster.worker import WorkerConfig
+
+    run_worker(
+        WorkerConfig(
+            role=Role(args.role),
+            model=args.model,
+            router_addr=args.control_addr,
+            cluster_id=args.cluster_id,
+            instance_id=args.instance_id,
+            host=args.host,
+            status_port=args.status_port,
+            peer_port=args.peer_port,
+            transport=args.transport,
+            served_model_name=args.served_model_name,
+            lease_ttl=args.lease_ttl,
+            corrupt_transfers=args.corrupt_transfers,
+            engine_args=engine_kwargs(args),
+        )
+    )
+    return 0
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -152,7 +229,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat}
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -106,6 +106,7 @@ class TokenEvent:
     request_id: str
     instance_id: str
     token_ids: list[int]
+    offset: int  # output tokens before these (events from prefill and decode may cross)
     logprobs: list[Any] | None = None  # per token: [token_id, logprob, rank, [[id, lp], ...]]
     finished: bool = False
     finish_reason: str | None = None

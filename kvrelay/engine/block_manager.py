@@ -233,6 +233,10 @@ class BlockManager:
         num_hashed = sum(h is not None for h in self._block_hash)
         assert num_hashed == len(self._cached)
 
+    def num_refs(self) -> int:
+        """References held in total (a block shared by two sequences counts twice)."""
+        return sum(self._ref_count)
+
     def num_leaked(self) -> int:
         """Blocks still referenced; zero when no sequence or lease holds any."""
         return sum(1 for r in self._ref_count if r > 0)

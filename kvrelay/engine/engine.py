@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from kvrelay.engine.config import (
 )
 from kvrelay.engine.loader import TORCH_DTYPES, check_model_dir, load_weights, model_fingerprint
 from kvrelay.engine.models.llama import LlamaModel
-from kvrelay.engine.runner import ModelRunner, allocate_kv_cache
+from kvrelay.engine.runner import ModelRunner, kv_cache_shape
 from kvrelay.engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.sequence import Sequence, SequenceStatus
@@ -32,6 +33,14 @@ from kvrelay.engine.stop import StopChecker
 from kvrelay.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+KvAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+"""Makes the KV pool tensor (zeroed) of a shape and dtype; workers put it in shared memory."""
+
+
+def _allocate_local(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype)
 
 
 class RequestError(ValueError):
@@ -78,7 +87,12 @@ def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> En
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Tokenizer | None = None,
+        kv_allocator: KvAllocator | None = None,
+    ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         mc = config.model_config
@@ -99,7 +113,9 @@ class LLMEngine:
         eos = set(mc.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
         self.eos_token_ids = frozenset(eos)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.eos_token_ids)
-        kv_cache = allocate_kv_cache(mc, num_blocks, config.cache.block_size, config.dtype)
+        kv_shape = kv_cache_shape(mc, num_blocks, config.cache.block_size)
+        kv_dtype = TORCH_DTYPES[config.dtype]
+        kv_cache = (kv_allocator or _allocate_local)(kv_shape, kv_dtype)
         sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.runner = ModelRunner(
             LlamaModel(mc, weights), kv_cache, config.cache.block_size, sampler
@@ -131,28 +147,87 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
-        """Queues a request; raises RequestError (queuing nothing) when it cannot run."""
-        self._validate(prompt_token_ids, params)
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer (engine started without one)")
-        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_time or time.monotonic())
+        """Queues a request; raises RequestError (queuing nothing) when it cannot run.
+
+        ``output_token_ids`` are tokens already generated (and streamed) elsewhere: the
+        request resumes after them, recomputing their KV with the prompt.
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         self.scheduler.add(seq)
         self._stops[request_id] = StopChecker(self.tokenizer, seq.prompt_token_ids, params)
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def import_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        block_ids: list[int],
+        num_cached_tokens: int = 0,
+    ) -> None:
+        """Adds a request whose KV another instance computed and that is now in ``block_ids``.
+
+        The blocks hold the KV of every token but the newest output token; the request
+        takes over their references (from ``block_manager.take_blocks``).
+        """
+        seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
+        expected = -(-(seq.num_tokens - 1) // self.block_manager.block_size)
+        if not output_token_ids or len(block_ids) != expected:
+            raise RequestError(
+                f"import of {request_id!r}: {len(block_ids)} blocks for {seq.num_tokens - 1} "
+                f"tokens of KV (expected {expected}) and {len(output_token_ids)} output tokens"
+            )
+        seq.block_ids = list(block_ids)
+        seq.num_computed_tokens = seq.num_tokens - 1
+        seq.num_cached_tokens = num_cached_tokens
+        self.scheduler.add_running(seq)
+        self._stops[request_id] = StopChecker(self.tokenizer, seq.prompt_token_ids, params)
+
+    def detach_request(self, request_id: str) -> Sequence | None:
+        """Takes a running request out of the engine, keeping its blocks (prefill hand-off).
+
+        The caller owns one reference to each of the returned sequence's ``block_ids``.
+        """
+        self._stops.pop(request_id, None)
+        return self.scheduler.detach(request_id)
+
+    def _new_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None,
+    ) -> Sequence:
+        outputs = list(output_token_ids or [])
+        self._validate(prompt_token_ids, outputs)
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer (engine started without one)")
+        prompt = list(prompt_token_ids)
+        return Sequence(request_id, prompt, params, time.monotonic(), token_ids=prompt + outputs)
+
+    def _validate(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
         max_len = self.config.scheduler.max_model_len
         vocab = self.config.model_config.vocab_size
         if not prompt_token_ids:
             raise RequestError("prompt is empty")
-        if len(prompt_token_ids) >= max_len:
+        num_tokens = len(prompt_token_ids) + len(output_token_ids)
+        if num_tokens >= max_len:
             raise RequestError(
-                f"prompt has {len(prompt_token_ids)} tokens; this model's context window is "
+                f"prompt has {num_tokens} tokens; this model's context window is "
                 f"{max_len} tokens and at least one must be left for output"
             )
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        tokens = (*prompt_token_ids, *output_token_ids)
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
         if bad is not None:
-            raise RequestError(f"prompt token id {bad} is out of range [0, {vocab})")
+            raise RequestError(f"token id {bad} is out of range [0, {vocab})")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
 
     def abort_request(self, request_id: str) -> bool:
         """Ends a request now and frees its blocks; False if it is unknown or finished."""

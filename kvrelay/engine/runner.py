@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from kvrelay.engine.config import ModelConfig
-from kvrelay.engine.loader import TORCH_DTYPES
 from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.sampling import Sampler, SampleRequest
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
@@ -22,11 +21,9 @@ from kvrelay.kernels.attention import (
 )
 
 
-def allocate_kv_cache(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: str
-) -> torch.Tensor:
-    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return torch.zeros(shape, dtype=TORCH_DTYPES[dtype])
+def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``."""
+    return (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
 
 
 class ModelRunner:

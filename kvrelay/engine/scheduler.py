@@ -77,6 +77,35 @@ class Scheduler:
         self._by_id[seq.seq_id] = seq
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> None:
+        """Adds a sequence whose KV is already in its blocks (a decode-side import).
+
+        ``seq.block_ids`` must hold ``seq.num_computed_tokens`` tokens of KV; the caller
+        checked ``can_take_running`` and gave the blocks' references to the sequence.
+        """
+        if seq.seq_id in self._by_id:
+            raise ValueError(f"duplicate request id {seq.seq_id!r}")
+        self._by_id[seq.seq_id] = seq
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.block_manager.cache_full_blocks(seq)
+
+    def can_take_running(self) -> bool:
+        return len(self.running) < self.config.max_num_seqs
+
+    def detach(self, seq_id: str) -> Sequence | None:
+        """Removes a running sequence without freeing its blocks (a prefill hand-off).
+
+        The caller now owns one reference to each of ``seq.block_ids`` and must give them
+        back with ``block_manager.release``.
+        """
+        seq = self._by_id.get(seq_id)
+        if seq is None or seq.status is not SequenceStatus.RUNNING:
+            return None
+        del self._by_id[seq_id]
+        self.running.remove(seq)
+        return seq
+
     def get(self, seq_id: str) -> Sequence | None:
         return self._by_id.get(seq_id)
 

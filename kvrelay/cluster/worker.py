@@ -1,0 +1,399 @@
+"""The worker process: one engine, a control link to the router, a peer socket, probes.
+
+One thread runs everything that touches the engine::
+
+    loop:  poll sockets (0 ms when the engine has work, else up to 20 ms)
+           handle messages      GenerateRequest / Abort / Drain / Shutdown from the router,
+                                KvReady / KvAck / KvPull from peers (role hooks)
+           engine.step()        -> TokenEvents to the router (role hook: prefill hands off)
+           housekeeping         heartbeat LoadReport, lease expiry, pending imports (roles)
+
+The colocated role is this class as it is; ``prefill/worker.py`` and ``decode/worker.py``
+add the KV hand-off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from kvrelay.cluster.messages import (
+    Abort,
+    Drain,
+    GenerateRequest,
+    KvLayout,
+    LoadReport,
+    PeerInfo,
+    ProtocolError,
+    Register,
+    Role,
+    Shutdown,
+    TokenEvent,
+    decode,
+    encode,
+)
+from kvrelay.cluster.status import StatusServer
+from kvrelay.cluster.worker_metrics import WorkerMetrics
+from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput, build_engine_config
+from kvrelay.engine.loader import TORCH_DTYPES
+
+logger = logging.getLogger(__name__)
+
+_IDLE_POLL_MS = 20
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    role: Role  # prefill | decode | colocated
+    model: str  # checkpoint directory
+    router_addr: str  # ZMQ address of the router's control socket
+    cluster_id: str = "default"  # namespaces shared-memory names of one cluster
+    instance_id: str = ""  # unique per cluster; default "<role>-<pid>"
+    host: str = "127.0.0.1"  # address to bind and advertise
+    status_port: int = 0  # /health /ready /metrics; 0 = any free port
+    peer_port: int = 0  # KV hand-off socket; 0 = any free port
+    transport: str = "auto"  # auto | shm | tcp | cuda_ipc
+    host_id: str = ""  # equal host ids share memory; default: this machine's id
+    served_model_name: str = ""  # the name clients use; default: the directory name
+    heartbeat_interval: float = 0.2  # seconds between load reports
+    lease_ttl: float = 30.0  # prefill keeps handed-off blocks this long without an ack
+    transfer_timeout: float = 10.0  # decode's limit for one pull
+    corrupt_transfers: int = 0  # test hook: corrupt this many received transfers
+    engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.role not in (Role.PREFILL, Role.DECODE, Role.COLOCATED):
+            raise ValueError(f"worker role must be prefill, decode or colocated, got {self.role}")
+        if self.transport not in ("auto", "shm", "tcp", "cuda_ipc"):
+            raise ValueError(
+                f"transport must be auto, shm, tcp or cuda_ipc, got {self.transport!r}"
+            )
+
+
+def default_host_id() -> str:
+    """Same value for every process on one machine (and one IPC namespace)."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            return Path(path).read_text().strip() + "@" + socket.gethostname()
+        except OSError:
+            continue
+    return socket.gethostname()
+
+
+class Worker:
+    role_name = "colocated"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        if not config.instance_id:
+            config = dataclasses.replace(config, instance_id=f"{config.role.value}-{os.getpid()}")
+        self.config = config
+        self.instance_id = config.instance_id
+        self.ctx = zmq.Context()
+        self.metrics = WorkerMetrics(config.instance_id, config.role.value)
+        self._kv_segment: str | None = None
+        self._shared_pool: Any = None
+        engine_config = build_engine_config(config.model, **dict(config.engine_args))
+        self.engine = LLMEngine(engine_config, tokenizer=None, kv_allocator=self._allocate_kv)
+        self.layout = self._layout()
+        self.ctrl = self.ctx.socket(zmq.DEALER)
+        self.ctrl.setsockopt(zmq.IDENTITY, config.instance_id.encode())
+        self.ctrl.setsockopt(zmq.LINGER, 0)
+        self.ctrl.connect(config.router_addr)
+        self.peer = self.ctx.socket(zmq.ROUTER)
+        self.peer.setsockopt(zmq.LINGER, 0)
+        addr = f"tcp://{config.host}"
+        port = self.peer.bind_to_random_port(addr) if not config.peer_port else config.peer_port
+        if config.peer_port:
+            self.peer.bind(f"{addr}:{port}")
+        self.status = StatusServer(
+            config.host, config.status_port, self.metrics.registry, self.is_ready, self.stats
+        )
+        self.info = PeerInfo(
+            instance_id=config.instance_id,
+            role=config.role,
+            host_id=config.host_id or default_host_id(),
+            peer_addr=f"{addr}:{port}",
+            status_url=f"http://{config.host}:{self.status.port}",
+            kv_segment=self._kv_segment,
+            layout=self.layout,
+            fingerprint=self.engine.fingerprint,
+            transport=config.transport,
+        )
+        self._poller = zmq.Poller()
+        self._poller.register(self.ctrl, zmq.POLLIN)
+        self._poller.register(self.peer, zmq.POLLIN)
+        self._peer_links: dict[str, zmq.Socket] = {}
+        self._running = True
+        self.draining = False
+        self._last_report = 0.0
+
+    # ------------------------------------------------------------------ set-up
+    def _allocate_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Puts the KV pool in shared memory so same-host peers can pull with one copy."""
+        if self.config.transport == "tcp":
+            return torch.zeros(shape, dtype=dtype)
+        from kvrelay.transport.shm_pool import SharedKvPool, segment_name
+
+        name = segment_name(self.config.cluster_id, self.config.instance_id, "kv")
+        self._shared_pool = SharedKvPool.create(name, _layout_from_shape(shape, dtype))
+        self._kv_segment = name
+        return self._shared_pool.tensor
+
+    def _layout(self) -> KvLayout:
+        return _layout_from_shape(
+            tuple(self.engine.runner.kv_cache.shape), self.engine.runner.kv_cache.dtype
+        )
+
+    def is_ready(self) -> bool:
+        return self._running and not self.draining
+
+    def stats(self) -> dict[str, Any]:
+        bm = self.engine.block_manager
+        return {
+            "instance_id": self.instance_id,
+            "role": self.config.role.value,
+            "num_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_used_blocks": bm.num_leaked(),
+            "num_leaked_blocks": self.num_leaked_blocks(),
+            "num_waiting": self.engine.scheduler.num_waiting,
+            "num_running": self.engine.scheduler.num_running,
+            "prefix_cache": {
+                "query_tokens": bm.num_query_tokens,
+                "hit_tokens": bm.num_hit_tokens,
+                "cached_blocks": bm.num_cached_blocks,
+                "evictions": bm.num_evictions,
+            },
+        }
+
+    def num_leaked_blocks(self) -> int:
+        """Block references that no running sequence, lease or import accounts for."""
+        held = sum(len(s.block_ids) for s in self.engine.scheduler.running)
+        return self.engine.block_manager.num_refs() - held - self.num_role_held_refs()
+
+    def num_role_held_refs(self) -> int:
+        return 0
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        self.status.start()
+        self._send_ctrl(
+            Register(self.info, self.served_model_name(), self.engine.max_model_len, os.getpid())
+        )
+        logger.info(
+            "%s ready: peer %s, status %s, kv %s",
+            self.instance_id,
+            self.info.peer_addr,
+            self.info.status_url,
+            self._kv_segment or "private",
+        )
+        try:
+            while self._running:
+                busy = self.engine.has_unfinished_requests() or self.has_role_work()
+                self._poll(0 if busy else _IDLE_POLL_MS)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self.housekeeping()
+        finally:
+            self.close()
+
+    def served_model_name(self) -> str:
+        return self.config.served_model_name or Path(self.config.model).name
+
+    def stop(self) -> None:
+        self._running = False
+
+    def _poll(self, timeout_ms: int) -> None:
+        for sock, _ in self._poller.poll(timeout_ms):
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._dispatch(sock, frames)
+
+    def _dispatch(self, sock: zmq.Socket, frames: list[Any]) -> None:
+        identity = frames[0].bytes if sock is self.peer else None
+        body = frames[1] if sock is self.peer else frames[0]
+        try:
+            msg = decode(body.buffer)
+        except ProtocolError as e:
+            logger.warning("%s: dropping a malformed message: %s", self.instance_id, e)
+            return
+        if sock is self.ctrl:
+            self.on_router_message(msg)
+        else:
+            assert identity is not None
+            self.on_peer_message(msg, identity)
+
+    def on_router_message(self, msg: Any) -> None:
+        if isinstance(msg, GenerateRequest):
+            self.on_generate(msg)
+        elif isinstance(msg, Abort):
+            self.on_abort(msg.request_id)
+        elif isinstance(msg, Drain):
+            self.draining = True
+        elif isinstance(msg, Shutdown):
+            logger.info("%s: shutdown requested (%s)", self.instance_id, msg.reason)
+            self.stop()
+        else:
+            logger.warning(
+                "%s: unexpected %s from the router", self.instance_id, type(msg).__name__
+            )
+
+    def on_peer_message(self, msg: Any, identity: bytes) -> None:
+        logger.warning("%s: unexpected %s from a peer", self.instance_id, type(msg).__name__)
+
+    def on_generate(self, msg: GenerateRequest) -> None:
+        try:
+            self.engine.add_request(
+                msg.request_id,
+                msg.prompt_token_ids,
+                msg.params,
+                output_token_ids=msg.output_token_ids,
+            )
+        except (RequestError, ValueError) as e:
+            self.send_event(
+                TokenEvent(
+                    msg.request_id,
+                    self.instance_id,
+                    [],
+                    len(msg.output_token_ids),
+                    finished=True,
+                    finish_reason="abort",
+                    error=str(e),
+                )
+            )
+
+    def on_abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+
+    def _step(self) -> None:
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        self.metrics.observe_step(time.perf_counter() - started)
+        for out in outputs:
+            self.on_output(out)
+
+    def on_output(self, out: RequestOutput) -> None:
+        self.send_event(token_event(self.instance_id, out))
+
+    def housekeeping(self) -> None:
+        now = time.monotonic()
+        if now - self._last_report >= self.config.heartbeat_interval:
+            self._last_report = now
+            self._send_ctrl(self.load_report())
+            self.metrics.update_load(self.engine)
+
+    def has_role_work(self) -> bool:
+        return False
+
+    def load_report(self) -> LoadReport:
+        bm = self.engine.block_manager
+        return LoadReport(
+            instance_id=self.instance_id,
+            num_waiting=self.engine.scheduler.num_waiting,
+            num_running=self.engine.scheduler.num_running,
+            num_free_blocks=bm.num_free_blocks,
+            num_total_blocks=bm.num_blocks,
+            num_pending_kv=self.num_pending_kv(),
+            num_leaked_blocks=self.num_leaked_blocks(),
+            draining=self.draining,
+        )
+
+    def num_pending_kv(self) -> int:
+        return 0
+
+    # ------------------------------------------------------------------ sending
+    def send_event(self, event: TokenEvent) -> None:
+        self._send_ctrl(event)
+
+    def _send_ctrl(self, msg: Any) -> None:
+        try:
+            self.ctrl.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("%s: router link full; dropped %s", self.instance_id, type(msg).__name__)
+
+    def send_peer(self, addr: str, msg: Any) -> None:
+        """Sends to another worker's peer socket (one cached DEALER per address)."""
+        link = self._peer_links.get(addr)
+        if link is None:
+            link = self.ctx.socket(zmq.DEALER)
+            link.setsockopt(zmq.LINGER, 0)
+            link.setsockopt(zmq.SNDHWM, 10000)
+            link.connect(addr)
+            self._peer_links[addr] = link
+        try:
+            link.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning(
+                "%s: peer %s not taking messages; dropped %s",
+                self.instance_id,
+                addr,
+                type(msg).__name__,
+            )
+
+    def reply_peer(self, identity: bytes, msg: Any) -> None:
+        self.peer.send_multipart([identity, encode(msg)])
+
+    def close(self) -> None:
+        self.status.close()
+        for link in self._peer_links.values():
+            link.close(0)
+        self.ctrl.close(0)
+        self.peer.close(0)
+        self.close_role()
+        if self._shared_pool is not None:
+            self._shared_pool.close(unlink=True)
+        self.ctx.term()
+        logger.info("%s stopped", self.instance_id)
+
+    def close_role(self) -> None:
+        pass
+
+
+def token_event(instance_id: str, out: RequestOutput, **extra: Any) -> TokenEvent:
+    offset = len(out.token_ids) - len(out.new_token_ids)
+    logprobs = None
+    if out.logprobs and out.logprobs[-1] is not None:
+        logprobs = [_logprob_wire(lp) for lp in out.logprobs[-len(out.new_token_ids) :]]
+    return TokenEvent(
+        request_id=out.request_id,
+        instance_id=instance_id,
+        token_ids=list(out.new_token_ids),
+        offset=offset,
+        logprobs=logprobs,
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        num_cached_tokens=out.num_cached_tokens,
+        **extra,
+    )
+
+
+def _logprob_wire(lp: Any) -> list[Any] | None:
+    if lp is None:
+        return None
+    return [lp.token_id, lp.logprob, lp.rank, [list(t) for t in lp.top]]
+
+
+def _layout_from_shape(shape: tuple[int, ...], dtype: torch.dtype) -> KvLayout:
+    names = {v: k for k, v in TORCH_DTYPES.items()}
+    num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = shape
+    return KvLayout(num_layers, num_blocks, block_size, num_kv_heads, head_dim, names[dtype])
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex

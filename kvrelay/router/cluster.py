@@ -1,0 +1,323 @@
+"""The cluster backend: places requests on workers over ZMQ and streams their tokens back.
+
+Per request the router keeps the tokens streamed so far and the instances it depends on::
+
+    placed on (P, D)     watch {P, D}   P computes the prompt, D decodes after the hand-off
+    first token (P)      watch {D}      the event says handed_off_to=D; P may now die freely
+    a watched one dies   -> re-run on a surviving placement from the tokens already streamed
+                            (GenerateRequest.output_token_ids); the client sees one stream
+    client gone / stop   -> Abort to every watched instance (they free the blocks)
+
+Token events carry their offset in the output, so events from P and D may arrive in any
+order; duplicates (after a retry) are skipped. Stop strings are applied here, where the
+text is made; workers never see them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from kvrelay.cluster.messages import (
+    Abort,
+    GenerateRequest,
+    LoadReport,
+    ProtocolError,
+    Register,
+    TokenEvent,
+    decode,
+    encode,
+)
+from kvrelay.engine.sampling_params import TokenLogprobs
+from kvrelay.engine.stop import StopChecker
+from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.router.backend import (
+    Backend,
+    Delta,
+    GenerateInput,
+    GenerationFailed,
+    Overloaded,
+    Unavailable,
+)
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.registry import Instance, Placement, Registry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    control_addr: str  # ZMQ address the router binds for workers, e.g. tcp://127.0.0.1:5557
+    dead_after: float = 2.0  # seconds without a load report before an instance is dead
+    max_inflight: int = 1024  # requests in flight before 429
+    max_retries: int = 3  # re-runs of one request after worker deaths
+    retry_after: float = 1.0  # seconds suggested to clients on 429/503
+
+
+@dataclasses.dataclass(slots=True)
+class _Tracked:
+    request: GenerateInput
+    stop: StopChecker
+    queue: asyncio.Queue[Delta | Exception]
+    placement: Placement
+    watch: set[str]
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    early: dict[int, TokenEvent] = dataclasses.field(default_factory=dict)
+    done: bool = False
+    num_retries: int = 0
+    num_cached_tokens: int = 0
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    last_token: float = 0.0
+
+
+class ClusterBackend(Backend):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_model_len: int,
+        settings: ClusterSettings,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self._max_model_len = max_model_len
+        self.settings = settings
+        self.registry = Registry(settings.dead_after)
+        self.metrics = metrics or RouterMetrics()
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._tracked: dict[str, _Tracked] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def max_model_len(self) -> int:  # type: ignore[override]
+        lens = [i.max_model_len for i in self.registry.instances()]
+        return min([self._max_model_len, *lens])
+
+    async def start(self) -> None:
+        self._sock.bind(self.settings.control_addr)
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(), name="router-recv"),
+            asyncio.create_task(self._reap_loop(), name="router-reap"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._sock.close(0)
+        self._ctx.term()
+
+    def is_ready(self) -> bool:
+        return self.registry.is_ready()
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._tracked)
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, request: GenerateInput) -> AsyncIterator[Delta]:
+        if len(self._tracked) >= self.settings.max_inflight:
+            raise Overloaded("too many requests in flight", self.settings.retry_after)
+        if request.request_id in self._tracked:
+            raise GenerationFailed(f"duplicate request id {request.request_id}")
+        placement = self.registry.place()
+        if placement is None:
+            raise Unavailable("no worker instance is ready", self.settings.retry_after)
+        tr = _Tracked(
+            request,
+            StopChecker(self.tokenizer, request.prompt_token_ids, request.params),
+            asyncio.Queue(),
+            placement,
+            set(),
+        )
+        self._tracked[request.request_id] = tr
+        self.metrics.inflight.inc()
+        try:
+            self._submit(tr, placement)
+            while True:
+                item = await tr.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    break
+        finally:
+            if not tr.done:
+                self._abort(tr)
+                self.metrics.observe_finish(tr.started, "abort")
+            self._tracked.pop(request.request_id, None)
+            self.metrics.inflight.dec()
+
+    def _submit(self, tr: _Tracked, placement: Placement) -> None:
+        tr.placement = placement
+        tr.watch = {placement.prefill.instance_id}
+        decode_info = None
+        if placement.decode is not None:
+            decode_info = placement.decode.info
+            tr.watch.add(placement.decode.instance_id)
+            placement.decode.num_assigned += 1
+        placement.prefill.num_assigned += 1
+        worker_params = dataclasses.replace(tr.request.params, stop=(), n=1)
+        msg = GenerateRequest(
+            tr.request.request_id,
+            tr.request.prompt_token_ids,
+            worker_params,
+            list(tr.tokens),
+            decode_info,
+        )
+        self._send(placement.prefill, msg)
+
+    def _abort(self, tr: _Tracked) -> None:
+        tr.done = True
+        for instance_id in tr.watch:
+            inst = self.registry.get(instance_id)
+            if inst is not None:
+                self._send(inst, Abort(tr.request.request_id))
+
+    def _send(self, inst: Instance, msg: Any) -> None:
+        try:
+            self._sock.send_multipart([inst.instance_id.encode(), encode(msg)], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError) as e:
+            logger.warning("cannot send %s to %s: %s", type(msg).__name__, inst.instance_id, e)
+
+    # ------------------------------------------------------------------ events
+    async def _recv_loop(self) -> None:
+        while True:
+            identity, body = await self._sock.recv_multipart()
+            try:
+                msg: Any = decode(body)
+            except ProtocolError as e:
+                logger.warning("dropping a malformed message from %r: %s", identity, e)
+                continue
+            if isinstance(msg, TokenEvent):
+                self._on_tokens(msg)
+            elif isinstance(msg, LoadReport):
+                if self.registry.report(msg) is None:
+                    logger.debug("load report from unregistered %s", msg.instance_id)
+            elif isinstance(msg, Register):
+                inst = self.registry.register(msg)
+                logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
+            else:
+                logger.warning("unexpected %s from %r", type(msg).__name__, identity)
+
+    def _on_tokens(self, event: TokenEvent) -> None:
+        tr = self._tracked.get(event.request_id)
+        if tr is None or tr.done:
+            return  # aborted, or a late event of a finished request
+        if event.error is not None:
+            tr.done = True
+            tr.queue.put_nowait(GenerationFailed(f"worker {event.instance_id}: {event.error}"))
+            return
+        if event.handed_off_to is not None:
+            tr.watch.discard(event.instance_id)
+            tr.watch.add(event.handed_off_to)
+        if event.offset > len(tr.tokens):
+            tr.early[event.offset] = event
+            return
+        self._apply(tr, event)
+        while not tr.done and len(tr.tokens) in tr.early:
+            self._apply(tr, tr.early.pop(len(tr.tokens)))
+
+    def _apply(self, tr: _Tracked, event: TokenEvent) -> None:
+        skip = len(tr.tokens) - event.offset  # already streamed (a retry re-sends them)
+        new = event.token_ids[skip:]
+        if not new and not event.finished:
+            return
+        if not tr.tokens and new:
+            tr.num_cached_tokens = event.num_cached_tokens
+            self.metrics.ttft.observe(time.monotonic() - tr.started)
+        elif new:
+            self.metrics.itl.observe(time.monotonic() - tr.last_token)
+        tr.last_token = time.monotonic()
+        text, stop_str, num_used = self._detokenize(tr, new, event.finished)
+        new = new[:num_used]
+        tr.tokens.extend(new)
+        finished = event.finished or stop_str is not None
+        reason = "stop" if stop_str is not None else event.finish_reason
+        delta = Delta(
+            token_ids=new,
+            text=text,
+            logprobs=_logprobs(event.logprobs, skip, len(new)),
+            finished=finished,
+            finish_reason=reason if finished else None,
+            stop_reason=stop_str if stop_str is not None else event.stop_reason,
+            num_prompt_tokens=len(tr.request.prompt_token_ids),
+            num_cached_tokens=tr.num_cached_tokens,
+        )
+        if finished:
+            if stop_str is not None:
+                self._abort(tr)  # the worker is still generating
+            tr.done = True
+            self.metrics.observe_finish(tr.started, reason or "stop")
+        tr.queue.put_nowait(delta)
+
+    def _detokenize(
+        self, tr: _Tracked, new: list[int], finished: bool
+    ) -> tuple[str, str | None, int]:
+        """Text of the new tokens; a stop string ends the request at the token that made it."""
+        parts = []
+        for i, token_id in enumerate(new):
+            last = finished and i == len(new) - 1
+            text, stop_str = tr.stop.append(token_id, finished=last)
+            parts.append(text)
+            if stop_str is not None:
+                return "".join(parts), stop_str, i + 1
+        return "".join(parts), None, len(new)
+
+    # ------------------------------------------------------------------ failures
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.2, self.settings.dead_after / 4))
+            dead = {inst.instance_id for inst in self.registry.reap()}
+            if not dead:
+                continue
+            logger.warning("instances gone silent: %s", ", ".join(sorted(dead)))
+            for tr in list(self._tracked.values()):
+                if not tr.done and tr.watch & dead:
+                    self._retry(tr, dead)
+
+    def _retry(self, tr: _Tracked, dead: set[str]) -> None:
+        for instance_id in tr.watch - dead:
+            inst = self.registry.get(instance_id)
+            if inst is not None:
+                self._send(inst, Abort(tr.request.request_id))
+        tr.early.clear()
+        placement = self.registry.place()
+        if placement is None or tr.num_retries >= self.settings.max_retries:
+            tr.done = True
+            why = "no worker instance left" if placement is None else "too many retries"
+            tr.queue.put_nowait(GenerationFailed(f"generation broke off ({why})"))
+            return
+        tr.num_retries += 1
+        self.metrics.retries.inc()
+        logger.warning(
+            "re-running %s on %s after %d tokens",
+            tr.request.request_id,
+            "+".join(i.instance_id for i in placement if i is not None),
+            len(tr.tokens),
+        )
+        self._submit(tr, placement)
+
+
+def _logprobs(wire: list[Any] | None, skip: int, count: int) -> list[TokenLogprobs] | None:
+    if wire is None:
+        return None
+    out = []
+    for item in wire[skip : skip + count]:
+        token_id, logprob, rank, top = item
+        out.append(TokenLogprobs(token_id, logprob, rank, tuple((t[0], t[1]) for t in top)))
+    return out

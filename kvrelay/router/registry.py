@@ -1,0 +1,135 @@
+"""The router's view of the cluster: which instances exist, how loaded, and where to place.
+
+The registry owns worker membership. Instances join with ``Register``, stay alive by sending
+a ``LoadReport`` every heartbeat, and are dropped when silent for ``dead_after`` seconds.
+
+Placement (DistServe-style, decode pulls):
+- prefill: the least loaded live, non-draining prefill instance (waiting + running +
+  pending hand-offs, weighted by KV usage); cache-aware scoring plugs in here later.
+- decode: most free KV blocks, then fewest running sequences.
+- no prefill/decode pair: a colocated instance, else any surviving worker, end to end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from kvrelay.cluster.messages import LoadReport, PeerInfo, Register, Role
+
+
+@dataclasses.dataclass(slots=True)
+class Instance:
+    info: PeerInfo
+    model_name: str
+    max_model_len: int
+    pid: int
+    load: LoadReport
+    last_seen: float
+    num_assigned: int = 0  # requests sent since the last load report (not yet counted by it)
+
+    @property
+    def instance_id(self) -> str:
+        return self.info.instance_id
+
+    @property
+    def role(self) -> Role:
+        return self.info.role
+
+    def load_score(self) -> float:
+        load = self.load
+        queued = load.num_waiting + load.num_running + load.num_pending_kv + self.num_assigned
+        usage = 1.0 - load.num_free_blocks / max(1, load.num_total_blocks)
+        return queued + usage
+
+    def as_dict(self) -> dict[str, object]:
+        load = dataclasses.asdict(self.load)
+        load.pop("instance_id")
+        return {
+            "instance_id": self.instance_id,
+            "role": self.role.value,
+            "model": self.model_name,
+            "pid": self.pid,
+            "host_id": self.info.host_id,
+            "peer_addr": self.info.peer_addr,
+            "status_url": self.info.status_url,
+            "kv_segment": self.info.kv_segment,
+            "transport": self.info.transport,
+            "seconds_since_report": round(time.monotonic() - self.last_seen, 3),
+            **load,
+        }
+
+
+class Placement(NamedTuple):
+    prefill: Instance  # computes the prompt (or, with no decode, the whole request)
+    decode: Instance | None  # continues after the hand-off; None: prefill does everything
+
+
+class Registry:
+    def __init__(self, dead_after: float = 2.0) -> None:
+        self.dead_after = dead_after
+        self._instances: dict[str, Instance] = {}
+
+    def register(self, msg: Register, now: float | None = None) -> Instance:
+        now = time.monotonic() if now is None else now
+        info = msg.info
+        empty = LoadReport(info.instance_id, 0, 0, info.layout.num_blocks, info.layout.num_blocks)
+        inst = Instance(info, msg.model_name, msg.max_model_len, msg.pid, empty, now)
+        self._instances[info.instance_id] = inst
+        return inst
+
+    def report(self, load: LoadReport, now: float | None = None) -> Instance | None:
+        """Records a heartbeat; None when the instance is unknown (it must register again)."""
+        inst = self._instances.get(load.instance_id)
+        if inst is None:
+            return None
+        inst.load = load
+        inst.last_seen = time.monotonic() if now is None else now
+        inst.num_assigned = 0
+        return inst
+
+    def get(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def remove(self, instance_id: str) -> Instance | None:
+        return self._instances.pop(instance_id, None)
+
+    def reap(self, now: float | None = None) -> list[Instance]:
+        """Removes and returns the instances silent for longer than ``dead_after``."""
+        now = time.monotonic() if now is None else now
+        dead = [i for i in self._instances.values() if now - i.last_seen > self.dead_after]
+        for inst in dead:
+            del self._instances[inst.instance_id]
+        return dead
+
+    def instances(self, role: Role | None = None) -> list[Instance]:
+        return [i for i in self._instances.values() if role is None or i.role is role]
+
+    def _live(self, role: Role, exclude: Iterable[str]) -> list[Instance]:
+        skip = set(exclude)
+        return [
+            i for i in self.instances(role) if not i.load.draining and i.instance_id not in skip
+        ]
+
+    def is_ready(self) -> bool:
+        return self.place() is not None
+
+    def place(self, exclude: Iterable[str] = ()) -> Placement | None:
+        """Chooses where a new request runs; None when no instance can take it."""
+        exclude = list(exclude)
+        prefills = self._live(Role.PREFILL, exclude)
+        decodes = self._live(Role.DECODE, exclude)
+        if prefills and decodes:
+            prefill = min(prefills, key=Instance.load_score)
+            decode = min(
+                decodes,
+                key=lambda d: (-d.load.num_free_blocks, d.load.num_running + d.num_assigned),
+            )
+            return Placement(prefill, decode)
+        # a colocated instance, or any survivor: every worker can run a request end to end
+        for pool in (self._live(Role.COLOCATED, exclude), prefills + decodes):
+            if pool:
+                return Placement(min(pool, key=Instance.load_score), None)
+        return None
