@@ -88,6 +88,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.add_argument("--system", default=None, help="system message")
     chat.add_argument("--user", action="append", required=True, help="user message (repeatable)")
+    up = sub.add_parser(
+        "up", help="start router + workers as local processes (the embedded default)"
+    )
+    _add_engine_args(up)
+    up.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
+    up.add_argument(
+        "--colocated", type=int, default=0, help="colocated workers (no hand-off) instead"
+    )
+    up.add_argument("--host", default="127.0.0.1", help="bind address of every process")
+    up.add_argument("--port", type=int, default=8000, help="router HTTP port (0: any free)")
+    up.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
+    up.add_argument("--log-dir", default=None, help="one log file per process (default: stderr)")
+    up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for ready")
+
     serve = sub.add_parser("serve", help="run one cluster process (router or worker)")
     serve.add_argument(
         "--role", required=True, choices=["router", "prefill", "decode", "colocated"]
@@ -124,6 +139,49 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dead-after", type=float, default=2.0, help="router: heartbeat timeout (s)")
     p.add_argument("--lease-ttl", type=float, default=30.0, help="prefill: KV lease (s)")
     p.add_argument("--corrupt-transfers", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def engine_cli_args(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` as command-line words for ``kvrelay serve``."""
+    out = [
+        "--dtype", args.dtype,
+        "--seed", str(args.seed),
+        "--block-size", str(args.block_size),
+        "--kv-cache-memory", str(args.kv_cache_memory),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+    ]  # fmt: skip
+    for flag, value in (
+        ("--threads", args.threads),
+        ("--num-blocks", args.num_blocks),
+        ("--max-model-len", args.max_model_len),
+    ):
+        if value is not None:
+            out += [flag, str(value)]
+    if args.no_prefix_caching:
+        out.append("--no-prefix-caching")
+    return out
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from kvrelay.cluster.launcher import ClusterSpec, run_up
+
+    default = 0 if args.colocated else 1
+    spec = ClusterSpec(
+        model=args.model,
+        num_prefill=default if args.prefill is None else args.prefill,
+        num_decode=default if args.decode is None else args.decode,
+        num_colocated=args.colocated,
+        host=args.host,
+        port=args.port,
+        transport=args.transport,
+        worker_args=tuple(engine_cli_args(args)),
+        router_args=tuple(
+            ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+        ),
+        log_dir=args.log_dir,
+    )
+    return run_up(spec, args.timeout)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -229,7 +287,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
+COMMANDS = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "serve": cmd_serve,
+    "up": cmd_up,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

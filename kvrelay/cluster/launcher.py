@@ -1,0 +1,241 @@
+"""Starts a cluster as local processes: the embedded default (``kvrelay up``) and the tests.
+
+Every process is ``python -m kvrelay serve --role ...`` — the same command compose and
+Kubernetes run. Ports are picked free at start and shared-memory names carry the cluster
+id, so two clusters on one host never collide. ``stop()`` ends every process (SIGTERM, then
+SIGKILL after a grace period) and unlinks every segment named for the cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+class LaunchError(RuntimeError):
+    """A cluster process did not start or did not become ready in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    model: str  # checkpoint directory
+    num_prefill: int = 1  # prefill workers
+    num_decode: int = 1  # decode workers
+    num_colocated: int = 0  # colocated workers (prefill and decode in one engine)
+    host: str = "127.0.0.1"  # bind address of every process
+    port: int = 0  # router HTTP port; 0 = a free one
+    transport: str = "auto"  # auto | shm | tcp
+    cluster_id: str = ""  # default: a fresh unique id
+    worker_args: tuple[str, ...] = ()  # extra `kvrelay serve` flags for every worker
+    router_args: tuple[str, ...] = ()  # extra flags for the router
+    log_dir: str | None = None  # one log file per process; None = inherit stderr
+
+    def __post_init__(self) -> None:
+        counts = (self.num_prefill, self.num_decode, self.num_colocated)
+        if min(counts) < 0:
+            raise ValueError(f"instance counts must be >= 0, got {counts}")
+        if not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError("need at least one prefill and one decode worker, or colocated ones")
+
+
+@dataclasses.dataclass
+class Proc:
+    name: str
+    role: str
+    popen: subprocess.Popen[bytes]
+    log: IO[bytes] | None
+
+
+class Launcher:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.cluster_id = spec.cluster_id or f"up{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.port = spec.port or free_port(spec.host)
+        self.control_addr = f"tcp://{spec.host}:{free_port(spec.host)}"
+        self.procs: dict[str, Proc] = {}
+        self._counts = dict.fromkeys(ROLES, 0)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.port}"
+
+    # ------------------------------------------------------------------ start
+    def start(self, timeout: float = 120.0) -> None:
+        """Starts the router and the workers; returns when all are ready."""
+        self._spawn("router", "router", ["--port", str(self.port), *self.spec.router_args])
+        for role, count in zip(
+            ROLES, (self.spec.num_prefill, self.spec.num_decode, self.spec.num_colocated)
+        ):
+            for _ in range(count):
+                self.add_worker(role)
+        self.wait_ready(timeout)
+
+    def add_worker(self, role: str, extra_args: Sequence[str] = ()) -> str:
+        """Starts one more worker; returns its instance id (it joins when ready)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        name = f"{role}-{self._counts[role]}"
+        self._counts[role] += 1
+        args = [
+            "--cluster-id", self.cluster_id,
+            "--instance-id", name,
+            "--transport", self.spec.transport,
+            *self.spec.worker_args,
+            *extra_args,
+        ]  # fmt: skip
+        self._spawn(name, role, args)
+        return name
+
+    def _spawn(self, name: str, role: str, args: list[str]) -> None:
+        cmd = [
+            sys.executable, "-m", "kvrelay", "serve",
+            "--role", role,
+            "--model", self.spec.model,
+            "--host", self.spec.host,
+            "--control-addr", self.control_addr,
+            *args,
+        ]  # fmt: skip
+        log = None
+        if self.spec.log_dir:
+            Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
+            log = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - kept open
+        popen = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True
+        )
+        self.procs[name] = Proc(name, role, popen, log)
+        logger.debug("started %s (pid %d): %s", name, popen.pid, " ".join(cmd))
+
+    def wait_ready(self, timeout: float = 120.0, names: Sequence[str] | None = None) -> None:
+        """Waits until the router is up and every named worker (default: all) has joined."""
+        wanted = set(names if names is not None else self.worker_names())
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            joined = self.joined_instances()
+            if joined is not None and wanted <= joined:
+                return
+            time.sleep(0.2)
+        raise LaunchError(f"cluster not ready after {timeout:.0f}s; logs: {self.spec.log_dir}")
+
+    def worker_names(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.role != "router"]
+
+    def joined_instances(self) -> set[str] | None:
+        """Instance ids the router knows; None while the router does not answer."""
+        data = self.get_json("/admin/instances")
+        return None if data is None else {d["instance_id"] for d in data["data"]}
+
+    def get_json(self, path: str, timeout: float = 2.0) -> Any:
+        headers = {}
+        token = os.environ.get("KVRELAY_ADMIN_TOKEN")
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        request = urllib.request.Request(self.url + path, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as resp:
+                return json.loads(resp.read())
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return None
+
+    def _check_alive(self) -> None:
+        for proc in self.procs.values():
+            code = proc.popen.poll()
+            if code is not None and proc.role == "router":
+                raise LaunchError(f"{proc.name} exited with code {code}; logs: {self.spec.log_dir}")
+
+    # ------------------------------------------------------------------ stop
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Sends ``sig`` to one process (fault tests) and reaps it."""
+        proc = self.procs.pop(name)
+        with contextlib.suppress(ProcessLookupError):
+            proc.popen.send_signal(sig)
+        proc.popen.wait(timeout=30)
+        if proc.log:
+            proc.log.close()
+
+    def stop(self, grace: float = 10.0) -> list[str]:
+        """Ends every process and unlinks the cluster's shared memory; returns what it removed."""
+        workers = [p for p in self.procs.values() if p.role != "router"]
+        routers = [p for p in self.procs.values() if p.role == "router"]
+        for group in (workers, routers):
+            for proc in group:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.popen.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            for proc in group:
+                try:
+                    proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    logger.warning("%s did not stop in %.0fs; killing it", proc.name, grace)
+                    proc.popen.kill()
+                    proc.popen.wait()
+        for proc in self.procs.values():
+            if proc.log:
+                proc.log.close()
+        self.procs.clear()
+        from kvrelay.transport.shm_pool import cleanup_segments
+
+        return cleanup_segments(f"kvrelay-{self.cluster_id}-")
+
+    def __enter__(self) -> Launcher:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_up(spec: ClusterSpec, timeout: float = 300.0) -> int:
+    """``kvrelay up``: start, print the URL, serve until Ctrl-C / SIGTERM or the router dies."""
+    launcher = Launcher(spec)
+    stopping = False
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    code = 0
+    try:
+        launcher.start(timeout)
+        roles = f"{spec.num_prefill} prefill + {spec.num_decode} decode"
+        if spec.num_colocated:
+            roles = f"{spec.num_colocated} colocated" + (f" + {roles}" if spec.num_prefill else "")
+        print(
+            f"kvrelay: serving {Path(spec.model).name} ({roles}) at {launcher.url}/v1", flush=True
+        )
+        while not stopping:
+            time.sleep(0.2)
+            launcher._check_alive()
+    except LaunchError as e:
+        logger.error("%s", e)
+        code = 1
+    finally:
+        removed = launcher.stop()
+        logger.info("stopped; removed %d shared-memory segment(s)", len(removed))
+    return code

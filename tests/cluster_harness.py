@@ -1,0 +1,93 @@
+"""Starts real clusters (``kvrelay serve`` processes) for tests, and checks them afterwards.
+
+``running_cluster`` yields a started ``Launcher``; on exit it waits for every surviving
+worker to go idle, asserts that none reports used or leaked KV blocks, stops the cluster
+and asserts that no shared-memory segment of it remains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvrelay.cluster.launcher import ClusterSpec, Launcher
+from kvrelay.transport.shm_pool import list_segments
+
+
+def worker_stats(launcher: Launcher) -> dict[str, dict[str, Any]]:
+    """``/stats`` of every worker the router knows, by instance id."""
+    out = {}
+    for inst in launcher.get_json("/admin/instances")["data"]:
+        with urllib.request.urlopen(inst["status_url"] + "/stats", timeout=5) as resp:
+            out[inst["instance_id"]] = json.loads(resp.read())
+    return out
+
+
+def wait_idle(launcher: Launcher, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
+    """Waits until no worker holds a request or a hand-off; returns their stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = worker_stats(launcher)
+        busy = [
+            s
+            for s in stats.values()
+            if s["num_running"]
+            or s["num_waiting"]
+            or s.get("num_pending_kv")
+            or s["num_used_blocks"]
+        ]
+        if not busy or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def assert_no_leaks(launcher: Launcher) -> None:
+    for instance_id, s in wait_idle(launcher).items():
+        assert s["num_used_blocks"] == 0, f"{instance_id} holds blocks when idle: {s}"
+        assert s["num_leaked_blocks"] == 0, f"{instance_id} leaked blocks: {s}"
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{")[0] != name:
+            continue
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def read_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+@contextlib.contextmanager
+def running_cluster(
+    model_dir: Path,
+    log_dir: Path,
+    check_leaks: bool = True,
+    **spec_kwargs: Any,
+) -> Iterator[Launcher]:
+    spec_kwargs.setdefault("worker_args", ("--num-blocks", "512", "--threads", "1"))
+    spec_kwargs.setdefault("router_args", ("--dead-after", "1.5", "--served-model-name", "tiny"))
+    spec = ClusterSpec(model=str(model_dir), log_dir=str(log_dir), **spec_kwargs)
+    launcher = Launcher(spec)
+    try:
+        launcher.start(timeout=120)
+        yield launcher
+        if check_leaks:
+            assert_no_leaks(launcher)
+    finally:
+        launcher.stop()
+        leftover = list_segments(f"kvrelay-{launcher.cluster_id}-")
+        assert leftover == [], f"shared memory left behind: {leftover}"

@@ -1,0 +1,101 @@
+"""Faults with real processes: dead workers, corrupted transfers, expired leases.
+
+Every case still returns the offline engine's greedy text, and afterwards every surviving
+worker reports zero used or leaked blocks and no shared-memory segment remains.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+
+import openai
+import pytest
+
+from kvrelay import LLM, SamplingParams
+from tests.cluster_harness import metric_value, read_text, running_cluster, worker_stats
+
+PROMPT = "The cache moves to the decode worker"
+LONG = 400
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = LLM(tiny_model_dir, num_blocks=512)
+    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+    return llm.generate(PROMPT, params)[0].outputs[0].text
+
+
+def _client(launcher) -> openai.OpenAI:
+    return openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
+
+
+def _request(c: openai.OpenAI, max_tokens: int = LONG, **kw):
+    return c.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        **kw,
+    )
+
+
+def test_decode_killed_mid_stream_finishes_on_the_other(tiny_model_dir, tmp_path, reference):
+    with running_cluster(tiny_model_dir, tmp_path, num_prefill=1, num_decode=2) as launcher:
+        stream = _request(_client(launcher), stream=True)
+        parts, victim = [], None
+        for chunk in stream:
+            parts.append(chunk.choices[0].text)
+            if victim is None and len(parts) == 5:
+                busy = [i for i, s in worker_stats(launcher).items() if s["num_running"]]
+                assert len(busy) == 1 and busy[0].startswith("decode"), busy
+                victim = busy[0]
+                launcher.kill(victim, signal.SIGKILL)
+        assert victim is not None
+        assert "".join(parts) == reference
+        metrics = read_text(launcher.url + "/metrics")
+        assert metric_value(metrics, "kvrelay_request_retries_total") >= 1
+
+
+def test_prefill_killed_requests_are_retried(tiny_model_dir, tmp_path, reference):
+    with running_cluster(tiny_model_dir, tmp_path, num_prefill=2, num_decode=1) as launcher:
+        launcher.kill("prefill-0", signal.SIGKILL)  # the router has not noticed yet
+        c = _client(launcher)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda _: _request(c, max_tokens=32), range(4)))
+        assert [r.choices[0].text for r in results] == [
+            reference[: len(results[0].choices[0].text)]
+        ] * 4
+        assert all(r.usage.completion_tokens == 32 for r in results)
+        metrics = read_text(launcher.url + "/metrics")
+        assert metric_value(metrics, "kvrelay_request_retries_total") >= 1
+        joined = {d["instance_id"] for d in launcher.get_json("/admin/instances")["data"]}
+        assert "prefill-0" not in joined
+
+
+def test_corrupted_transfer_is_detected_and_recomputed(tiny_model_dir, tmp_path, reference):
+    args = ("--num-blocks", "512", "--threads", "1", "--corrupt-transfers", "1")
+    with running_cluster(tiny_model_dir, tmp_path, worker_args=args) as launcher:
+        c = _client(launcher)
+        first = _request(c, max_tokens=48)
+        second = _request(c, max_tokens=48)
+        assert first.choices[0].text == second.choices[0].text
+        assert reference.startswith(first.choices[0].text)
+        decode = worker_stats(launcher)["decode-0"]
+        assert decode["num_recomputed"] == 1
+        inst = {d["instance_id"]: d for d in launcher.get_json("/admin/instances")["data"]}
+        metrics = read_text(inst["decode-0"]["status_url"] + "/metrics")
+        failures = metric_value(
+            metrics, "kvrelay_kv_transfer_failures_total", reason="ChecksumMismatch"
+        )
+        assert failures == 1
+
+
+def test_expired_lease_frees_both_sides(tiny_model_dir, tmp_path, reference):
+    args = ("--num-blocks", "512", "--threads", "1", "--lease-ttl", "0")
+    with running_cluster(tiny_model_dir, tmp_path, worker_args=args) as launcher:
+        res = _request(_client(launcher), max_tokens=40)
+        assert reference.startswith(res.choices[0].text)
+        assert res.usage.completion_tokens == 40
+        assert worker_stats(launcher)["decode-0"]["num_recomputed"] == 1
