@@ -113,7 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (and advertise)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument(
+        "--advertise-host", default="", help="worker: address peers use (default: --host)"
+    )
     p.add_argument("--port", type=int, default=8000, help="router: HTTP port")
     p.add_argument(
         "--control-addr",
@@ -131,6 +134,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "shm", "tcp", "cuda_ipc"],
         help="KV transport between prefill and decode (auto: shm on one host, else tcp)",
+    )
+    p.add_argument(
+        "--host-id",
+        default="",
+        help="worker: equal ids share memory (default: this machine's id; set one value for "
+        "containers that share an IPC namespace)",
     )
     p.add_argument("--served-model-name", default="", help="model name clients use")
     p.add_argument(
@@ -213,6 +222,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             cluster_id=args.cluster_id,
             instance_id=args.instance_id,
             host=args.host,
+            advertise_host=args.advertise_host,
+            host_id=args.host_id,
             status_port=args.status_port,
             peer_port=args.peer_port,
             transport=args.transport,

@@ -60,7 +60,8 @@ class WorkerConfig:
     router_addr: str  # ZMQ address of the router's control socket
     cluster_id: str = "default"  # namespaces shared-memory names of one cluster
     instance_id: str = ""  # unique per cluster; default "<role>-<pid>"
-    host: str = "127.0.0.1"  # address to bind and advertise
+    host: str = "127.0.0.1"  # address to bind
+    advertise_host: str = ""  # address peers and the router use; default: host
     status_port: int = 0  # /health /ready /metrics; 0 = any free port
     peer_port: int = 0  # KV hand-off socket; 0 = any free port
     transport: str = "auto"  # auto | shm | tcp | cuda_ipc
@@ -116,6 +117,7 @@ class Worker:
         port = self.peer.bind_to_random_port(addr) if not config.peer_port else config.peer_port
         if config.peer_port:
             self.peer.bind(f"{addr}:{port}")
+        public = config.advertise_host or config.host
         self.status = StatusServer(
             config.host, config.status_port, self.metrics.registry, self.is_ready, self.stats
         )
@@ -123,8 +125,8 @@ class Worker:
             instance_id=config.instance_id,
             role=config.role,
             host_id=config.host_id or default_host_id(),
-            peer_addr=f"{addr}:{port}",
-            status_url=f"http://{config.host}:{self.status.port}",
+            peer_addr=f"tcp://{public}:{port}",
+            status_url=f"http://{public}:{self.status.port}",
             kv_segment=self._kv_segment,
             layout=self.layout,
             fingerprint=self.engine.fingerprint,
