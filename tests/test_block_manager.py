@@ -98,6 +98,7 @@ def test_eviction_takes_free_blocks_first_then_lru(bm):
     assert bm.num_evictions == 1
     events = bm.pop_events()
     assert hash_blocks(list(range(8)), BS, b"model-a")[1] in events.evicted
+    assert (hash_blocks(list(range(8)), BS, b"model-a")[0], 0) in events.stored
     # a's first block survived: a prefix outlives its suffix
     again = seq("again", range(9))
     assert bm.find_cached_prefix(again) == [0]

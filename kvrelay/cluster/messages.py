@@ -93,6 +93,16 @@ class LoadReport:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class CacheEvent:
+    """Device-cache changes of one instance: the full set once (``reset``), deltas after."""
+
+    instance_id: str
+    stored: list[bytes]  # block hashes newly cached
+    evicted: list[bytes]  # block hashes dropped
+    reset: bool = False  # ``stored`` is the whole cache; forget what was known before
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class GenerateRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -112,6 +122,7 @@ class TokenEvent:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     handed_off_to: str | None = None  # prefill: the decode instance that continues
     error: str | None = None  # the worker could not run the request
 
@@ -128,6 +139,7 @@ class KvReady:
     checksum: int
     lease_deadline: float  # wall-clock time after which prefill may reuse the blocks
     num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,6 +188,7 @@ WIRE_TYPES: tuple[type, ...] = (
     PeerInfo,
     Register,
     LoadReport,
+    CacheEvent,
     GenerateRequest,
     TokenEvent,
     KvReady,

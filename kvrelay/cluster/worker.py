@@ -30,6 +30,7 @@ import zmq
 
 from kvrelay.cluster.messages import (
     Abort,
+    CacheEvent,
     Drain,
     GenerateRequest,
     KvLayout,
@@ -57,7 +58,7 @@ _IDLE_POLL_MS = 20
 class WorkerConfig:
     role: Role  # prefill | decode | colocated
     model: str  # checkpoint directory
-    router_addr: str  # ZMQ address of the router's control socket
+    router_addr: str  # ZMQ address(es) of the routers' control sockets, comma-separated
     cluster_id: str = "default"  # namespaces shared-memory names of one cluster
     instance_id: str = ""  # unique per cluster; default "<role>-<pid>"
     host: str = "127.0.0.1"  # address to bind
@@ -107,10 +108,7 @@ class Worker:
         engine_config = build_engine_config(config.model, **dict(config.engine_args))
         self.engine = LLMEngine(engine_config, tokenizer=None, kv_allocator=self._allocate_kv)
         self.layout = self._layout()
-        self.ctrl = self.ctx.socket(zmq.DEALER)
-        self.ctrl.setsockopt(zmq.IDENTITY, config.instance_id.encode())
-        self.ctrl.setsockopt(zmq.LINGER, 0)
-        self.ctrl.connect(config.router_addr)
+        self.ctrls = [self._router_link(addr) for addr in config.router_addr.split(",")]
         self.peer = self.ctx.socket(zmq.ROUTER)
         self.peer.setsockopt(zmq.LINGER, 0)
         addr = f"tcp://{config.host}"
@@ -133,14 +131,25 @@ class Worker:
             transport=config.transport,
         )
         self._poller = zmq.Poller()
-        self._poller.register(self.ctrl, zmq.POLLIN)
+        for ctrl in self.ctrls:
+            self._poller.register(ctrl, zmq.POLLIN)
         self._poller.register(self.peer, zmq.POLLIN)
+        self._origin: dict[str, zmq.Socket] = {}  # request id -> the router that sent it
+        self._cache_stored: list[bytes] = []
+        self._cache_evicted: list[bytes] = []
         self._peer_links: dict[str, zmq.Socket] = {}
         self._running = True
         self.draining = False
         self._last_report = 0.0
 
     # ------------------------------------------------------------------ set-up
+    def _router_link(self, addr: str) -> zmq.Socket:
+        link = self.ctx.socket(zmq.DEALER)
+        link.setsockopt(zmq.IDENTITY, self.config.instance_id.encode())
+        link.setsockopt(zmq.LINGER, 0)
+        link.connect(addr.strip())
+        return link
+
     def _allocate_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Puts the KV pool in shared memory so same-host peers can pull with one copy."""
         if self.config.transport == "tcp":
@@ -194,6 +203,8 @@ class Worker:
         self._send_ctrl(
             Register(self.info, self.served_model_name(), self.engine.max_model_len, os.getpid())
         )
+        cached = [bytes(h) for h in self.engine.block_manager.cached_hashes()]
+        self._send_ctrl(CacheEvent(self.instance_id, cached, [], reset=True))
         logger.info(
             "%s ready: peer %s, status %s, kv %s",
             self.instance_id,
@@ -234,7 +245,9 @@ class Worker:
         except ProtocolError as e:
             logger.warning("%s: dropping a malformed message: %s", self.instance_id, e)
             return
-        if sock is self.ctrl:
+        if sock is not self.peer:
+            if isinstance(msg, GenerateRequest):
+                self._origin[msg.request_id] = sock
             self.on_router_message(msg)
         else:
             assert identity is not None
@@ -288,6 +301,9 @@ class Worker:
         self.metrics.observe_step(time.perf_counter() - started)
         for out in outputs:
             self.on_output(out)
+        events = self.engine.flush_cache_events()  # after the tokens went out
+        self._cache_stored.extend(bytes(h) for h, _ in events.stored)
+        self._cache_evicted.extend(bytes(h) for h in events.evicted)
 
     def on_output(self, out: RequestOutput) -> None:
         self.send_event(token_event(self.instance_id, out))
@@ -297,6 +313,10 @@ class Worker:
         if now - self._last_report >= self.config.heartbeat_interval:
             self._last_report = now
             self._send_ctrl(self.load_report())
+            if self._cache_stored or self._cache_evicted:
+                event = CacheEvent(self.instance_id, self._cache_stored, self._cache_evicted)
+                self._send_ctrl(event)
+                self._cache_stored, self._cache_evicted = [], []
             self.metrics.update_load(self.engine)
 
     def has_role_work(self) -> bool:
@@ -320,13 +340,21 @@ class Worker:
 
     # ------------------------------------------------------------------ sending
     def send_event(self, event: TokenEvent) -> None:
-        self._send_ctrl(event)
+        """Sends to the router that sent the request (every router if it is unknown)."""
+        origin = self._origin.get(event.request_id)
+        if event.finished or event.handed_off_to is not None:
+            self._origin.pop(event.request_id, None)
+        self._send_ctrl(event, [origin] if origin is not None else None)
 
-    def _send_ctrl(self, msg: Any) -> None:
-        try:
-            self.ctrl.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning("%s: router link full; dropped %s", self.instance_id, type(msg).__name__)
+    def _send_ctrl(self, msg: Any, links: list[zmq.Socket] | None = None) -> None:
+        data = encode(msg)
+        for link in self.ctrls if links is None else links:
+            try:
+                link.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning(
+                    "%s: router link full; dropped %s", self.instance_id, type(msg).__name__
+                )
 
     def send_peer(self, addr: str, msg: Any) -> None:
         """Sends to another worker's peer socket (one cached DEALER per address)."""
@@ -354,7 +382,8 @@ class Worker:
         self.status.close()
         for link in self._peer_links.values():
             link.close(0)
-        self.ctrl.close(0)
+        for ctrl in self.ctrls:
+            ctrl.close(0)
         self.peer.close(0)
         self.close_role()
         if self._shared_pool is not None:
@@ -381,6 +410,7 @@ def token_event(instance_id: str, out: RequestOutput, **extra: Any) -> TokenEven
         finish_reason=out.finish_reason,
         stop_reason=out.stop_reason,
         num_cached_tokens=out.num_cached_tokens,
+        cached_tokens_by_tier=out.cached_tokens_by_tier,
         **extra,
     )
 

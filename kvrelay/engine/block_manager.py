@@ -29,7 +29,7 @@ from kvrelay.engine.sequence import Sequence
 class CacheEvents(NamedTuple):
     """Blocks that entered or left this instance's prefix cache since the last drain."""
 
-    stored: list[BlockHash]
+    stored: list[tuple[BlockHash, int]]  # (hash, block id); the block may be reused later
     evicted: list[BlockHash]
 
 
@@ -52,7 +52,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, int] = {}
-        self._stored: list[BlockHash] = []
+        self._stored: list[tuple[BlockHash, int]] = []
         self._evicted: list[BlockHash] = []
         self.num_evictions = 0
         self.num_query_tokens = 0
@@ -105,22 +105,28 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: Seq[int] = ()) -> bool:
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, cached: Seq[int] = (), num_external: int = 0
+    ) -> bool:
         """Whether :meth:`allocate` with the same arguments would succeed."""
         num_revived = sum(1 for b in cached if self._ref_count[b] == 0)
-        need = self._blocks_needed_after(seq, num_new_tokens, cached)
+        need = self._blocks_needed_after(seq, num_new_tokens, cached, num_external)
         return need <= self.num_free_blocks - num_revived
 
     # ------------------------------------------------------------------ intents
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached: Seq[int] = ()) -> bool:
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached: Seq[int] = (), num_external: int = 0
+    ) -> bool:
         """Gives ``seq`` room for ``num_new_tokens`` more tokens; all or nothing.
 
         On a sequence's first allocation, ``cached`` (from :meth:`find_cached_prefix`) is
         adopted: its blocks gain a reference and ``seq.num_computed_tokens`` skips them.
+        ``num_external`` more blocks after them get fresh ids and count as computed too: the
+        caller fills them from a lower cache tier before the step runs.
         Returns False, changing nothing, when there are not enough blocks.
         """
-        assert not cached or not seq.block_ids, "cached prefix only on first allocation"
-        if not self.can_allocate(seq, num_new_tokens, cached):
+        assert not (cached or num_external) or not seq.block_ids, "prefix only at first"
+        if not self.can_allocate(seq, num_new_tokens, cached, num_external):
             return False
         if not seq.block_ids:
             num_hit = len(cached) * self.block_size
@@ -129,7 +135,7 @@ class BlockManager:
             for block_id in cached:
                 self._acquire(block_id)
             seq.block_ids = list(cached)
-            seq.num_computed_tokens = num_hit
+            seq.num_computed_tokens = num_hit + num_external * self.block_size
             seq.num_cached_tokens = max(seq.num_cached_tokens, num_hit)
         for _ in range(self.blocks_needed(seq, num_new_tokens)):
             seq.block_ids.append(self._take_block())
@@ -150,7 +156,7 @@ class BlockManager:
                 continue  # an identical block is cached already; this one stays private
             self._block_hash[block_id] = block_hash
             self._cached[block_hash] = block_id
-            self._stored.append(block_hash)
+            self._stored.append((block_hash, block_id))
 
     def free(self, seq: Sequence) -> None:
         """Drops ``seq``'s references, tail first so a prefix outlives its suffix in the LRU."""
@@ -175,6 +181,10 @@ class BlockManager:
             return None
         return [self._take_block() for _ in range(num_blocks)]
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash in the prefix cache now (for a full-state event)."""
+        return list(self._cached)
+
     def pop_events(self) -> CacheEvents:
         """Returns and clears the stored/evicted hashes since the last call."""
         events = CacheEvents(self._stored, self._evicted)
@@ -191,10 +201,13 @@ class BlockManager:
         return len(dropped)
 
     # ------------------------------------------------------------------ internals
-    def _blocks_needed_after(self, seq: Sequence, num_new: int, cached: Seq[int]) -> int:
-        if seq.block_ids or not cached:
+    def _blocks_needed_after(
+        self, seq: Sequence, num_new: int, cached: Seq[int], num_external: int
+    ) -> int:
+        if seq.block_ids:
             return self.blocks_needed(seq, num_new)
-        total = -(-(len(cached) * self.block_size + num_new) // self.block_size)
+        prefix = len(cached) + num_external
+        total = -(-(prefix * self.block_size + num_new) // self.block_size)
         return max(0, total - len(cached))
 
     def _acquire(self, block_id: int) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from kvrelay.engine.block_manager import BlockManager
+from kvrelay.cachetier.manager import TieredCache
+from kvrelay.engine.block_manager import BlockManager, CacheEvents
 from kvrelay.engine.config import (
     CacheConfig,
     ConfigError,
@@ -25,6 +26,7 @@ from kvrelay.engine.config import (
 )
 from kvrelay.engine.loader import TORCH_DTYPES, check_model_dir, load_weights, model_fingerprint
 from kvrelay.engine.models.llama import LlamaModel
+from kvrelay.engine.offload import TierConnector
 from kvrelay.engine.runner import ModelRunner, kv_cache_shape
 from kvrelay.engine.sampling import Sampler, SamplingParams, TokenLogprobs
 from kvrelay.engine.scheduler import Scheduler
@@ -62,6 +64,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
 
 def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> EngineConfig:
@@ -92,6 +95,7 @@ class LLMEngine:
         config: EngineConfig,
         tokenizer: Tokenizer | None = None,
         kv_allocator: KvAllocator | None = None,
+        tiers: TieredCache | None = None,
     ) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -112,10 +116,13 @@ class LLMEngine:
         )
         eos = set(mc.eos_token_ids) | (set(tokenizer.eos_token_ids) if tokenizer else set())
         self.eos_token_ids = frozenset(eos)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.eos_token_ids)
         kv_shape = kv_cache_shape(mc, num_blocks, config.cache.block_size)
         kv_dtype = TORCH_DTYPES[config.dtype]
         kv_cache = (kv_allocator or _allocate_local)(kv_shape, kv_dtype)
+        self.connector = TierConnector(tiers, kv_cache, config.dtype) if tiers else None
+        self.scheduler = Scheduler(
+            config.scheduler, self.block_manager, self.eos_token_ids, self.connector
+        )
         sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.runner = ModelRunner(
             LlamaModel(mc, weights), kv_cache, config.cache.block_size, sampler
@@ -225,6 +232,16 @@ class LLMEngine:
         if bad is not None:
             raise RequestError(f"token id {bad} is out of range [0, {vocab})")
 
+    def flush_cache_events(self) -> CacheEvents:
+        """Offers newly cached blocks to the tiers; returns the device cache's events.
+
+        Call after a step's tokens were sent (it copies blocks out: not on the TTFT path).
+        """
+        events = self.block_manager.pop_events()
+        if self.connector is not None and events.stored:
+            self.connector.offload(events.stored)
+        return events
+
     @property
     def max_model_len(self) -> int:
         return self.config.scheduler.max_model_len
@@ -272,4 +289,5 @@ class LLMEngine:
             stop_reason=seq.stop_reason,
             logprobs=seq.output_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
+            cached_tokens_by_tier=seq.cached_tokens_by_tier,
         )

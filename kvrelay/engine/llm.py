@@ -121,7 +121,9 @@ class LLM:
                 owners[sub_id] = (out, i)
                 out.outputs.append(CompletionOutput(i, "", [], None))
         while self.engine.has_unfinished_requests():
-            for step_out in self.engine.step():
+            step_outputs = self.engine.step()
+            self.engine.flush_cache_events()
+            for step_out in step_outputs:
                 if step_out.finished:
                     owner, index = owners[step_out.request_id]
                     owner.outputs[index] = _completion(index, step_out, params_list)

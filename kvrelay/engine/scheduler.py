@@ -20,14 +20,34 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.config import SchedulerConfig
 from kvrelay.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
+    from kvrelay.cachetier.block_hash import BlockHash
     from kvrelay.engine.sampling_params import TokenLogprobs
+
+
+class ExternalPrefix(NamedTuple):
+    """Blocks found below the device cache for a prefix of a sequence's next block hashes."""
+
+    start_block: int  # index of the first block it covers
+    num_blocks: int
+    blocks_by_tier: dict[str, int]
+    payloads: Any  # opaque to the scheduler; the loader writes them into blocks
+
+
+class PrefixLoader(Protocol):
+    """The scheduler's view of the cache tiers (the engine implements it over the KV pool)."""
+
+    def fetch(self, keys: list[BlockHash], start_block: int) -> ExternalPrefix | None:
+        """Looks the keys up in the tiers below the device; None or a prefix of them."""
+
+    def write(self, prefix: ExternalPrefix, block_ids: list[int]) -> None:
+        """Copies the fetched blocks into ``block_ids`` of the device pool."""
 
 
 class ScheduledSeq(NamedTuple):
@@ -61,6 +81,7 @@ class Scheduler:
         config: SchedulerConfig,
         block_manager: BlockManager,
         eos_token_ids: Iterable[int] = (),
+        prefix_loader: PrefixLoader | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -69,6 +90,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
         self.num_preemptions = 0
+        self.prefix_loader = prefix_loader
+        self._external: dict[str, ExternalPrefix] = {}  # fetched for a waiting sequence
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -123,6 +146,7 @@ class Scheduler:
     def finish(self, seq_id: str, status: SequenceStatus) -> Sequence | None:
         """Ends a sequence now (abort, stop string) and frees its blocks; None if unknown."""
         seq = self._by_id.pop(seq_id, None)
+        self._external.pop(seq_id, None)
         if seq is None:
             return None
         if seq.status is SequenceStatus.WAITING:
@@ -193,6 +217,33 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             used += num_new
         return used
+
+    def _external_prefix(self, seq: Sequence, num_cached: int) -> ExternalPrefix | None:
+        """Blocks after the device-cached prefix that lower tiers hold (fetched once)."""
+        if self.prefix_loader is None or seq.block_ids:
+            return None
+        limit = (seq.num_tokens - 1) // self.block_manager.block_size
+        if num_cached >= limit:
+            return None
+        found = self._external.get(seq.seq_id)
+        if found is None or found.start_block != num_cached:
+            keys = seq.block_hashes[num_cached:limit]
+            found = self.prefix_loader.fetch(keys, num_cached)
+            if found is None or not found.num_blocks:
+                return None
+            self._external[seq.seq_id] = found
+        return found
+
+    def _load_external(self, seq: Sequence, found: ExternalPrefix, num_cached: int) -> None:
+        assert self.prefix_loader is not None
+        del self._external[seq.seq_id]
+        block_ids = seq.block_ids[num_cached : num_cached + found.num_blocks]
+        self.prefix_loader.write(found, block_ids)
+        bs = self.block_manager.block_size
+        by_tier = {"device": num_cached * bs}
+        by_tier.update({tier: n * bs for tier, n in found.blocks_by_tier.items()})
+        seq.cached_tokens_by_tier = by_tier
+        seq.num_cached_tokens = max(seq.num_cached_tokens, sum(by_tier.values()))
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
         """Applies a step's result; returns the sequences that finished in it."""

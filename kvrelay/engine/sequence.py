@@ -48,6 +48,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / redis
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, in order

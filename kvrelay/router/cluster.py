@@ -26,8 +26,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
 from kvrelay.cluster.messages import (
     Abort,
+    CacheEvent,
     GenerateRequest,
     LoadReport,
     ProtocolError,
@@ -48,6 +50,7 @@ from kvrelay.router.backend import (
     Unavailable,
 )
 from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.prefix_index import PrefixIndex
 from kvrelay.router.registry import Instance, Placement, Registry
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,7 @@ class ClusterSettings:
     max_inflight: int = 1024  # requests in flight before 429
     max_retries: int = 3  # re-runs of one request after worker deaths
     retry_after: float = 1.0  # seconds suggested to clients on 429/503
+    cache_weight: float = 1.0  # placement: blocks of cache hit worth one queued request
 
 
 @dataclasses.dataclass(slots=True)
@@ -74,6 +78,7 @@ class _Tracked:
     done: bool = False
     num_retries: int = 0
     num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     started: float = dataclasses.field(default_factory=time.monotonic)
     last_token: float = 0.0
 
@@ -91,7 +96,8 @@ class ClusterBackend(Backend):
         self.model_name = model_name
         self._max_model_len = max_model_len
         self.settings = settings
-        self.registry = Registry(settings.dead_after)
+        self.registry = Registry(settings.dead_after, settings.cache_weight)
+        self.prefix_index = PrefixIndex()
         self.metrics = metrics or RouterMetrics()
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -134,7 +140,7 @@ class ClusterBackend(Backend):
             raise Overloaded("too many requests in flight", self.settings.retry_after)
         if request.request_id in self._tracked:
             raise GenerationFailed(f"duplicate request id {request.request_id}")
-        placement = self.registry.place()
+        placement = self.registry.place(matched=self._matched(request.prompt_token_ids))
         if placement is None:
             raise Unavailable("no worker instance is ready", self.settings.retry_after)
         tr = _Tracked(
@@ -161,6 +167,15 @@ class ClusterBackend(Backend):
                 self.metrics.observe_finish(tr.started, "abort")
             self._tracked.pop(request.request_id, None)
             self.metrics.inflight.dec()
+
+    def _matched(self, token_ids: list[int]) -> dict[str, int]:
+        """Per instance, leading prompt blocks in its device cache (cache-aware placement)."""
+        instances = self.registry.instances()
+        if not instances:
+            return {}
+        info = instances[0].info
+        keys: list[BlockHash] = hash_blocks(token_ids, info.layout.block_size, info.fingerprint)
+        return self.prefix_index.matched_blocks(keys)
 
     def _submit(self, tr: _Tracked, placement: Placement) -> None:
         tr.placement = placement
@@ -208,8 +223,12 @@ class ClusterBackend(Backend):
             elif isinstance(msg, LoadReport):
                 if self.registry.report(msg) is None:
                     logger.debug("load report from unregistered %s", msg.instance_id)
+            elif isinstance(msg, CacheEvent):
+                if self.registry.get(msg.instance_id) is not None:
+                    self.prefix_index.apply(msg)
             elif isinstance(msg, Register):
                 inst = self.registry.register(msg)
+                self.prefix_index.remove_instance(inst.instance_id)
                 logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
             else:
                 logger.warning("unexpected %s from %r", type(msg).__name__, identity)
@@ -239,6 +258,7 @@ class ClusterBackend(Backend):
             return
         if not tr.tokens and new:
             tr.num_cached_tokens = event.num_cached_tokens
+            tr.cached_tokens_by_tier = dict(event.cached_tokens_by_tier)
             self.metrics.ttft.observe(time.monotonic() - tr.started)
         elif new:
             self.metrics.itl.observe(time.monotonic() - tr.last_token)
@@ -257,6 +277,7 @@ class ClusterBackend(Backend):
             stop_reason=stop_str if stop_str is not None else event.stop_reason,
             num_prompt_tokens=len(tr.request.prompt_token_ids),
             num_cached_tokens=tr.num_cached_tokens,
+            cached_tokens_by_tier=tr.cached_tokens_by_tier,
         )
         if finished:
             if stop_str is not None:
@@ -285,6 +306,8 @@ class ClusterBackend(Backend):
             dead = {inst.instance_id for inst in self.registry.reap()}
             if not dead:
                 continue
+            for instance_id in dead:
+                self.prefix_index.remove_instance(instance_id)
             logger.warning("instances gone silent: %s", ", ".join(sorted(dead)))
             for tr in list(self._tracked.values()):
                 if not tr.done and tr.watch & dead:
@@ -296,7 +319,7 @@ class ClusterBackend(Backend):
             if inst is not None:
                 self._send(inst, Abort(tr.request.request_id))
         tr.early.clear()
-        placement = self.registry.place()
+        placement = self.registry.place(matched=self._matched(tr.request.prompt_token_ids))
         if placement is None or tr.num_retries >= self.settings.max_retries:
             tr.done = True
             why = "no worker instance left" if placement is None else "too many retries"

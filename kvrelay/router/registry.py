@@ -4,8 +4,10 @@ The registry owns worker membership. Instances join with ``Register``, stay aliv
 a ``LoadReport`` every heartbeat, and are dropped when silent for ``dead_after`` seconds.
 
 Placement (DistServe-style, decode pulls):
-- prefill: the least loaded live, non-draining prefill instance (waiting + running +
-  pending hand-offs, weighted by KV usage); cache-aware scoring plugs in here later.
+- prefill: the live, non-draining prefill instance with the best
+  ``cache_weight * matched_blocks - load`` (matched: leading prompt blocks in its device
+  cache, from the prefix index; load: waiting + running + pending hand-offs + KV usage);
+  with no match anywhere this is simply the least loaded one.
 - decode: most free KV blocks, then fewest running sequences.
 - no prefill/decode pair: a colocated instance, else any surviving worker, end to end.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from kvrelay.cluster.messages import LoadReport, PeerInfo, Register, Role
@@ -68,8 +70,9 @@ class Placement(NamedTuple):
 
 
 class Registry:
-    def __init__(self, dead_after: float = 2.0) -> None:
+    def __init__(self, dead_after: float = 2.0, cache_weight: float = 1.0) -> None:
         self.dead_after = dead_after
+        self.cache_weight = cache_weight
         self._instances: dict[str, Instance] = {}
 
     def register(self, msg: Register, now: float | None = None) -> Instance:
@@ -116,13 +119,23 @@ class Registry:
     def is_ready(self) -> bool:
         return self.place() is not None
 
-    def place(self, exclude: Iterable[str] = ()) -> Placement | None:
-        """Chooses where a new request runs; None when no instance can take it."""
+    def place(
+        self, exclude: Iterable[str] = (), matched: Mapping[str, int] | None = None
+    ) -> Placement | None:
+        """Chooses where a new request runs; None when no instance can take it.
+
+        ``matched``: per instance, the leading prompt blocks its device cache holds.
+        """
         exclude = list(exclude)
+        matched = matched or {}
+
+        def cost(inst: Instance) -> float:
+            return inst.load_score() - self.cache_weight * matched.get(inst.instance_id, 0)
+
         prefills = self._live(Role.PREFILL, exclude)
         decodes = self._live(Role.DECODE, exclude)
         if prefills and decodes:
-            prefill = min(prefills, key=Instance.load_score)
+            prefill = min(prefills, key=cost)
             decode = min(
                 decodes,
                 key=lambda d: (-d.load.num_free_blocks, d.load.num_running + d.num_assigned),
@@ -131,5 +144,5 @@ class Registry:
         # a colocated instance, or any survivor: every worker can run a request end to end
         for pool in (self._live(Role.COLOCATED, exclude), prefills + decodes):
             if pool:
-                return Placement(min(pool, key=Instance.load_score), None)
+                return Placement(min(pool, key=cost), None)
         return None

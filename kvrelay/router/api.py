@@ -1,0 +1,475 @@
+"""The OpenAI-compatible HTTP API: ``create_app(backend, tokenizer, settings) -> FastAPI``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (the process is up), ``GET /ready`` (``backend.is_ready()``). Other routes
+(``/metrics``, ``/admin/*``) are added by the caller with ``app.include_router``; admin
+routers should depend on ``errors.require_admin_token(settings)``. Add middleware as pure
+ASGI middleware (not ``@app.middleware("http")``), so client disconnects still reach the
+streaming responses and abort generation.
+
+A request is validated and tokenized here, then fans out into one ``Backend.generate`` call
+per choice (``n`` times per prompt), with request ids ``{response id}-{choice index}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, TypeVar
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kvrelay.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+from kvrelay.engine.tokenizer import Tokenizer, TokenizerError
+from kvrelay.router.backend import Backend, GenerateInput
+from kvrelay.router.errors import (
+    ApiError,
+    BodyLimitMiddleware,
+    bad_request,
+    from_pydantic,
+    install_error_handlers,
+)
+from kvrelay.router.protocol import (
+    ChatBuilder,
+    ChatCompletionRequest,
+    CompletionBuilder,
+    CompletionRequest,
+    PromptInfo,
+    ResponseBuilder,
+    ResponseOptions,
+    TokenStrings,
+    resolve_max_tokens,
+    sampling_params,
+)
+from kvrelay.router.sse import (
+    ChoiceStream,
+    ClientDisconnected,
+    EventStreamResponse,
+    collect,
+    sse_events,
+    until_disconnected,
+)
+
+logger = logging.getLogger(__name__)
+
+RequestT = TypeVar("RequestT", bound=BaseModel)
+INLINE_TOKENIZE_CHARS = 16_384  # longer texts are tokenized in a worker thread
+_RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "add_generation_prompt", "tools"})
+_CHAT_PARAM_NAMES = {"logprobs": "top_logprobs"}
+
+
+class ChoiceSpec(NamedTuple):
+    """How a request's choices are generated, beyond its sampling fields."""
+
+    max_tokens: int | None  # as requested
+    max_tokens_param: str  # the request field max_tokens came from
+    prompt_param: str  # the request field of the prompt
+    default_max_tokens: int | None  # when not requested; None = up to the context window
+    logprobs: int | None  # SamplingParams.logprobs
+    param_names: dict[str, str]  # SamplingParams field -> request field, where they differ
+
+
+@dataclass(frozen=True, slots=True)
+class ApiSettings:
+    """Limits and names of the HTTP API; validated once."""
+
+    served_model_names: tuple[str, ...] = ()  # names clients may ask for; () = backend's name
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413 before parsing
+    admin_token: str | None = None  # bearer token of /admin/* routes; None = no check
+    max_n: int = 16  # choices per prompt (n)
+    max_batch_prompts: int = 32  # prompts in one /v1/completions request
+    max_choices: int = 64  # prompts x n per request
+    max_stop_strings: int = MAX_STOP_STRINGS  # stop strings per request
+    max_logprobs: int = MAX_LOGPROBS  # logprobs (completions) / top_logprobs (chat)
+    default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
+    max_tokens_limit: int | None = None  # clamps every request's max_tokens; None = no cap
+
+    def __post_init__(self) -> None:
+        if any(not name for name in self.served_model_names):
+            raise ValueError(f"served_model_names must be non-empty, got {self.served_model_names}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.admin_token == "":
+            raise ValueError("admin_token must be None or non-empty")
+        _check_range("max_n", self.max_n, MAX_N)
+        _check_range("max_batch_prompts", self.max_batch_prompts, 1 << 16)
+        _check_range("max_choices", self.max_choices, 1 << 16)
+        _check_range("max_stop_strings", self.max_stop_strings, MAX_STOP_STRINGS, low=0)
+        _check_range("max_logprobs", self.max_logprobs, MAX_LOGPROBS, low=0)
+        _check_range("default_max_tokens", self.default_max_tokens, 1 << 31)
+        if self.max_tokens_limit is not None:
+            _check_range("max_tokens_limit", self.max_tokens_limit, 1 << 31)
+
+
+def _check_range(name: str, value: int, high: int, low: int = 1) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"ApiSettings.{name} must be in [{low}, {high}], got {value}")
+
+
+def create_app(
+    backend: Backend, tokenizer: Tokenizer, settings: ApiSettings | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``backend``; extend it with ``app.include_router``."""
+    settings = settings or ApiSettings()
+    app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+    api = OpenAIApi(backend, tokenizer, settings)
+    app.state.openai_api = api
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/ready", api.ready, methods=["GET"])
+    return app
+
+
+@dataclass(slots=True)
+class OpenAIApi:
+    """Request handlers; one instance per app."""
+
+    backend: Backend
+    tokenizer: Tokenizer
+    settings: ApiSettings
+    tokens: TokenStrings = field(init=False)
+    model_names: tuple[str, ...] = field(init=False)
+    created: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = TokenStrings(self.tokenizer)
+        self.model_names = self.settings.served_model_names or (self.backend.model_name,)
+        self.created = int(time.time())
+
+    # ---- operations
+
+    async def health(self) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self) -> Response:
+        if self.backend.is_ready():
+            return JSONResponse({"status": "ready"})
+        error = ApiError(503, "not ready", type="server_error", code="not_ready")
+        error.headers["Retry-After"] = "1"
+        return error.to_response()
+
+    async def models(self) -> Response:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "kvrelay",
+                "root": self.backend.model_name,
+                "parent": None,
+                "max_model_len": self.backend.max_model_len,
+            }
+            for name in self.model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    # ---- generation
+
+    async def completions(self, request: Request) -> Response:
+        req = parse_request(await request.body(), CompletionRequest)
+        model = self._model_name(req.model)
+        n = self._check_n(req.n, len(req.prompt))
+        self._check_completion_options(req, n)
+        prompts = [await self._completion_prompt(p, req.echo) for p in req.prompt]
+        options = ResponseOptions(
+            include_usage=req.include_usage,
+            want_logprobs=req.logprobs is not None,
+            echo=req.echo,
+            tokens_as_ids=req.return_tokens_as_token_ids,
+        )
+        builder = CompletionBuilder(model, prompts, n, self.tokens, options)
+        spec = ChoiceSpec(
+            max_tokens=req.max_tokens,
+            max_tokens_param="max_tokens",
+            prompt_param="prompt",
+            default_max_tokens=self.settings.default_max_tokens,
+            logprobs=req.logprobs,
+            param_names={},
+        )
+        inputs = self._inputs(builder, req, n, spec)
+        return await self._respond(request, builder, inputs, req.stream)
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = parse_request(await request.body(), ChatCompletionRequest)
+        model = self._model_name(req.model)
+        n = self._check_n(req.n, 1)
+        self._check_chat_options(req)
+        prompt = await self._chat_prompt(req)
+        options = ResponseOptions(
+            include_usage=req.include_usage,
+            want_logprobs=req.logprobs,
+            tokens_as_ids=req.return_tokens_as_token_ids,
+        )
+        builder = ChatBuilder(model, [prompt], n, self.tokens, options)
+        inputs = self._inputs(builder, req, n, _chat_spec(req))
+        return await self._respond(request, builder, inputs, req.stream)
+
+    # ---- checks
+
+    def _model_name(self, requested: str | None) -> str:
+        if requested is None:
+            return self.model_names[0]
+        if requested not in self.model_names:
+            shown = requested if len(requested) <= 100 else f"{requested[:100]}..."
+            raise ApiError(
+                404,
+                f"The model '{shown}' does not exist. Served: {', '.join(self.model_names)}",
+                param="model",
+                code="model_not_found",
+            )
+        return requested
+
+    def _check_n(self, n: int | None, num_prompts: int) -> int:
+        n = 1 if n is None else n
+        if not 1 <= n <= self.settings.max_n:
+            raise bad_request(f"'n' must be in [1, {self.settings.max_n}], got {n}", "n")
+        if num_prompts > self.settings.max_batch_prompts:
+            raise bad_request(
+                f"at most {self.settings.max_batch_prompts} prompts per request, got {num_prompts}",
+                "prompt",
+            )
+        if n * num_prompts > self.settings.max_choices:
+            raise bad_request(
+                f"prompts x n must be at most {self.settings.max_choices}, got {num_prompts} x {n}",
+                "n",
+            )
+        return n
+
+    def _check_stop(self, stop: str | list[str] | None) -> None:
+        num_stop = 0 if stop is None else 1 if isinstance(stop, str) else len(stop)
+        if num_stop > self.settings.max_stop_strings:
+            raise bad_request(
+                f"at most {self.settings.max_stop_strings} stop strings, got {num_stop}", "stop"
+            )
+
+    def _check_logprobs(self, value: int | None, param: str) -> None:
+        if value is not None and not 0 <= value <= self.settings.max_logprobs:
+            raise bad_request(
+                f"'{param}' must be in [0, {self.settings.max_logprobs}], got {value}", param
+            )
+
+    def _check_completion_options(self, req: CompletionRequest, n: int) -> None:
+        self._check_stop(req.stop)
+        self._check_logprobs(req.logprobs, "logprobs")
+        if not req.prompt:
+            raise bad_request("'prompt' must not be empty", "prompt")
+        if req.suffix:
+            raise bad_request("'suffix' is not supported", "suffix")
+        if req.best_of is not None and req.best_of != n:
+            raise bad_request("'best_of' is not supported (it must equal n)", "best_of")
+
+    def _check_chat_options(self, req: ChatCompletionRequest) -> None:
+        self._check_stop(req.stop)
+        self._check_logprobs(req.top_logprobs, "top_logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
+        if not req.messages:
+            raise bad_request("'messages' must not be empty", "messages")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise bad_request(
+                "'continue_final_message' needs 'add_generation_prompt' set to false",
+                "continue_final_message",
+            )
+        reserved = _RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {})
+        if reserved:
+            raise bad_request(
+                f"'chat_template_kwargs' may not set {sorted(reserved)}", "chat_template_kwargs"
+            )
+
+    # ---- prompts
+
+    async def _completion_prompt(self, prompt: str | list[int], echo: bool) -> PromptInfo:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise bad_request("'prompt' must not be empty", "prompt")
+            return PromptInfo(await self._encode(prompt, True, "prompt"), prompt)
+        if not prompt:
+            raise bad_request("'prompt' must not be empty", "prompt")
+        bad = next((t for t in prompt if not 0 <= t < self.tokenizer.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"prompt token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})",
+                "prompt",
+            )
+        text = self.tokenizer.decode(prompt, skip_special_tokens=False) if echo else ""
+        return PromptInfo(list(prompt), text)
+
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> PromptInfo:
+        messages = [m.to_template() for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
+            )
+        except TokenizerError as exc:
+            raise bad_request(str(exc), "messages") from exc
+        except RecursionError:
+            raise bad_request("the messages are nested too deeply", "messages") from None
+        if req.continue_final_message:
+            text = _cut_after_final_message(text, req.messages[-1].text)
+        return PromptInfo(await self._encode(text, False, "messages"), text)
+
+    async def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        try:
+            if len(text) <= INLINE_TOKENIZE_CHARS:
+                return self.tokenizer.encode(text, add_special_tokens)
+            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        except (TokenizerError, UnicodeError) as exc:
+            raise bad_request(f"cannot tokenize the {param}: {exc}", param) from exc
+
+    def _inputs(
+        self,
+        builder: ResponseBuilder,
+        req: CompletionRequest | ChatCompletionRequest,
+        n: int,
+        spec: ChoiceSpec,
+    ) -> list[GenerateInput]:
+        """One GenerateInput per choice (seeds ``seed + i`` so the n choices differ)."""
+        limit = self.settings.max_tokens_limit
+        inputs = []
+        for choice in builder.choices:
+            prompt = builder.prompts[choice.prompt_index]
+            max_tokens = resolve_max_tokens(
+                spec.max_tokens,
+                spec.max_tokens_param,
+                spec.prompt_param,
+                len(prompt.token_ids),
+                self.backend.max_model_len,
+                spec.default_max_tokens,
+            )
+            params = sampling_params(
+                req,
+                max_tokens if limit is None else min(max_tokens, limit),
+                spec.logprobs,
+                spec.param_names,
+                seed_offset=choice.index % n,
+            )
+            inputs.append(GenerateInput(builder.request_id(choice.index), prompt.token_ids, params))
+        return inputs
+
+    # ---- responses
+
+    async def _respond(
+        self,
+        request: Request,
+        builder: ResponseBuilder,
+        inputs: list[GenerateInput],
+        stream: bool,
+    ) -> Response:
+        """Runs the choices; returns the JSON body, or an SSE stream once the first delta came.
+
+        Errors before the first delta (``Overloaded``...) are real HTTP errors; later ones
+        become an SSE error event.
+        """
+        choices = ChoiceStream(self.backend, inputs)
+        handed_off = False
+        try:
+            if not stream:
+                await until_disconnected(request, collect(choices, builder))
+                return _json(builder.response())
+            first = await until_disconnected(request, choices.next())
+            assert first is not None  # every request has at least one choice
+            events = sse_events(first, choices, builder)
+            handed_off = True
+            return EventStreamResponse(events, choices.close)
+        except ClientDisconnected:
+            logger.info("client disconnected before %s was ready; aborted", builder.id)
+            return Response(status_code=499)
+        finally:
+            if not handed_off:
+                choices.close()
+
+
+def _chat_spec(req: ChatCompletionRequest) -> ChoiceSpec:
+    """Chat names the length ``max_completion_tokens`` (``max_tokens`` is the old name)."""
+    max_tokens: int | None = req.max_tokens
+    param = "max_tokens"
+    if req.max_completion_tokens is not None:
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    return ChoiceSpec(
+        max_tokens=max_tokens,
+        max_tokens_param=param,
+        prompt_param="messages",
+        default_max_tokens=None,
+        logprobs=logprobs,
+        param_names={**_CHAT_PARAM_NAMES, "max_tokens": param},
+    )
+
+
+def parse_request(body: bytes, model: type[RequestT]) -> RequestT:
+    """A validated request model from a raw body.
+
+    Raises:
+        ApiError: 400 for an empty body, invalid UTF-8 or JSON, a non-object, lone
+            surrogates in strings, or a field of the wrong type.
+    """
+    data = parse_json_object(body)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_pydantic(exc) from None
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    if not body.strip():
+        raise bad_request("The request body is empty; expected a JSON object")
+    try:
+        data = json.loads(body, parse_constant=_reject_constant)
+    except UnicodeDecodeError:
+        raise bad_request("The request body is not valid UTF-8") from None
+    except RecursionError:
+        raise bad_request("The request body is nested too deeply") from None
+    except ValueError as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
+    _reject_lone_surrogates(data)
+    return data
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _reject_lone_surrogates(data: object) -> None:
+    """Strings from ``\\ud800``-style escapes cannot be tokenized or sent back as UTF-8."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str) and not item.isascii():
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request("The request holds an unpaired UTF-16 surrogate") from None
+
+
+def _cut_after_final_message(rendered: str, final_text: str) -> str:
+    """The rendered chat up to the end of the final message (for continue_final_message)."""
+    end = rendered.rfind(final_text) if final_text else -1
+    if end == -1:
+        raise bad_request(
+            "cannot continue the final message: its content is empty or not in the rendered chat",
+            "continue_final_message",
+        )
+    return rendered[: end + len(final_text)]
+
+
+def _json(body: dict[str, Any]) -> Response:
+    return Response(json.dumps(body, ensure_ascii=False).encode(), media_type="application/json")
