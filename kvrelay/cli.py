@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_engine_args(serve)
     _add_serve_args(serve)
+    _add_bench_parser(sub)
     return parser
 
 
@@ -147,6 +148,18 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--dead-after", type=float, default=2.0, help="router: heartbeat timeout (s)")
     p.add_argument("--lease-ttl", type=float, default=30.0, help="prefill: KV lease (s)")
+    p.add_argument(
+        "--host-pool",
+        default="auto",
+        help="worker: L1 host shared-memory KV pool name ('auto': one per host and model; "
+        "'off': none)",
+    )
+    p.add_argument(
+        "--host-pool-memory", type=float, default=0.25, help="worker: L1 pool size in GiB"
+    )
+    p.add_argument(
+        "--redis-url", default="", help="worker: L2 global KV tier, e.g. redis://host:6379/0"
+    )
     p.add_argument("--corrupt-transfers", type=int, default=0, help=argparse.SUPPRESS)
 
 
@@ -212,7 +225,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 0
     from kvrelay.cluster.messages import Role
     from kvrelay.cluster.serve import run_worker
-    from kvrelay.cluster.worker import WorkerConfig
+    from kvrelay.cluster.worker_config import WorkerConfig
 
     run_worker(
         WorkerConfig(
@@ -229,11 +242,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
             transport=args.transport,
             served_model_name=args.served_model_name,
             lease_ttl=args.lease_ttl,
+            host_pool="" if args.host_pool == "off" else args.host_pool,
+            host_pool_bytes=int(args.host_pool_memory * (1 << 30)),
+            redis_url=args.redis_url,
             corrupt_transfers=args.corrupt_transfers,
             engine_args=engine_kwargs(args),
         )
     )
     return 0
+
+
+def _add_bench_parser(sub: Any) -> None:
+    from kvrelay.bench import add_bench_args
+
+    bench = sub.add_parser(
+        "bench", help="Poisson load against a server: TTFT, TPOT, throughput and goodput"
+    )
+    add_bench_args(bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvrelay.bench import run_cli
+
+    return run_cli(args)
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -303,6 +334,7 @@ COMMANDS = {
     "chat": cmd_chat,
     "serve": cmd_serve,
     "up": cmd_up,
+    "bench": cmd_bench,
 }
 
 

@@ -99,3 +99,17 @@ def test_expired_lease_frees_both_sides(tiny_model_dir, tmp_path, reference):
         assert reference.startswith(res.choices[0].text)
         assert res.usage.completion_tokens == 40
         assert worker_stats(launcher)["decode-0"]["num_recomputed"] == 1
+
+
+def test_no_survivor_ends_the_stream_with_an_error_event(tiny_model_dir, tmp_path):
+    spec = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1}
+    with running_cluster(tiny_model_dir, tmp_path, check_leaks=False, **spec) as launcher:
+        stream = _request(_client(launcher), stream=True)
+        received = 0
+        with pytest.raises(openai.APIError, match="broke off"):
+            for _ in stream:
+                received += 1
+                if received == 3:
+                    launcher.kill("colocated-0", signal.SIGKILL)
+        assert received >= 3
+        assert launcher.get_json("/admin/instances")["num_inflight"] == 0

@@ -80,6 +80,11 @@ class Launcher:
         self._counts = dict.fromkeys(ROLES, 0)
 
     @property
+    def host_pool_name(self) -> str:
+        """The L1 host pool this cluster's workers share unless told otherwise."""
+        return f"kvrelay-{self.cluster_id}-l1"
+
+    @property
     def url(self) -> str:
         return f"http://{self.spec.host}:{self.port}"
 
@@ -100,10 +105,14 @@ class Launcher:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         name = f"{role}-{self._counts[role]}"
         self._counts[role] += 1
+        pool = []
+        if "--host-pool" not in (*self.spec.worker_args, *extra_args):
+            pool = ["--host-pool", self.host_pool_name]  # removed with the cluster at stop
         args = [
             "--cluster-id", self.cluster_id,
             "--instance-id", name,
             "--transport", self.spec.transport,
+            *pool,
             *self.spec.worker_args,
             *extra_args,
         ]  # fmt: skip

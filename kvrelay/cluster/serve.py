@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvrelay.cluster.messages import Role
-from kvrelay.cluster.worker import Worker, WorkerConfig
+from kvrelay.cluster.worker import Worker
+from kvrelay.cluster.worker_config import WorkerConfig
 
 
 def create_worker(config: WorkerConfig) -> Worker:

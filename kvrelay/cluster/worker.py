@@ -18,10 +18,8 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import time
 import uuid
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,59 +36,24 @@ from kvrelay.cluster.messages import (
     PeerInfo,
     ProtocolError,
     Register,
-    Role,
     Shutdown,
     TokenEvent,
     decode,
     encode,
 )
 from kvrelay.cluster.status import StatusServer
+from kvrelay.cluster.worker_config import (
+    WorkerConfig,
+    create_tiers,
+    default_host_id,
+    layout_from_shape,
+)
 from kvrelay.cluster.worker_metrics import WorkerMetrics
 from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput, build_engine_config
-from kvrelay.engine.loader import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 20
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerConfig:
-    role: Role  # prefill | decode | colocated
-    model: str  # checkpoint directory
-    router_addr: str  # ZMQ address(es) of the routers' control sockets, comma-separated
-    cluster_id: str = "default"  # namespaces shared-memory names of one cluster
-    instance_id: str = ""  # unique per cluster; default "<role>-<pid>"
-    host: str = "127.0.0.1"  # address to bind
-    advertise_host: str = ""  # address peers and the router use; default: host
-    status_port: int = 0  # /health /ready /metrics; 0 = any free port
-    peer_port: int = 0  # KV hand-off socket; 0 = any free port
-    transport: str = "auto"  # auto | shm | tcp | cuda_ipc
-    host_id: str = ""  # equal host ids share memory; default: this machine's id
-    served_model_name: str = ""  # the name clients use; default: the directory name
-    heartbeat_interval: float = 0.2  # seconds between load reports
-    lease_ttl: float = 30.0  # prefill keeps handed-off blocks this long without an ack
-    transfer_timeout: float = 10.0  # decode's limit for one pull
-    corrupt_transfers: int = 0  # test hook: corrupt this many received transfers
-    engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.role not in (Role.PREFILL, Role.DECODE, Role.COLOCATED):
-            raise ValueError(f"worker role must be prefill, decode or colocated, got {self.role}")
-        if self.transport not in ("auto", "shm", "tcp", "cuda_ipc"):
-            raise ValueError(
-                f"transport must be auto, shm, tcp or cuda_ipc, got {self.transport!r}"
-            )
-
-
-def default_host_id() -> str:
-    """Same value for every process on one machine (and one IPC namespace)."""
-    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-        try:
-            return Path(path).read_text().strip() + "@" + socket.gethostname()
-        except OSError:
-            continue
-    return socket.gethostname()
 
 
 class Worker:
@@ -106,7 +69,10 @@ class Worker:
         self._kv_segment: str | None = None
         self._shared_pool: Any = None
         engine_config = build_engine_config(config.model, **dict(config.engine_args))
-        self.engine = LLMEngine(engine_config, tokenizer=None, kv_allocator=self._allocate_kv)
+        self.tiers = create_tiers(config, engine_config)
+        self.engine = LLMEngine(
+            engine_config, tokenizer=None, kv_allocator=self._allocate_kv, tiers=self.tiers
+        )
         self.layout = self._layout()
         self.ctrls = [self._router_link(addr) for addr in config.router_addr.split(",")]
         self.peer = self.ctx.socket(zmq.ROUTER)
@@ -116,6 +82,7 @@ class Worker:
         if config.peer_port:
             self.peer.bind(f"{addr}:{port}")
         public = config.advertise_host or config.host
+        self.metrics.watch_tiers(self.tier_stats)
         self.status = StatusServer(
             config.host, config.status_port, self.metrics.registry, self.is_ready, self.stats
         )
@@ -157,12 +124,12 @@ class Worker:
         from kvrelay.transport.shm_pool import SharedKvPool, segment_name
 
         name = segment_name(self.config.cluster_id, self.config.instance_id, "kv")
-        self._shared_pool = SharedKvPool.create(name, _layout_from_shape(shape, dtype))
+        self._shared_pool = SharedKvPool.create(name, layout_from_shape(shape, dtype))
         self._kv_segment = name
         return self._shared_pool.tensor
 
     def _layout(self) -> KvLayout:
-        return _layout_from_shape(
+        return layout_from_shape(
             tuple(self.engine.runner.kv_cache.shape), self.engine.runner.kv_cache.dtype
         )
 
@@ -180,13 +147,31 @@ class Worker:
             "num_leaked_blocks": self.num_leaked_blocks(),
             "num_waiting": self.engine.scheduler.num_waiting,
             "num_running": self.engine.scheduler.num_running,
-            "prefix_cache": {
-                "query_tokens": bm.num_query_tokens,
-                "hit_tokens": bm.num_hit_tokens,
-                "cached_blocks": bm.num_cached_blocks,
-                "evictions": bm.num_evictions,
-            },
+            "tiers": self.tier_stats(),
         }
+
+    def tier_stats(self) -> dict[str, Any]:
+        """Per tier: this instance's queries and hits (tokens and blocks), sizes, errors."""
+        bm = self.engine.block_manager
+        block_size = bm.block_size
+        device = {
+            "capacity_blocks": bm.num_blocks,
+            "capacity_bytes": self.engine.runner.kv_cache.nbytes,
+            "used_blocks": bm.num_leaked(),
+            "cached_blocks": bm.num_cached_blocks,
+            "query_tokens": bm.num_query_tokens,
+            "hit_tokens": bm.num_hit_tokens,
+            "hit_blocks": bm.num_hit_tokens // block_size,
+            "evictions": bm.num_evictions,
+        }
+        device["hit_rate"] = bm.num_hit_tokens / bm.num_query_tokens if bm.num_query_tokens else 0.0
+        out: dict[str, Any] = {"device": device}
+        if self.tiers is not None:
+            for name, stats in self.tiers.stats().items():
+                stats["query_tokens"] = stats["query_blocks"] * block_size
+                stats["hit_tokens"] = stats["hit_blocks"] * block_size
+                out[name] = stats
+        return out
 
     def num_leaked_blocks(self) -> int:
         """Block references that no running sequence, lease or import accounts for."""
@@ -388,6 +373,8 @@ class Worker:
         self.close_role()
         if self._shared_pool is not None:
             self._shared_pool.close(unlink=True)
+        if self.tiers is not None:
+            self.tiers.close()
         self.ctx.term()
         logger.info("%s stopped", self.instance_id)
 
@@ -419,12 +406,6 @@ def _logprob_wire(lp: Any) -> list[Any] | None:
     if lp is None:
         return None
     return [lp.token_id, lp.logprob, lp.rank, [list(t) for t in lp.top]]
-
-
-def _layout_from_shape(shape: tuple[int, ...], dtype: torch.dtype) -> KvLayout:
-    names = {v: k for k, v in TORCH_DTYPES.items()}
-    num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = shape
-    return KvLayout(num_layers, num_blocks, block_size, num_kv_heads, head_dim, names[dtype])
 
 
 def new_request_id() -> str:

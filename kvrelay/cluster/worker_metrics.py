@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from kvrelay.engine.engine import LLMEngine
@@ -27,6 +30,10 @@ class WorkerMetrics:
         self.num_waiting = gauge("kvrelay_num_requests_waiting", "Requests waiting to be scheduled")
         self.num_running = gauge("kvrelay_num_requests_running", "Requests running in the engine")
         self.kv_usage = gauge("kvrelay_kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)")
+        # the same three under vLLM's names, so existing HPA / KEDA recipes work unchanged
+        self.vllm_waiting = gauge("vllm:num_requests_waiting", "Requests waiting (vLLM name)")
+        self.vllm_running = gauge("vllm:num_requests_running", "Requests running (vLLM name)")
+        self.vllm_kv_usage = gauge("vllm:kv_cache_usage_perc", "KV usage 0-1 (vLLM name)")
         self.free_blocks = gauge("kvrelay_kv_free_blocks", "KV blocks free or evictable")
         self.step_seconds = Histogram(
             "kvrelay_engine_step_seconds",
@@ -55,11 +62,54 @@ class WorkerMetrics:
             "kvrelay_kv_leases_expired", "Prefill leases freed without an ack", registry=r
         )
 
+    def watch_tiers(self, tier_stats: Callable[[], dict[str, Any]]) -> None:
+        """Exports per-tier cache counters read from ``tier_stats()`` at scrape time."""
+        self.registry.register(_TierCollector(tier_stats))
+
     def observe_step(self, seconds: float) -> None:
         self.step_seconds.observe(seconds)
 
     def update_load(self, engine: LLMEngine) -> None:
-        self.num_waiting.set(engine.scheduler.num_waiting)
-        self.num_running.set(engine.scheduler.num_running)
-        self.kv_usage.set(engine.block_manager.usage)
+        for waiting in (self.num_waiting, self.vllm_waiting):
+            waiting.set(engine.scheduler.num_waiting)
+        for running in (self.num_running, self.vllm_running):
+            running.set(engine.scheduler.num_running)
+        for usage in (self.kv_usage, self.vllm_kv_usage):
+            usage.set(engine.block_manager.usage)
         self.free_blocks.set(engine.block_manager.num_free_blocks)
+
+
+_TIER_COUNTERS = (
+    ("kvrelay_prefix_cache_queries", "Prompt tokens looked up in the tier", "query_tokens"),
+    ("kvrelay_prefix_cache_hits", "Prompt tokens the tier served", "hit_tokens"),
+    ("kvrelay_cache_tier_bytes_read", "Bytes read from the tier", "bytes_read"),
+    ("kvrelay_cache_tier_bytes_written", "Bytes written to the tier", "bytes_written"),
+    ("kvrelay_cache_tier_evictions", "Blocks evicted from the tier", "evictions"),
+    ("kvrelay_cache_tier_errors", "Failed tier operations (read as misses)", "errors"),
+)
+_TIER_GAUGES = (
+    ("kvrelay_cache_tier_capacity_bytes", "Capacity of the tier", "capacity_bytes"),
+    ("kvrelay_cache_tier_used_blocks", "Blocks held by the tier", "used_blocks"),
+)
+
+
+class _TierCollector(Collector):
+    """Reads the worker's tier figures at scrape time (labels: tier)."""
+
+    def __init__(self, tier_stats: Callable[[], dict[str, Any]]) -> None:
+        self._tier_stats = tier_stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self._tier_stats()
+        for name, doc, field in _TIER_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["tier"])
+            for tier, figures in stats.items():
+                if field in figures:
+                    family.add_metric([tier], float(figures[field]))
+            yield family
+        for name, doc, field in _TIER_GAUGES:
+            gauge_family = GaugeMetricFamily(name, doc, labels=["tier"])
+            for tier, figures in stats.items():
+                if field in figures:
+                    gauge_family.add_metric([tier], float(figures[field]))
+            yield gauge_family

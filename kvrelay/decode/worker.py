@@ -107,6 +107,7 @@ class DecodeWorker(Worker):
                 ready.params,
                 blocks,
                 ready.num_cached_tokens,
+                ready.cached_tokens_by_tier,
             )
         except RequestError as e:
             self.engine.block_manager.release(blocks)

@@ -175,6 +175,7 @@ class LLMEngine:
         params: SamplingParams,
         block_ids: list[int],
         num_cached_tokens: int = 0,
+        cached_tokens_by_tier: dict[str, int] | None = None,
     ) -> None:
         """Adds a request whose KV another instance computed and that is now in ``block_ids``.
 
@@ -191,6 +192,7 @@ class LLMEngine:
         seq.block_ids = list(block_ids)
         seq.num_computed_tokens = seq.num_tokens - 1
         seq.num_cached_tokens = num_cached_tokens
+        seq.cached_tokens_by_tier = dict(cached_tokens_by_tier or {})
         self.scheduler.add_running(seq)
         self._stops[request_id] = StopChecker(self.tokenizer, seq.prompt_token_ids, params)
 

@@ -203,14 +203,19 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         """Admits waiting sequences in order; returns the tokens of budget used."""
         used = 0
+        bm = self.block_manager
         while self.waiting and used < budget and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(seq)
-            num_new = min(
-                seq.num_tokens - len(cached) * self.block_manager.block_size, budget - used
-            )
-            if not self.block_manager.allocate(seq, num_new, cached):
+            cached = bm.find_cached_prefix(seq)
+            external = self._external_prefix(seq, len(cached))
+            num_ext = external.num_blocks if external else 0
+            num_new = min(seq.num_tokens - (len(cached) + num_ext) * bm.block_size, budget - used)
+            if not bm.allocate(seq, num_new, cached, num_ext):
                 break
+            if external is not None:
+                self._load_external(seq, external, len(cached))
+            elif cached:
+                seq.cached_tokens_by_tier = {"device": len(cached) * bm.block_size}
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -81,6 +81,7 @@ class PrefillWorker(Worker):
             checksum=kv_checksum(self.engine.runner.kv_cache, seq.block_ids),
             lease_deadline=deadline,
             num_cached_tokens=seq.num_cached_tokens,
+            cached_tokens_by_tier=seq.cached_tokens_by_tier,
         )
         self.send_event(token_event(self.instance_id, out, handed_off_to=target.instance_id))
         self.send_peer(target.peer_addr, ready)

@@ -30,6 +30,7 @@ from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
 from kvrelay.cluster.messages import (
     Abort,
     CacheEvent,
+    Drain,
     GenerateRequest,
     LoadReport,
     ProtocolError,
@@ -99,6 +100,7 @@ class ClusterBackend(Backend):
         self.registry = Registry(settings.dead_after, settings.cache_weight)
         self.prefix_index = PrefixIndex()
         self.metrics = metrics or RouterMetrics()
+        self.metrics.watch_registry(self.registry)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -209,6 +211,15 @@ class ClusterBackend(Backend):
         except (zmq.Again, zmq.ZMQError) as e:
             logger.warning("cannot send %s to %s: %s", type(msg).__name__, inst.instance_id, e)
 
+    def drain(self, instance_id: str) -> bool:
+        """Stops placing requests on an instance and tells it to drain; False if unknown."""
+        inst = self.registry.get(instance_id)
+        if inst is None:
+            return False
+        inst.draining = True
+        self._send(inst, Drain(instance_id))
+        return True
+
     # ------------------------------------------------------------------ events
     async def _recv_loop(self) -> None:
         while True:
@@ -256,7 +267,8 @@ class ClusterBackend(Backend):
         new = event.token_ids[skip:]
         if not new and not event.finished:
             return
-        if not tr.tokens and new:
+        is_first = not tr.tokens and bool(new)
+        if is_first:
             tr.num_cached_tokens = event.num_cached_tokens
             tr.cached_tokens_by_tier = dict(event.cached_tokens_by_tier)
             self.metrics.ttft.observe(time.monotonic() - tr.started)
@@ -276,8 +288,8 @@ class ClusterBackend(Backend):
             finish_reason=reason if finished else None,
             stop_reason=stop_str if stop_str is not None else event.stop_reason,
             num_prompt_tokens=len(tr.request.prompt_token_ids),
-            num_cached_tokens=tr.num_cached_tokens,
-            cached_tokens_by_tier=tr.cached_tokens_by_tier,
+            num_cached_tokens=tr.num_cached_tokens if is_first else 0,
+            cached_tokens_by_tier=tr.cached_tokens_by_tier if is_first else {},
         )
         if finished:
             if stop_str is not None:

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvrelay.router.registry import Registry
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -41,6 +48,40 @@ class RouterMetrics:
         )
         self.inflight = Gauge("kvrelay_requests_inflight", "Requests in flight", registry=r)
 
+    def watch_registry(self, registry: Registry) -> None:
+        """Exports every instance's last load report (labels: instance, role)."""
+        self.registry.register(_LoadCollector(registry))
+
     def observe_finish(self, started: float, reason: str) -> None:
         self.e2e.observe(time.monotonic() - started)
         self.finished.labels(reason).inc()
+
+
+_LOAD_GAUGES = (
+    ("kvrelay_num_requests_waiting", "Requests waiting on the instance"),
+    ("kvrelay_num_requests_running", "Requests running on the instance"),
+    ("kvrelay_kv_cache_usage_perc", "Fraction of the instance's KV blocks in use (0-1)"),
+    ("vllm:num_requests_waiting", "Requests waiting (vLLM name)"),
+    ("vllm:num_requests_running", "Requests running (vLLM name)"),
+    ("vllm:kv_cache_usage_perc", "KV usage 0-1 (vLLM name)"),
+)
+
+
+class _LoadCollector(Collector):
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        instances = self._registry.instances()
+        for name, doc in _LOAD_GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["instance", "role"])
+            for inst in instances:
+                load = inst.load
+                if name.endswith("waiting"):
+                    value = float(load.num_waiting)
+                elif name.endswith("running"):
+                    value = float(load.num_running)
+                else:
+                    value = 1.0 - load.num_free_blocks / max(1, load.num_total_blocks)
+                family.add_metric([inst.instance_id, inst.role.value], value)
+            yield family

@@ -31,6 +31,7 @@ class Instance:
     load: LoadReport
     last_seen: float
     num_assigned: int = 0  # requests sent since the last load report (not yet counted by it)
+    draining: bool = False  # the router asked it to drain (its reports will say so too)
 
     @property
     def instance_id(self) -> str:
@@ -61,6 +62,7 @@ class Instance:
             "transport": self.info.transport,
             "seconds_since_report": round(time.monotonic() - self.last_seen, 3),
             **load,
+            "draining": self.draining or self.load.draining,
         }
 
 
@@ -113,7 +115,9 @@ class Registry:
     def _live(self, role: Role, exclude: Iterable[str]) -> list[Instance]:
         skip = set(exclude)
         return [
-            i for i in self.instances(role) if not i.load.draining and i.instance_id not in skip
+            i
+            for i in self.instances(role)
+            if not (i.load.draining or i.draining) and i.instance_id not in skip
         ]
 
     def is_ready(self) -> bool:

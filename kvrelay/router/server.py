@@ -19,8 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.router.api import ApiSettings, create_app
+from kvrelay.router.cache_stats import build_report, fetch_worker_stats
 from kvrelay.router.cluster import ClusterBackend, ClusterSettings
-from kvrelay.router.errors import require_admin_token
+from kvrelay.router.errors import ApiError, require_admin_token
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,20 @@ def add_operations_routes(app: FastAPI, backend: ClusterBackend, settings: ApiSe
     @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         return Response(generate_latest(backend.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/cache/stats", dependencies=admin)
+    async def cache_stats() -> dict[str, Any]:
+        instances = backend.registry.instances()
+        urls = {i.instance_id: i.info.status_url for i in instances}
+        per_instance, unreachable = await fetch_worker_stats(urls)
+        host_ids = {i.instance_id: i.info.host_id for i in instances}
+        return build_report(per_instance, unreachable, host_ids)
+
+    @app.post("/admin/instances/{instance_id}/drain", dependencies=admin)
+    async def drain(instance_id: str) -> dict[str, Any]:
+        if not backend.drain(instance_id):
+            raise ApiError(404, f"no instance {instance_id!r}", code="not_found")
+        return {"instance_id": instance_id, "draining": True}
 
     @app.get("/admin/instances", dependencies=admin)
     async def instances() -> dict[str, Any]:

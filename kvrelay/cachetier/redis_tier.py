@@ -1,0 +1,417 @@
+"""L2 global tier: whole KV blocks in Redis, shared by every host (``--redis-url``).
+
+Layout, one Redis string per block::
+
+    key    namespace + BlockHash          b"kvrelay:" + 16 raw bytes, never a joined string
+    value  pack_header(...) + payload     64 + fmt.payload_bytes bytes, checked on every read
+
+Every value is written with ``SET key value EX ttl NX``: a block is never rewritten (equal keys
+mean equal KV), its TTL is refreshed when it is written again, and the server evicts the least
+recently used blocks on its own (``maxmemory-policy allkeys-lru``).
+
+Reads (``lookup``, ``get``) are one pipelined round trip on the caller's thread. Writes are
+write-behind: ``put`` copies the payloads into a bounded queue and returns; a daemon thread
+(``kvrelay-redis-writer``) drains it in pipelined batches, so no write is ever on the TTFT
+path. A Redis that is absent, slow or down is a miss, never a failed request:
+
+    closed ──failure──▶ open: every call skips Redis (reads miss, puts drop) for the backoff
+      ▲                  │    (0.5 s after the first failure, doubling up to 10 s)
+      │                  ▼ backoff elapsed
+      └──success──── half-open: the next call tries Redis ──failure──▶ open, backoff doubled
+
+``errors`` counts each failed call (and each corrupt value); calls skipped while open count in
+``skipped_calls``. One warning is logged per outage and one info line on recovery.
+
+Threads: ``lookup``/``get``/``put``/``stats``/``flush``/``close`` are called from the worker's
+loop thread (``stats`` may also come from an admin thread); the writer thread is internal. The
+breaker, the queue, the counters and the INFO cache are each guarded by a lock; the redis-py
+connection pool is thread-safe. Memory: the queue holds at most ``queue_blocks`` copies of
+``fmt.value_bytes`` each, owned by the tier until written or dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from kvrelay.cachetier.base import (
+    HEADER_BYTES,
+    BlockFormat,
+    CorruptBlock,
+    KvTier,
+    TierStats,
+    check_value,
+    key_bytes,
+    pack_header,
+)
+from kvrelay.cachetier.block_hash import BlockHash
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 10.0
+INFO_CACHE_S = 1.0
+HEALTH_CHECK_INTERVAL_S = 30
+CLOSE_FLUSH_S = 1.0
+_FAILURES = (RedisError, OSError)
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*")
+
+
+class CircuitBreaker:
+    """Closed / open / half-open state of one remote, shared by the loop and writer threads."""
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._lock = threading.Lock()
+        self._open_until = 0.0
+        self._backoff = 0.0
+        self._num_failures = 0  # in the current outage
+        self.is_available = True
+
+    def allows(self) -> bool:
+        """Whether a call may try the remote now (closed, or open with the backoff elapsed)."""
+        return time.monotonic() >= self._open_until
+
+    def record_success(self) -> None:
+        with self._lock:
+            if not self.is_available:
+                logger.info(
+                    "redis tier %s is back after %d failed calls", self._label, self._num_failures
+                )
+            self.is_available = True
+            self._open_until = 0.0
+            self._backoff = 0.0
+            self._num_failures = 0
+
+    def record_failure(self, op: str, exc: BaseException) -> None:
+        with self._lock:
+            self._backoff = min(max(2 * self._backoff, BACKOFF_MIN_S), BACKOFF_MAX_S)
+            self._open_until = time.monotonic() + self._backoff
+            self._num_failures += 1
+            if self.is_available:
+                logger.warning(
+                    "redis tier %s unavailable (%s: %s: %s); reads miss and writes drop until "
+                    "it answers (retry after %.1f s, backoff up to %.0f s)",
+                    self._label,
+                    op,
+                    type(exc).__name__,
+                    exc,
+                    self._backoff,
+                    BACKOFF_MAX_S,
+                )
+            self.is_available = False
+
+
+class _Write(NamedTuple):
+    """One queued block: ``value`` holds the payload at ``HEADER_BYTES``; the writer packs
+    the header. ``value`` None means: delete the key (a corrupt value a reader found)."""
+
+    key: BlockHash
+    value: bytearray | None
+
+
+class RedisTier(KvTier):
+    """Whole KV blocks in a Redis shared by every host; see the module docstring.
+
+    Args:
+        url: ``redis://[:password@]host:port/db`` (``rediss://``, ``unix://`` too).
+        fmt: the block format of the model; values of another format read as corrupt.
+        namespace: key prefix, so two clusters (or models) can share one Redis.
+        ttl_seconds: expiry of a block, refreshed whenever it is written again.
+        timeout: socket connect and read timeout of every call, in seconds.
+        queue_blocks: blocks the write-behind queue holds; more are dropped and counted.
+        batch_blocks: blocks the writer sends per pipeline.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        fmt: BlockFormat,
+        namespace: bytes = b"kvrelay:",
+        ttl_seconds: int = 3600,
+        timeout: float = 0.25,
+        queue_blocks: int = 1024,
+        batch_blocks: int = 32,
+    ) -> None:
+        for field, value in (
+            ("ttl_seconds", ttl_seconds),
+            ("timeout", timeout),
+            ("queue_blocks", queue_blocks),
+            ("batch_blocks", batch_blocks),
+        ):
+            if value <= 0:
+                raise ValueError(f"{field} must be > 0, got {value!r}")
+        self._fmt = fmt
+        self._namespace = bytes(namespace)
+        self._ttl = ttl_seconds
+        self._queue_blocks = queue_blocks
+        self._batch_blocks = batch_blocks
+        self._url = redact_url(url)
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            health_check_interval=HEALTH_CHECK_INTERVAL_S,
+            retry=Retry(NoBackoff(), 0),  # the breaker decides when to try again
+        )
+        self._join_timeout = CLOSE_FLUSH_S + 8 * timeout  # a batch is a few bounded calls
+        self._stats = TierStats()
+        self._stats.counters.update(skipped_calls=0, refreshed_blocks=0)
+        self._breaker = CircuitBreaker(self._url)
+        self._info_lock = threading.Lock()
+        self._info: tuple[float, dict[str, int]] = (-INFO_CACHE_S, {})
+        # Write-behind queue: appended by put (loop thread), drained by the writer thread.
+        self._cond = threading.Condition()
+        self._queue: collections.deque[_Write] = collections.deque()
+        self._num_in_flight = 0
+        # Value buffers the writer is done with, reused by put: fresh memory costs page faults
+        # that make a copy several times slower than memcpy. At most 2 batches are kept.
+        self._free: list[bytearray] = []
+        self._is_closing = False
+        self._writer = threading.Thread(
+            target=self._write_loop, name="kvrelay-redis-writer", daemon=True
+        )
+        self._writer.start()
+
+    # -- reads (caller's thread) -------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockHash]) -> int:
+        self._stats.add(lookups=1, query_blocks=len(keys))
+        if not keys:
+            return 0
+        start = time.perf_counter()
+        present = self._call("lookup", lambda: self._exists(keys))
+        if present is None:
+            return 0
+        num_hit = _leading_true(present)
+        self._stats.add(hit_blocks=num_hit)
+        self._stats.observe(time.perf_counter() - start)
+        return num_hit
+
+    def get(self, keys: Sequence[BlockHash]) -> list[np.ndarray]:
+        self._stats.add(lookups=1, query_blocks=len(keys))
+        if not keys:
+            return []
+        start = time.perf_counter()
+        values = self._call("get", lambda: self._mget(keys))
+        if values is None:
+            return []
+        out: list[np.ndarray] = []
+        for key, value in zip(keys, values):
+            if value is None:
+                break
+            try:
+                payload = check_value(self._fmt, key, value)
+            except CorruptBlock as exc:
+                self._discard_corrupt(key, exc)
+                break
+            out.append(np.frombuffer(payload, dtype=np.uint8).copy())
+        self._stats.add(hit_blocks=len(out), bytes_read=len(out) * self._fmt.payload_bytes)
+        self._stats.observe(time.perf_counter() - start)
+        return out
+
+    def _mget(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
+        return self._client.mget([self._key(k) for k in keys])  # type: ignore[return-value]
+
+    def _exists(self, keys: Sequence[BlockHash]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(self._key(key))
+        return pipe.execute()
+
+    def _discard_corrupt(self, key: BlockHash, exc: CorruptBlock) -> None:
+        """Counts the error and has the writer delete the value (NX would keep it forever)."""
+        self._stats.add(errors=1)
+        logger.warning("redis tier %s: corrupt block %s: %s", self._url, key.hex(), exc)
+        with self._cond:
+            self._queue.append(_Write(key, None))
+            self._cond.notify()
+
+    # -- writes ------------------------------------------------------------------------------
+
+    def put(self, items: Sequence[tuple[BlockHash, np.ndarray]]) -> int:
+        """Queues copies of the payloads and returns at once; see ``flush``."""
+        for _, payload in items:
+            if payload.dtype != np.uint8 or payload.nbytes != self._fmt.payload_bytes:
+                raise ValueError(
+                    f"payload must be uint8 of {self._fmt.payload_bytes} bytes, "
+                    f"got {payload.dtype} of {payload.nbytes}"
+                )
+        if not self._breaker.allows():
+            self._stats.add(skipped_calls=1, dropped_puts=len(items))
+            return 0
+        with self._cond:
+            room = 0 if self._is_closing else self._queue_blocks - len(self._queue)
+            accepted = items[: max(room, 0)]
+            buffers = [self._free.pop() for _ in range(min(len(accepted), len(self._free)))]
+        writes = [self._copy(key, payload, buffers) for key, payload in accepted]
+        with self._cond:
+            self._queue.extend(writes)
+            self._cond.notify()
+        self._stats.add(dropped_puts=len(items) - len(writes))
+        return len(writes)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Waits until every queued write was sent (or dropped); False if ``timeout`` ran out."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not self._queue and not self._num_in_flight, timeout=timeout
+            )
+
+    def _copy(self, key: BlockHash, payload: np.ndarray, buffers: list[bytearray]) -> _Write:
+        value = buffers.pop() if buffers else bytearray(self._fmt.value_bytes)
+        np.frombuffer(value, dtype=np.uint8)[HEADER_BYTES:] = payload.reshape(-1)
+        return _Write(key, value)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._is_closing)
+                if self._is_closing:
+                    self._stats.add(dropped_puts=sum(w.value is not None for w in self._queue))
+                    self._queue.clear()
+                    self._cond.notify_all()
+                    return
+                batch = [
+                    self._queue.popleft() for _ in range(min(self._batch_blocks, len(self._queue)))
+                ]
+                self._num_in_flight = len(batch)
+            try:
+                self._write_batch(batch)
+            finally:
+                with self._cond:
+                    self._num_in_flight = 0
+                    self._recycle(batch)
+                    self._cond.notify_all()
+
+    def _recycle(self, batch: list[_Write]) -> None:
+        """Keeps finished value buffers for reuse (caller holds ``_cond``)."""
+        room = 2 * self._batch_blocks - len(self._free)
+        self._free.extend([w.value for w in batch if w.value is not None][: max(room, 0)])
+
+    def _write_batch(self, batch: list[_Write]) -> None:
+        if self._call("put", lambda: self._send(batch)) is None:
+            self._stats.add(dropped_puts=sum(w.value is not None for w in batch))
+
+    def _send(self, batch: list[_Write]) -> bool:
+        """Two round trips: EXPIRE every key (refreshes the TTL, and tells which exist), then
+        ``SET NX EX`` only the missing ones, so a shared block is not sent again."""
+        deletes = [self._key(w.key) for w in batch if w.value is None]
+        writes = [w for w in batch if w.value is not None]
+        pipe = self._client.pipeline(transaction=False)
+        if deletes:
+            pipe.delete(*deletes)
+        for w in writes:
+            pipe.expire(self._key(w.key), self._ttl)
+        replies = pipe.execute()[1 if deletes else 0 :]
+        missing = [w for w, exists in zip(writes, replies) if not exists]
+        for w in missing:
+            assert w.value is not None
+            view = memoryview(w.value)
+            view[:HEADER_BYTES] = pack_header(self._fmt, w.key, view[HEADER_BYTES:])
+            pipe.set(self._key(w.key), view, ex=self._ttl, nx=True)
+        stored = sum(bool(r) for r in pipe.execute()) if missing else 0
+        self._stats.add(
+            put_blocks=stored,
+            bytes_written=stored * self._fmt.value_bytes,
+            refreshed_blocks=len(writes) - stored,
+        )
+        return True
+
+    # -- stats and lifetime ------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        out = self._stats.snapshot()
+        with self._cond:
+            queue_depth = len(self._queue) + self._num_in_flight
+        out.update(available=self._breaker.is_available, url=self._url, queue_depth=queue_depth)
+        out.update(self._server_info())
+        return out
+
+    def _server_info(self) -> dict[str, int]:
+        """``used_bytes``/``maxmemory``/``evicted_keys`` from INFO, at most once a second."""
+        with self._info_lock:
+            fetched_at, info = self._info
+            if time.monotonic() - fetched_at < INFO_CACHE_S:
+                return info
+            if not self._breaker.allows():
+                return {}
+
+            def fetch() -> list[Any]:
+                pipe = self._client.pipeline(transaction=False)
+                pipe.info("memory")
+                pipe.info("stats")
+                return pipe.execute()
+
+            replies = self._call("info", fetch)
+            if replies is None:
+                return {}
+            memory, stats = replies
+            info = {
+                "used_bytes": int(memory.get("used_memory", 0)),
+                "maxmemory": int(memory.get("maxmemory", 0)),
+                "evicted_keys": int(stats.get("evicted_keys", 0)),
+            }
+            self._info = (time.monotonic(), info)
+            return info
+
+    def close(self) -> None:
+        """Flushes for up to a second, drops what is left (counted), stops the writer."""
+        if self._writer.is_alive():
+            self.flush(CLOSE_FLUSH_S)
+            with self._cond:
+                self._is_closing = True
+                self._cond.notify_all()
+            self._writer.join(timeout=self._join_timeout)
+        self._client.close()
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _key(self, key: BlockHash) -> bytes:
+        return self._namespace + key_bytes(key)
+
+    def _call(self, op: str, fn: Callable[[], T]) -> T | None:
+        """``fn()`` guarded by the breaker: None when skipped or failed (counted, logged once)."""
+        if not self._breaker.allows():
+            self._stats.add(skipped_calls=1)
+            return None
+        try:
+            result = fn()
+        except _FAILURES as exc:
+            self._stats.add(errors=1)
+            self._breaker.record_failure(op, exc)
+            return None
+        self._breaker.record_success()
+        return result
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (in the authority or a ``password=`` query) shown as ``***``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is not None:
+        host = parts.netloc.rpartition("@")[2]
+        url = url.replace(parts.netloc, f"{parts.username or ''}:***@{host}", 1)
+    return _QUERY_PASSWORD.sub(r"\1***", url)
+
+
+def _leading_true(flags: Sequence[Any]) -> int:
+    for i, flag in enumerate(flags):
+        if not flag:
+            return i
+    return len(flags)

@@ -1,0 +1,88 @@
+"""A worker's settings and the pieces it builds from them (host id, tiers, KV layout)."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrelay.cachetier.manager import TieredCache
+from kvrelay.cluster.messages import KvLayout, Role
+from kvrelay.engine.config import EngineConfig
+from kvrelay.engine.loader import TORCH_DTYPES, model_fingerprint
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    role: Role  # prefill | decode | colocated
+    model: str  # checkpoint directory
+    router_addr: str  # ZMQ address(es) of the routers' control sockets, comma-separated
+    cluster_id: str = "default"  # namespaces shared-memory names of one cluster
+    instance_id: str = ""  # unique per cluster; default "<role>-<pid>"
+    host: str = "127.0.0.1"  # address to bind
+    advertise_host: str = ""  # address peers and the router use; default: host
+    status_port: int = 0  # /health /ready /metrics; 0 = any free port
+    peer_port: int = 0  # KV hand-off socket; 0 = any free port
+    transport: str = "auto"  # auto | shm | tcp | cuda_ipc
+    host_id: str = ""  # equal host ids share memory; default: this machine's id
+    served_model_name: str = ""  # the name clients use; default: the directory name
+    heartbeat_interval: float = 0.2  # seconds between load reports
+    lease_ttl: float = 30.0  # prefill keeps handed-off blocks this long without an ack
+    transfer_timeout: float = 10.0  # decode's limit for one pull
+    host_pool: str = "auto"  # L1 shared-memory pool name; "auto": one per host and model; "": off
+    host_pool_bytes: int = 256 << 20  # L1 capacity (the first process on the host sets it)
+    redis_url: str = ""  # L2 global tier, e.g. redis://host:6379/0; "": off
+    corrupt_transfers: int = 0  # test hook: corrupt this many received transfers
+    engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.role not in (Role.PREFILL, Role.DECODE, Role.COLOCATED):
+            raise ValueError(f"worker role must be prefill, decode or colocated, got {self.role}")
+        if self.transport not in ("auto", "shm", "tcp", "cuda_ipc"):
+            raise ValueError(
+                f"transport must be auto, shm, tcp or cuda_ipc, got {self.transport!r}"
+            )
+
+
+def default_host_id() -> str:
+    """Same value for every process on one machine (and one IPC namespace)."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            return Path(path).read_text().strip() + "@" + socket.gethostname()
+        except OSError:
+            continue
+    return socket.gethostname()
+
+
+def create_tiers(config: WorkerConfig, engine_config: EngineConfig) -> TieredCache | None:
+    """The tiers below the device pool this worker uses: L1 host pool, then L2 Redis."""
+    from kvrelay.cachetier.base import BlockFormat
+
+    mc = engine_config.model_config
+    fmt = BlockFormat(
+        mc.num_layers, engine_config.cache.block_size, mc.num_kv_heads, mc.head_dim,
+        engine_config.dtype,
+    )  # fmt: skip
+    tiers: list[Any] = []
+    if config.host_pool:
+        from kvrelay.cachetier.host_pool import HostPool, default_pool_name
+
+        name = config.host_pool
+        if name == "auto":
+            name = default_pool_name(fmt, model_fingerprint(config.model))
+        tiers.append(HostPool.open(name, config.host_pool_bytes, fmt))
+    if config.redis_url:
+        from kvrelay.cachetier.redis_tier import RedisTier
+
+        tiers.append(RedisTier(config.redis_url, fmt))
+    return TieredCache(tiers) if tiers else None
+
+
+def layout_from_shape(shape: tuple[int, ...], dtype: torch.dtype) -> KvLayout:
+    names = {v: k for k, v in TORCH_DTYPES.items()}
+    num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = shape
+    return KvLayout(num_layers, num_blocks, block_size, num_kv_heads, head_dim, names[dtype])
