@@ -109,11 +109,13 @@ def test_redis_hit_from_a_cold_host(tiny_model_dir, tmp_path, prompts, redis_ser
     server = redis_server()
     text, ids, expected = prompts[1]
     common = ("--num-blocks", "512", "--threads", "1", "--redis-url", server.url)
+    cluster_id = f"tc{time.monotonic_ns()}"  # both pools under it: swept and leak-checked
     with running_cluster(
         tiny_model_dir,
         tmp_path,
         num_prefill=1,
-        worker_args=(*common, "--host-pool", f"kvrelay-t{time.monotonic_ns()}-hostA"),
+        cluster_id=cluster_id,
+        worker_args=(*common, "--host-pool", f"kvrelay-{cluster_id}-hostA"),
     ) as launcher:
         assert _complete(launcher, text).choices[0].text == expected
         keys = hash_blocks(ids, BS, _fingerprint(launcher))

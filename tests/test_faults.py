@@ -113,3 +113,13 @@ def test_no_survivor_ends_the_stream_with_an_error_event(tiny_model_dir, tmp_pat
                     launcher.kill("colocated-0", signal.SIGKILL)
         assert received >= 3
         assert launcher.get_json("/admin/instances")["num_inflight"] == 0
+
+
+def test_restarted_router_gets_the_workers_back(tiny_model_dir, tmp_path, reference):
+    with running_cluster(tiny_model_dir, tmp_path) as launcher:
+        launcher.kill("router", signal.SIGKILL)
+        launcher.start_router()
+        launcher.wait_ready(timeout=60)  # workers re-register when their heartbeats go unknown
+        res = _request(_client(launcher), max_tokens=16)
+        assert reference.startswith(res.choices[0].text)
+        assert res.usage.completion_tokens == 16

@@ -91,13 +91,17 @@ class Launcher:
     # ------------------------------------------------------------------ start
     def start(self, timeout: float = 120.0) -> None:
         """Starts the router and the workers; returns when all are ready."""
-        self._spawn("router", "router", ["--port", str(self.port), *self.spec.router_args])
+        self.start_router()
         for role, count in zip(
             ROLES, (self.spec.num_prefill, self.spec.num_decode, self.spec.num_colocated)
         ):
             for _ in range(count):
                 self.add_worker(role)
         self.wait_ready(timeout)
+
+    def start_router(self) -> None:
+        """Starts the router (again, after a crash: same port and control address)."""
+        self._spawn("router", "router", ["--port", str(self.port), *self.spec.router_args])
 
     def add_worker(self, role: str, extra_args: Sequence[str] = ()) -> str:
         """Starts one more worker; returns its instance id (it joins when ready)."""

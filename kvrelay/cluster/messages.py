@@ -81,6 +81,15 @@ class Register:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class RegisterAck:
+    """Router -> worker: ``known`` after a Register; ``known=False`` asks it to register
+    again (a router that restarted gets heartbeats from instances it never saw)."""
+
+    instance_id: str
+    known: bool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class LoadReport:
     instance_id: str
     num_waiting: int
@@ -187,6 +196,7 @@ WIRE_TYPES: tuple[type, ...] = (
     KvLayout,
     PeerInfo,
     Register,
+    RegisterAck,
     LoadReport,
     CacheEvent,
     GenerateRequest,

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +37,7 @@ from kvrelay.cluster.messages import (
     PeerInfo,
     ProtocolError,
     Register,
+    RegisterAck,
     Shutdown,
     TokenEvent,
     decode,
@@ -61,7 +63,9 @@ class Worker:
 
     def __init__(self, config: WorkerConfig) -> None:
         if not config.instance_id:
-            config = dataclasses.replace(config, instance_id=f"{config.role.value}-{os.getpid()}")
+            # the hostname keeps ids unique across containers, where every pid is 1
+            default_id = f"{config.role.value}-{socket.gethostname()}-{os.getpid()}"
+            config = dataclasses.replace(config, instance_id=default_id)
         self.config = config
         self.instance_id = config.instance_id
         self.ctx = zmq.Context()
@@ -82,6 +86,8 @@ class Worker:
         if config.peer_port:
             self.peer.bind(f"{addr}:{port}")
         public = config.advertise_host or config.host
+        if public in ("0.0.0.0", "::", ""):
+            public = socket.gethostname()  # a wildcard bind is no address for peers
         self.metrics.watch_tiers(self.tier_stats)
         self.status = StatusServer(
             config.host, config.status_port, self.metrics.registry, self.is_ready, self.stats
@@ -106,6 +112,7 @@ class Worker:
         self._cache_evicted: list[bytes] = []
         self._peer_links: dict[str, zmq.Socket] = {}
         self._running = True
+        self.registered = False
         self.draining = False
         self._last_report = 0.0
 
@@ -121,10 +128,17 @@ class Worker:
         """Puts the KV pool in shared memory so same-host peers can pull with one copy."""
         if self.config.transport == "tcp":
             return torch.zeros(shape, dtype=dtype)
-        from kvrelay.transport.shm_pool import SharedKvPool, segment_name
+        from kvrelay.transport.shm_pool import SharedKvPool, cleanup_segments, segment_name
 
         name = segment_name(self.config.cluster_id, self.config.instance_id, "kv")
-        self._shared_pool = SharedKvPool.create(name, layout_from_shape(shape, dtype))
+        layout = layout_from_shape(shape, dtype)
+        try:
+            self._shared_pool = SharedKvPool.create(name, layout)
+        except FileExistsError:
+            # our own name: left by an earlier run of this instance that was killed
+            logger.warning("%s: reclaiming stale KV segment %s", self.instance_id, name)
+            cleanup_segments(name)  # the name ends in "-kv": matches only itself
+            self._shared_pool = SharedKvPool.create(name, layout)
         self._kv_segment = name
         return self._shared_pool.tensor
 
@@ -134,7 +148,8 @@ class Worker:
         )
 
     def is_ready(self) -> bool:
-        return self._running and not self.draining
+        """Up, registered with a router, and taking requests."""
+        return self._running and self.registered and not self.draining
 
     def stats(self) -> dict[str, Any]:
         bm = self.engine.block_manager
@@ -185,11 +200,7 @@ class Worker:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         self.status.start()
-        self._send_ctrl(
-            Register(self.info, self.served_model_name(), self.engine.max_model_len, os.getpid())
-        )
-        cached = [bytes(h) for h in self.engine.block_manager.cached_hashes()]
-        self._send_ctrl(CacheEvent(self.instance_id, cached, [], reset=True))
+        self.register()
         logger.info(
             "%s ready: peer %s, status %s, kv %s",
             self.instance_id,
@@ -206,6 +217,13 @@ class Worker:
                 self.housekeeping()
         finally:
             self.close()
+
+    def register(self, links: list[zmq.Socket] | None = None) -> None:
+        """Sends Register and the full device-cache state (deltas follow on heartbeats)."""
+        msg = Register(self.info, self.served_model_name(), self.engine.max_model_len, os.getpid())
+        self._send_ctrl(msg, links)
+        cached = [bytes(h) for h in self.engine.block_manager.cached_hashes()]
+        self._send_ctrl(CacheEvent(self.instance_id, cached, [], reset=True), links)
 
     def served_model_name(self) -> str:
         return self.config.served_model_name or Path(self.config.model).name
@@ -233,6 +251,9 @@ class Worker:
         if sock is not self.peer:
             if isinstance(msg, GenerateRequest):
                 self._origin[msg.request_id] = sock
+            elif isinstance(msg, RegisterAck):
+                self._on_register_ack(msg, sock)
+                return
             self.on_router_message(msg)
         else:
             assert identity is not None
@@ -252,6 +273,15 @@ class Worker:
             logger.warning(
                 "%s: unexpected %s from the router", self.instance_id, type(msg).__name__
             )
+
+    def _on_register_ack(self, msg: RegisterAck, link: zmq.Socket) -> None:
+        if msg.known:
+            self.registered = True
+        else:
+            logger.info(
+                "%s: router does not know this instance; registering again", self.instance_id
+            )
+            self.register([link])
 
     def on_peer_message(self, msg: Any, identity: bytes) -> None:
         logger.warning("%s: unexpected %s from a peer", self.instance_id, type(msg).__name__)

@@ -35,6 +35,7 @@ from kvrelay.cluster.messages import (
     LoadReport,
     ProtocolError,
     Register,
+    RegisterAck,
     TokenEvent,
     decode,
     encode,
@@ -205,6 +206,12 @@ class ClusterBackend(Backend):
             if inst is not None:
                 self._send(inst, Abort(tr.request.request_id))
 
+    def _reply(self, identity: bytes, msg: Any) -> None:
+        try:
+            self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
+        except (zmq.Again, zmq.ZMQError) as e:
+            logger.warning("cannot reply %s to %r: %s", type(msg).__name__, identity, e)
+
     def _send(self, inst: Instance, msg: Any) -> None:
         try:
             self._sock.send_multipart([inst.instance_id.encode(), encode(msg)], zmq.NOBLOCK)
@@ -233,13 +240,17 @@ class ClusterBackend(Backend):
                 self._on_tokens(msg)
             elif isinstance(msg, LoadReport):
                 if self.registry.report(msg) is None:
-                    logger.debug("load report from unregistered %s", msg.instance_id)
+                    logger.info(
+                        "heartbeat from unregistered %s; asking it to register", msg.instance_id
+                    )
+                    self._reply(identity, RegisterAck(msg.instance_id, known=False))
             elif isinstance(msg, CacheEvent):
                 if self.registry.get(msg.instance_id) is not None:
                     self.prefix_index.apply(msg)
             elif isinstance(msg, Register):
                 inst = self.registry.register(msg)
                 self.prefix_index.remove_instance(inst.instance_id)
+                self._reply(identity, RegisterAck(inst.instance_id, known=True))
                 logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
             else:
                 logger.warning("unexpected %s from %r", type(msg).__name__, identity)
