@@ -1,0 +1,104 @@
+"""Same-host transport: decode copies straight out of prefill's shared-memory pool.
+
+One copy, no intermediate buffer: for each (layer, K/V), each run of blocks consecutive on
+both sides is one slab-to-slab copy, cut into cache-sized pieces that are hashed right after
+they are written (``checksum.copy_and_checksum``). The checksum is over the destination, so a
+source that reused its blocks during the copy is caught, not trusted.
+
+The source's segment is attached once per name (``SharedKvPool.attach``: untracked, so this
+process exiting never unlinks it) and cached until a checksum mismatch or ``close()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvrelay.transport.base import (
+    ChecksumMismatch,
+    KvTransport,
+    PullSpec,
+    SourceGone,
+    TransferError,
+    TransferStats,
+    check_checksum,
+    check_pull,
+)
+from kvrelay.transport.blocks import paired_runs, transfer_bytes
+from kvrelay.transport.checksum import SlabCache, copy_and_checksum, pool_slabs
+from kvrelay.transport.shm_pool import SharedKvPool
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from kvrelay.cluster.messages import KvLayout
+
+logger = logging.getLogger(__name__)
+
+
+class ShmTransport(KvTransport):
+    """Pulls from a same-host source's ``SharedKvPool`` (``PeerInfo.kv_segment``); CPU pools.
+
+    ``timeout`` bounds nothing here beyond the lease: the copy is local and finite.
+    """
+
+    name = "shm"
+
+    def __init__(self) -> None:
+        self._attached: dict[str, tuple[SharedKvPool, list[np.ndarray]]] = {}
+        self._dst_slabs = SlabCache()
+
+    def pull(
+        self,
+        spec: PullSpec,
+        dst_pool: torch.Tensor,
+        dst_block_ids: Sequence[int],
+        dst_layout: KvLayout,
+        fingerprint: bytes,
+        timeout: float,
+    ) -> TransferStats:
+        start = time.perf_counter()
+        check_pull(spec, dst_pool, dst_block_ids, dst_layout, fingerprint)
+        segment = spec.src.kv_segment
+        if not segment:
+            raise TransferError(f"{spec.request_id}: {spec.src.instance_id} shares no KV segment")
+        if time.time() >= spec.lease_deadline:
+            raise SourceGone(f"{spec.request_id}: lease expired at {spec.lease_deadline:.3f}")
+        src_slabs = self._source_slabs(segment, spec.src.layout)
+        runs = paired_runs(spec.src_block_ids, dst_block_ids)
+        actual = copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs)
+        try:
+            check_checksum(spec, actual)
+        except ChecksumMismatch:
+            self._forget(segment)  # a restarted peer may have replaced the segment
+            raise
+        num_bytes = transfer_bytes(dst_layout, len(dst_block_ids))
+        return TransferStats(num_bytes, time.perf_counter() - start)
+
+    def close(self) -> None:
+        for segment in list(self._attached):
+            self._forget(segment)
+        self._dst_slabs.clear()
+
+    def _source_slabs(self, segment: str, layout: KvLayout) -> list[np.ndarray]:
+        cached = self._attached.get(segment)
+        if cached is not None and cached[0].layout == layout:
+            return cached[1]
+        if cached is not None:
+            self._forget(segment)
+        try:
+            pool = SharedKvPool.attach(segment, layout)
+        except FileNotFoundError:
+            raise SourceGone(f"segment {segment} no longer exists") from None
+        slabs = pool_slabs(pool.tensor)
+        self._attached[segment] = (pool, slabs)
+        logger.debug("attached %s", segment)
+        return slabs
+
+    def _forget(self, segment: str) -> None:
+        cached = self._attached.pop(segment, None)
+        if cached is not None:
+            cached[0].close()
