@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -96,13 +96,25 @@ class LLMEngine:
         tokenizer: Tokenizer | None = None,
         kv_allocator: KvAllocator | None = None,
         tiers: TieredCache | None = None,
+        weights: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
+        """Builds the engine.
+
+        Args:
+            config: validated engine settings.
+            tokenizer: for text and stop strings; None for token-id-only workers.
+            kv_allocator: makes the KV pool (workers put it in shared memory).
+            tiers: cache tiers below the device pool (host pool, Redis), or None.
+            weights: runtime weights already prepared (``loader.prepare_weights`` names),
+                e.g. zero-copy views of a parameter pool; None loads the checkpoint.
+        """
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         mc = config.model_config
         self.tokenizer = tokenizer
         self.fingerprint = model_fingerprint(config.model)
-        weights = load_weights(config.model, mc, config.dtype)
+        if weights is None:
+            weights = load_weights(config.model, mc, config.dtype)
         num_blocks = config.cache.num_blocks or self._blocks_for_memory(config)
         max_len = min(config.scheduler.max_model_len, num_blocks * config.cache.block_size)
         self.config = config = replace(
