@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -112,6 +113,11 @@ class Worker:
         self._cache_evicted: list[bytes] = []
         self._peer_links: dict[str, zmq.Socket] = {}
         self._running = True
+        self._ctrl_lock = threading.RLock()  # router links: loop thread + heartbeat thread
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, name="heartbeat", daemon=True
+        )
+        self._snapshot: LoadReport | None = None
         self.registered = False
         self.draining = False
         self._last_report = 0.0
@@ -169,7 +175,7 @@ class Worker:
         """Per tier: this instance's queries and hits (tokens and blocks), sizes, errors."""
         bm = self.engine.block_manager
         block_size = bm.block_size
-        device = {
+        device: dict[str, Any] = {
             "capacity_blocks": bm.num_blocks,
             "capacity_bytes": self.engine.runner.kv_cache.nbytes,
             "used_blocks": bm.num_leaked(),
@@ -208,6 +214,8 @@ class Worker:
             self.info.status_url,
             self._kv_segment or "private",
         )
+        self._snapshot = self.load_report()
+        self._heartbeat.start()
         try:
             while self._running:
                 busy = self.engine.has_unfinished_requests() or self.has_role_work()
@@ -217,6 +225,13 @@ class Worker:
                 self.housekeeping()
         finally:
             self.close()
+
+    def _heartbeat_loop(self) -> None:
+        """Sends the latest load snapshot every interval, also while a long step runs."""
+        while self._running:
+            if self._snapshot is not None:
+                self._send_ctrl(self._snapshot)
+            time.sleep(self.config.heartbeat_interval)
 
     def register(self, links: list[zmq.Socket] | None = None) -> None:
         """Sends Register and the full device-cache state (deltas follow on heartbeats)."""
@@ -232,19 +247,20 @@ class Worker:
         self._running = False
 
     def _poll(self, timeout_ms: int) -> None:
-        for sock, _ in self._poller.poll(timeout_ms):
-            while True:
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._dispatch(sock, frames)
+        with self._ctrl_lock:  # the heartbeat thread sends on the router links
+            for sock, _ in self._poller.poll(timeout_ms):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._dispatch(sock, frames)
 
     def _dispatch(self, sock: zmq.Socket, frames: list[Any]) -> None:
         identity = frames[0].bytes if sock is self.peer else None
         body = frames[1] if sock is self.peer else frames[0]
         try:
-            msg = decode(body.buffer)
+            msg: Any = decode(body.buffer)
         except ProtocolError as e:
             logger.warning("%s: dropping a malformed message: %s", self.instance_id, e)
             return
@@ -327,7 +343,7 @@ class Worker:
         now = time.monotonic()
         if now - self._last_report >= self.config.heartbeat_interval:
             self._last_report = now
-            self._send_ctrl(self.load_report())
+            self._snapshot = self.load_report()  # the heartbeat thread sends it
             if self._cache_stored or self._cache_evicted:
                 event = CacheEvent(self.instance_id, self._cache_stored, self._cache_evicted)
                 self._send_ctrl(event)
@@ -363,13 +379,14 @@ class Worker:
 
     def _send_ctrl(self, msg: Any, links: list[zmq.Socket] | None = None) -> None:
         data = encode(msg)
-        for link in self.ctrls if links is None else links:
-            try:
-                link.send(data, zmq.NOBLOCK)
-            except zmq.Again:
-                logger.warning(
-                    "%s: router link full; dropped %s", self.instance_id, type(msg).__name__
-                )
+        with self._ctrl_lock:
+            for link in self.ctrls if links is None else links:
+                try:
+                    link.send(data, zmq.NOBLOCK)
+                except zmq.Again:
+                    logger.warning(
+                        "%s: router link full; dropped %s", self.instance_id, type(msg).__name__
+                    )
 
     def send_peer(self, addr: str, msg: Any) -> None:
         """Sends to another worker's peer socket (one cached DEALER per address)."""
@@ -394,6 +411,9 @@ class Worker:
         self.peer.send_multipart([identity, encode(msg)])
 
     def close(self) -> None:
+        self._running = False
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=2 * self.config.heartbeat_interval + 1)
         self.status.close()
         for link in self._peer_links.values():
             link.close(0)
