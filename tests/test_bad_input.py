@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import httpx
@@ -300,3 +301,25 @@ def test_server_still_serves_and_no_blocks_leaked(
         assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert api_server.backend.is_ready()
     api_server.backend.check_no_leaks()
+
+
+def test_every_bad_request_against_a_real_cluster(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The same table against router + prefill + decode processes; then it still serves."""
+    from tests.cluster_harness import running_cluster
+
+    router_args = ("--served-model-name", "tiny", "--max-model-len", str(API_MAX_MODEL_LEN))
+    with (
+        running_cluster(tiny_model_dir, tmp_path, router_args=router_args) as launcher,
+        httpx.Client(base_url=launcher.url, timeout=30) as client,
+    ):
+        for case in CASES:
+            content = case.body if isinstance(case.body, bytes) else json.dumps(case.body).encode()
+            response = client.post(
+                case.path, content=content, headers={"Content-Type": "application/json"}
+            )
+            error = assert_openai_error(response, case.status)
+            if case.code is not None:
+                assert error["code"] == case.code, (case.name, error)
+        ok = client.post(COMPLETIONS, json={**OK_PROMPT, "max_tokens": 4})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 4
