@@ -37,7 +37,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}" \
 
 COPY pyproject.toml README.md /src/
 COPY kvrelay /src/kvrelay
-RUN pip install --constraint /opt/kvrelay/torch-constraint.txt /src \
+RUN pip install --constraint /opt/kvrelay/torch-constraint.txt "/src[k8s]" \
     && rm -rf /src
 
 # Non-root. /models belongs to the user so that a fresh named volume mounted there (which Docker

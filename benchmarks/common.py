@@ -12,6 +12,7 @@ leaves every other section as it was, so each script owns exactly one section::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import shlex
@@ -20,7 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_MD = REPO_ROOT / "BENCHMARKS.md"
@@ -32,6 +33,7 @@ MD_PREAMBLE = (
 _FENCE = "```"
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def timed(fn: Callable[[], T]) -> tuple[T, float]:
@@ -39,6 +41,87 @@ def timed(fn: Callable[[], T]) -> tuple[T, float]:
     start = time.perf_counter()
     value = fn()
     return value, time.perf_counter() - start
+
+
+class CpuTimes(NamedTuple):
+    wall: float  # time.perf_counter()
+    busy: float  # CPU-seconds all CPUs spent busy (steal included), from /proc/stat
+    own: float  # CPU-seconds this process used, all its threads
+
+
+class TimedRun(NamedTuple):
+    value: Any
+    seconds: float
+    others_cpu: float  # share of all CPUs other processes used meanwhile, 0..1
+
+
+def cpu_times() -> CpuTimes:
+    """A snapshot for ``others_cpu_share``; ``busy`` is 0 where ``/proc/stat`` is absent."""
+    busy = 0.0
+    stat = Path("/proc/stat")
+    if stat.is_file():
+        fields = stat.read_text().split("\n", 1)[0].split()[1:]
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+        busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return CpuTimes(time.perf_counter(), busy, own.user + own.system)
+
+
+def others_cpu_share(start: CpuTimes, end: CpuTimes) -> float:
+    """Share of the machine's CPUs that other processes (or the hypervisor) used in between.
+
+    A benchmark that sets its own thread count is only meaningful when this is near 0: with
+    OpenMP threads competing for cores, a 2-thread matmul can run ten times slower.
+    """
+    wall = end.wall - start.wall
+    if wall <= 0 or end.busy == 0:
+        return 0.0
+    others = (end.busy - start.busy) - (end.own - start.own)
+    return min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
+
+
+def wait_for_quiet_cpu(max_wait_s: float = 120.0, threshold: float = 0.05) -> float:
+    """Waits (up to ``max_wait_s``) until other processes use under ``threshold`` of the CPUs
+    over a one-second window; returns the last share seen."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        start = cpu_times()
+        time.sleep(1.0)
+        share = others_cpu_share(start, cpu_times())
+        if share < threshold or time.monotonic() >= deadline:
+            return share
+
+
+def timed_quiet(
+    fn: Callable[[], T],
+    setup: Callable[[], object] | None = None,
+    max_others_cpu: float = 0.1,
+    attempts: int = 3,
+    max_wait_s: float = 120.0,
+) -> TimedRun:
+    """Times ``fn`` on a quiet machine: waits for idle CPUs first, and runs it again (up to
+    ``attempts`` times) while other processes took more than ``max_others_cpu`` of the CPUs.
+
+    ``setup`` (untimed) runs before every attempt, e.g. to drop caches a repeat would hit.
+    Returns the least disturbed run.
+    """
+    best: TimedRun | None = None
+    for _ in range(attempts):
+        wait_for_quiet_cpu(max_wait_s)
+        if setup is not None:
+            setup()
+        start = cpu_times()
+        value, seconds = timed(fn)
+        run = TimedRun(value, seconds, others_cpu_share(start, cpu_times()))
+        if best is None or run.others_cpu < best.others_cpu:
+            best = run
+        if run.others_cpu <= max_others_cpu:
+            break
+        logger.warning(
+            "other processes used %.0f%% of the CPUs; timing again", 100 * run.others_cpu
+        )
+    assert best is not None
+    return best
 
 
 def median(values: Sequence[float]) -> float:

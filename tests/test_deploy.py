@@ -474,6 +474,7 @@ def test_dockerfile_builds_the_image_compose_runs() -> None:
     assert '--index-url "${TORCH_INDEX_URL}"' in torch_step
     source_step = next(r for r in runs if re.search(r"pip install .*/src\b", r))
     assert "--constraint" in source_step, "pip install of the source may replace torch"
+    assert "[k8s]" in source_step, "the router's kubernetes scaling hook needs the k8s extra"
     user = [a for op, a in steps if op == "USER"]
     assert user and user[-1] not in ("root", "0"), "the image must not run as root"
     assert ops.index("USER") < ops.index("ENTRYPOINT")

@@ -1,0 +1,240 @@
+"""The Kubernetes manifests in ``deploy/k8s/``, checked offline.
+
+- Every object validates against the Kubernetes 1.30 OpenAPI schemas that
+  ``kubernetes-validate`` ships (strict: an unknown field fails). Skips, naming how to
+  install it, where it is missing; CI installs it through the ``test`` extra.
+- Every kvrelay command in a pod parses with kvrelay's own argument parser, after
+  Kubernetes' ``$(VAR)`` expansion with sample values, and every ``$(VAR)`` is defined in
+  the container's env.
+- The router runs the autoscaler with the kubernetes hook, and the hook's namespace and
+  Deployment names agree with the manifests and with what the autoscaler's Role may patch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import io
+import json
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvrelay.cli import build_parser
+
+K8S_DIR = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+K8S_VERSION = "1.30"
+NAMESPACE = "kvrelay"
+# Sample values for the downward API and the ConfigMap, as the kubelet would expand them.
+SAMPLE_ENV = {
+    "POD_IP": "10.0.0.7",
+    "POD_NAME": "kvrelay-decode-5d9c7b-x2x9q",
+    "KVRELAY_MODEL": "/models/tiny",
+    "KVRELAY_CLUSTER_ID": "k8s",
+    "KVRELAY_KV_CACHE_GIB": "1",
+}
+_VAR = re.compile(r"\$\((\w+)\)")
+_SHELL_OPERATORS = {"||", "&&", ";", "|", "&"}
+
+
+def manifest_files() -> list[Path]:
+    return sorted(K8S_DIR.glob("*.yaml"))
+
+
+def load_objects() -> list[tuple[str, dict[str, Any]]]:
+    """``(file name, object)`` for every document in ``deploy/k8s/*.yaml``."""
+    return [
+        (path.name, doc)
+        for path in manifest_files()
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc is not None
+    ]
+
+
+def objects_of_kind(kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for _, o in load_objects() if o["kind"] == kind}
+
+
+def pod_spec(obj: dict[str, Any]) -> dict[str, Any] | None:
+    if obj["kind"] in ("Deployment", "Job"):
+        return obj["spec"]["template"]["spec"]
+    return None
+
+
+def containers() -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (f"{o['kind']}/{o['metadata']['name']}/{c['name']}", c)
+        for _, o in load_objects()
+        if (spec := pod_spec(o)) is not None
+        for c in spec.get("containers", [])
+    ]
+
+
+def expand(word: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion in command and args."""
+    return _VAR.sub(lambda m: env[m.group(1)], word)
+
+
+def kvrelay_words(argv: list[str]) -> list[str] | None:
+    """The words after ``kvrelay`` in ``argv``, or in its ``sh -c`` script (None: no kvrelay)."""
+    if argv[:2] in (["/bin/sh", "-c"], ["sh", "-c"]):
+        argv = shlex.split(argv[2])
+    if "kvrelay" not in argv:
+        return None
+    words = argv[argv.index("kvrelay") + 1 :]
+    for i, word in enumerate(words):
+        if word in _SHELL_OPERATORS:
+            return words[:i]
+    return words
+
+
+def test_there_are_manifests() -> None:
+    kinds = sorted({o["kind"] for _, o in load_objects()})
+    assert kinds == [
+        "ConfigMap", "Deployment", "Job", "Namespace", "PersistentVolumeClaim", "Role",
+        "RoleBinding", "Service", "ServiceAccount",
+    ]  # fmt: skip
+    assert set(objects_of_kind("Deployment")) == {
+        "kvrelay-router",
+        "kvrelay-prefill",
+        "kvrelay-decode",
+    }
+
+
+@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: p.name)
+def test_manifest_validates_against_kubernetes_schema(path: Path) -> None:
+    if importlib.util.find_spec("kubernetes_validate") is None:
+        pytest.skip("kubernetes-validate is not installed (pip install kubernetes-validate)")
+    import kubernetes_validate
+
+    for doc in yaml.safe_load_all(path.read_text()):
+        if doc is None:
+            continue
+        where = f"{path.name}: {doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        try:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{where}: {e.message} at {'.'.join(map(str, e.path))}")
+
+
+def test_every_namespaced_object_is_in_the_kvrelay_namespace() -> None:
+    for name, obj in load_objects():
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == NAMESPACE, f"{name}: {obj['kind']}"
+
+
+@pytest.mark.parametrize(
+    "where,container", containers(), ids=lambda v: v if isinstance(v, str) else ""
+)
+def test_kvrelay_command_parses(where: str, container: dict[str, Any]) -> None:
+    argv = [*container.get("command", []), *container.get("args", [])]
+    defined = {e["name"] for e in container.get("env", [])}
+    used = {m for word in argv for m in _VAR.findall(word)}
+    assert used <= defined, f"{where}: $({sorted(used - defined)}) not in the container's env"
+    words = kvrelay_words([expand(word, SAMPLE_ENV) for word in argv])
+    assert words is not None, f"{where} runs no kvrelay command: {argv}"
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            build_parser().parse_args(words)
+    except SystemExit:
+        pytest.fail(f"{where}: kvrelay rejects {words}:\n{captured.getvalue()}")
+
+
+def serve_args(deployment: str) -> Any:
+    (container,) = objects_of_kind("Deployment")[deployment]["spec"]["template"]["spec"][
+        "containers"
+    ]
+    words = kvrelay_words([expand(w, SAMPLE_ENV) for w in container["command"]])
+    assert words is not None
+    return build_parser().parse_args(words)
+
+
+def test_workers_reach_the_router_through_its_service() -> None:
+    router = serve_args("kvrelay-router")
+    assert (router.role, router.control_addr, router.port) == ("router", "tcp://0.0.0.0:5557", 8000)
+    service = objects_of_kind("Service")["kvrelay-router"]
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert {p["port"] for p in service["spec"]["ports"]} == {8000, 5557}
+    for role in ("prefill", "decode"):
+        args = serve_args(f"kvrelay-{role}")
+        assert args.role == role
+        assert args.control_addr == "tcp://kvrelay-router:5557"
+        assert (args.advertise_host, args.instance_id) == ("10.0.0.7", SAMPLE_ENV["POD_NAME"])
+        assert (args.status_port, args.peer_port) == (8001, 8002)
+
+
+def test_probes_use_the_status_endpoints() -> None:
+    def probes(deployment: str) -> dict[str, tuple[str, Any]]:
+        (c,) = objects_of_kind("Deployment")[deployment]["spec"]["template"]["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        return {
+            kind: (c[kind]["httpGet"]["path"], ports[c[kind]["httpGet"]["port"]])
+            for kind in ("livenessProbe", "readinessProbe")
+        }
+
+    assert probes("kvrelay-router") == {
+        "livenessProbe": ("/health", 8000),
+        "readinessProbe": ("/ready", 8000),
+    }
+    for role in ("kvrelay-prefill", "kvrelay-decode"):
+        assert probes(role) == {
+            "livenessProbe": ("/health", 8001),
+            "readinessProbe": ("/ready", 8001),
+        }
+
+
+def test_router_autoscales_the_worker_deployments_its_role_may_patch() -> None:
+    if importlib.util.find_spec("kubernetes") is None:
+        pytest.skip("the kubernetes client is not installed (pip install kubernetes)")
+    from kvrelay.autoscale.hooks.kubernetes import KubernetesHook
+
+    router = serve_args("kvrelay-router")
+    assert router.autoscale == "kubernetes"
+    defaults = {name: p.default for name, p in inspect.signature(KubernetesHook).parameters.items()}
+    options = {**defaults, **json.loads(router.autoscale_options)}
+    deployments = {options["prefill_deployment"], options["decode_deployment"]}
+    assert (options["namespace"], options["kubeconfig"]) == (NAMESPACE, None)  # in-cluster
+    assert deployments == {"kvrelay-prefill", "kvrelay-decode"}
+
+    router_pod = objects_of_kind("Deployment")["kvrelay-router"]["spec"]["template"]["spec"]
+    assert router_pod["serviceAccountName"] == "kvrelay-autoscaler"
+    rules = objects_of_kind("Role")["kvrelay-autoscaler"]["rules"]
+    scale_rule = next(r for r in rules if r["resources"] == ["deployments/scale"])
+    assert (scale_rule["apiGroups"], set(scale_rule["verbs"])) == (["apps"], {"get", "patch"})
+    assert set(scale_rule["resourceNames"]) == deployments
+    binding = objects_of_kind("RoleBinding")["kvrelay-autoscaler"]
+    assert binding["roleRef"]["name"] == "kvrelay-autoscaler"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "kvrelay-autoscaler", "namespace": NAMESPACE}
+    ]
+
+
+@pytest.mark.parametrize("deployment", ["kvrelay-prefill", "kvrelay-decode"])
+def test_workers_mount_memory_shm_and_the_models_read_only(deployment: str) -> None:
+    pod = objects_of_kind("Deployment")[deployment]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]["name"]]["emptyDir"]["medium"] == "Memory"
+    models = volumes[mounts["/models"]["name"]]["persistentVolumeClaim"]
+    assert (models["claimName"], models["readOnly"], mounts["/models"]["readOnly"]) == (
+        "kvrelay-models",
+        True,
+        True,
+    )
+    assert set(objects_of_kind("PersistentVolumeClaim")) == {"kvrelay-models"}
+    assert pod["automountServiceAccountToken"] is False
+
+
+def test_workers_keep_their_kv_hand_off_and_weights_pod_local() -> None:
+    for role in ("prefill", "decode"):
+        args = serve_args(f"kvrelay-{role}")
+        assert args.host_id == SAMPLE_ENV["POD_NAME"]  # one /dev/shm per pod
+        assert args.transport == "tcp"
+        assert args.no_param_pool is True
