@@ -1,4 +1,4 @@
-"""The ``kvrelay`` command."""
+"""kvrelay: a disaggregated LLM serving cluster (router, prefill and decode workers)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -102,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
     up.add_argument("--log-dir", default=None, help="one log file per process (default: stderr)")
     up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for ready")
+    up.add_argument(
+        "--autoscale", action="store_true", help="the router adds and removes local workers"
+    )
+    _add_autoscale_args(up)
 
     serve = sub.add_parser("serve", help="run one cluster process (router or worker)")
     serve.add_argument(
@@ -109,7 +114,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_engine_args(serve)
     _add_serve_args(serve)
+    from kvrelay.autoscale.registry import HOOK_NAMES
+
+    serve.add_argument(
+        "--autoscale", default="off", choices=["off", *HOOK_NAMES], help="router: scaling hook"
+    )
+    serve.add_argument("--autoscale-options", default="{}", help="router: hook options (JSON)")
+    _add_autoscale_args(serve)
     _add_bench_parser(sub)
+    _add_pool_parser(sub)
     return parser
 
 
@@ -160,7 +173,83 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--redis-url", default="", help="worker: L2 global KV tier, e.g. redis://host:6379/0"
     )
+    p.add_argument(
+        "--param-peers",
+        default="",
+        help="worker: hosts serving the weights (`kvrelay pool serve`), nearest first; used "
+        "when this host has no parameter pool yet, before falling back to disk",
+    )
+    p.add_argument(
+        "--no-param-pool",
+        action="store_true",
+        help="worker: load weights from disk instead of the host's parameter pool",
+    )
     p.add_argument("--corrupt-transfers", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--min-{role}", type=int, default=None, help=f"autoscale: min {role}")
+        p.add_argument(f"--max-{role}", type=int, default=None, help=f"autoscale: max {role}")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="autoscale: prefill SLO")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="autoscale: decode SLO")
+    p.add_argument("--autoscale-interval", type=float, default=2.0, help="seconds per decision")
+    p.add_argument(
+        "--autoscale-policy",
+        default="{}",
+        help='more policy settings as JSON, e.g. {"decode": {"cooldown_down_s": 30}}',
+    )
+
+
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
+
+
+def autoscale_policy(args: argparse.Namespace) -> Any:
+    """The router's ``PolicyConfig`` from ``--autoscale-policy`` and the per-role flags."""
+    from kvrelay.autoscale.policy import PolicyConfig
+
+    policy = PolicyConfig.from_dict(_json_object(args.autoscale_policy, "--autoscale-policy"))
+    policy = policy.with_target(
+        "prefill", min_instances=args.min_prefill, max_instances=args.max_prefill,
+        slo_ms=args.slo_ttft_ms,
+    )  # fmt: skip
+    return policy.with_target(
+        "decode", min_instances=args.min_decode, max_instances=args.max_decode,
+        slo_ms=args.slo_tpot_ms,
+    )  # fmt: skip
+
+
+def autoscale_router_args(args: argparse.Namespace, cluster_id: str) -> list[str]:
+    """``kvrelay up --autoscale``: the router flags that let it scale with the local hook."""
+    worker_args = [
+        *engine_cli_args(args),
+        "--transport", args.transport,
+        "--host-pool", f"kvrelay-{cluster_id}-l1",  # the launcher's pool (host_pool_name)
+    ]  # fmt: skip
+    options = {"worker_args": worker_args, "log_dir": args.log_dir}
+    out = [
+        "--cluster-id", cluster_id,
+        "--autoscale", "local",
+        "--autoscale-options", json.dumps(options),
+        "--autoscale-interval", str(args.autoscale_interval),
+        "--autoscale-policy", args.autoscale_policy,
+    ]  # fmt: skip
+    limits = (
+        "min_prefill",
+        "max_prefill",
+        "min_decode",
+        "max_decode",
+        "slo_ttft_ms",
+        "slo_tpot_ms",
+    )
+    for name in limits:
+        if getattr(args, name) is not None:
+            out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return out
 
 
 def engine_cli_args(args: argparse.Namespace) -> list[str]:
@@ -189,6 +278,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     from kvrelay.cluster.launcher import ClusterSpec, run_up
 
     default = 0 if args.colocated else 1
+    router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    cluster_id = ""
+    if args.autoscale:
+        if args.colocated:
+            raise ValueError("--autoscale scales prefill and decode workers, not --colocated")
+        cluster_id = f"up{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        router_args += autoscale_router_args(args, cluster_id)
     spec = ClusterSpec(
         model=args.model,
         num_prefill=default if args.prefill is None else args.prefill,
@@ -197,10 +293,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         transport=args.transport,
+        cluster_id=cluster_id,
         worker_args=tuple(engine_cli_args(args)),
-        router_args=tuple(
-            ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
-        ),
+        router_args=tuple(router_args),
         log_dir=args.log_dir,
     )
     return run_up(spec, args.timeout)
@@ -220,6 +315,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 admin_token=args.admin_token or os.environ.get("KVRELAY_ADMIN_TOKEN") or None,
                 max_model_len=args.max_model_len,
                 dead_after=args.dead_after,
+                cluster_id=args.cluster_id,
+                autoscale=args.autoscale,
+                autoscale_options=_json_object(args.autoscale_options, "--autoscale-options"),
+                autoscale_policy=autoscale_policy(args),
+                autoscale_interval=args.autoscale_interval,
             )
         )
         return 0
@@ -246,6 +346,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             host_pool_bytes=int(args.host_pool_memory * (1 << 30)),
             redis_url=args.redis_url,
             corrupt_transfers=args.corrupt_transfers,
+            param_pool=not args.no_param_pool,
+            param_peers=args.param_peers,
             engine_args=engine_kwargs(args),
         )
     )
@@ -265,6 +367,108 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvrelay.bench import run_cli
 
     return run_cli(args)
+
+
+def _add_pool_parser(sub: Any) -> None:
+    pool = sub.add_parser("pool", help="the host's parameter pools (weights in shared memory)")
+    pool_sub = pool.add_subparsers(dest="pool_command", required=True)
+    ls = pool_sub.add_parser("ls", help="list pools: size, state, live users, idle seconds")
+    rm = pool_sub.add_parser("rm", help="free a pool (refused while it has live users)")
+    rm.add_argument("name", help="pool name, as `kvrelay pool ls` shows it")
+    rm.add_argument("--force", action="store_true", help="free it even with live users")
+    serve = pool_sub.add_parser(
+        "serve", help="make or attach this host's pool of a model and serve it to peer hosts"
+    )
+    fetch = pool_sub.add_parser(
+        "fetch", help="fill this host's pool of a model from peer hosts (a chain), not from disk"
+    )
+    for p in (serve, fetch):
+        p.add_argument("--model", required=True, help="checkpoint directory (names the pool)")
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--bind", default="tcp://0.0.0.0:5570", help="ZMQ address to serve on")
+    for p in (serve, fetch):
+        p.add_argument("--scope", default="", help=argparse.SUPPRESS)  # tests: hosts on one machine
+    fetch.add_argument(
+        "--from",
+        dest="sources",
+        required=True,
+        help="peer addresses, nearest first, comma-separated",
+    )
+    fetch.add_argument(
+        "--forward-bind", default=None, help="also serve the pool onward while it fills (chain)"
+    )
+    fetch.add_argument("--timeout", type=float, default=10.0, help="seconds before a peer is dead")
+    gc = pool_sub.add_parser("gc", help="free stale pools and unused ones idle past --grace")
+    gc.add_argument("--grace", type=float, default=300.0, help="seconds unused before freeing")
+    for p in (ls, gc):
+        p.add_argument("--scope", default="", help="only the pools of this scope (tests)")
+
+
+def cmd_pool(args: argparse.Namespace) -> int:
+    from kvrelay.cachetier import param_pool
+
+    if args.pool_command == "ls":
+        row = "{:<52} {:<32} {:<8} {:>9} {:<8} {:<6} {}"
+        print(row.format("NAME", "FINGERPRINT", "DTYPE", "MIB", "STATE", "USERS", "IDLE_S"))
+        for p in param_pool.list_pools(args.scope):
+            idle = p.idle_s()
+            users = ",".join(map(str, p.user_pids)) or "-"
+            size, idle_s = f"{p.num_bytes / 2**20:.1f}", "-" if idle is None else f"{idle:.0f}"
+            print(row.format(p.name, p.fingerprint, p.dtype, size, p.state, users, idle_s))
+        return 0
+    if args.pool_command in ("serve", "fetch"):
+        return _pool_transfer(args)
+    if args.pool_command == "gc":
+        for name in param_pool.gc(args.grace, args.scope):
+            print(name)
+        return 0
+    try:
+        if not param_pool.remove(args.name, force=args.force):
+            print(f"kvrelay pool rm: error: no pool named {args.name}", file=sys.stderr)
+            return 1
+    except param_pool.PoolBusy as e:
+        print(f"kvrelay pool rm: error: {e}", file=sys.stderr)
+        return 1
+    print(args.name)
+    return 0
+
+
+def _pool_transfer(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvrelay.cachetier.param_pool import ParamPool
+    from kvrelay.cachetier.param_transfer import fetch_pool, serve_pool
+    from kvrelay.engine.loader import model_fingerprint
+
+    if args.pool_command == "fetch":
+        sources = [a.strip() for a in args.sources.split(",") if a.strip()]
+        got = fetch_pool(
+            model_fingerprint(args.model),
+            args.dtype,
+            sources,
+            scope=args.scope,
+            forward_bind=args.forward_bind,
+            timeout=args.timeout,
+        )
+        print(
+            f"{got.pool.name}: {got.num_bytes / 2**20:.1f} MiB in {got.seconds:.2f} s", flush=True
+        )
+        pool, server = got.pool, got.server
+        if server is None:
+            pool.close()
+            return 0
+    else:
+        pool = ParamPool.attach_or_create(args.model, args.dtype, scope=args.scope)
+        server = serve_pool(pool, args.bind)
+        print(f"{pool.name}: serving at {server.addr}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.close()
+    pool.close()
+    return 0
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -335,6 +539,7 @@ COMMANDS = {
     "serve": cmd_serve,
     "up": cmd_up,
     "bench": cmd_bench,
+    "pool": cmd_pool,
 }
 
 
@@ -344,14 +549,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from kvrelay.engine.config import ConfigError
-    from kvrelay.engine.loader import CheckpointError
-
     try:
         if args.command == "model":
             return cmd_make_tiny(args)
         return COMMANDS[args.command](args)
-    except (ConfigError, CheckpointError, ValueError) as e:
+    except ValueError as e:  # ConfigError, CheckpointError, TokenizerError and bad values
         print(f"kvrelay {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import zmq
 
+from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.cluster.messages import (
     Abort,
     CacheEvent,
@@ -50,6 +51,7 @@ from kvrelay.cluster.worker_config import (
     create_tiers,
     default_host_id,
     layout_from_shape,
+    open_param_pool,
 )
 from kvrelay.cluster.worker_metrics import WorkerMetrics
 from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput, build_engine_config
@@ -75,8 +77,20 @@ class Worker:
         self._shared_pool: Any = None
         engine_config = build_engine_config(config.model, **dict(config.engine_args))
         self.tiers = create_tiers(config, engine_config)
+        self.param_pool: ParamPool | None = None
+        if config.param_pool:
+            try:
+                self.param_pool = open_param_pool(config, engine_config.dtype)
+            except OSError as e:  # e.g. /dev/shm too small: the weights go to private memory
+                logger.warning(
+                    "%s: no parameter pool (%s); loading from disk", config.instance_id, e
+                )
         self.engine = LLMEngine(
-            engine_config, tokenizer=None, kv_allocator=self._allocate_kv, tiers=self.tiers
+            engine_config,
+            tokenizer=None,
+            kv_allocator=self._allocate_kv,
+            tiers=self.tiers,
+            weights=self.param_pool.weights if self.param_pool is not None else None,
         )
         self.layout = self._layout()
         self.ctrls = [self._router_link(addr) for addr in config.router_addr.split(",")]
@@ -425,6 +439,8 @@ class Worker:
             self._shared_pool.close(unlink=True)
         if self.tiers is not None:
             self.tiers.close()
+        if self.param_pool is not None:
+            self.param_pool.close()
         self.ctx.term()
         logger.info("%s stopped", self.instance_id)
 

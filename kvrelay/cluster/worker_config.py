@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -11,9 +12,12 @@ from typing import Any
 import torch
 
 from kvrelay.cachetier.manager import TieredCache
+from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.cluster.messages import KvLayout, Role
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.loader import TORCH_DTYPES, model_fingerprint
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,8 @@ class WorkerConfig:
     host_pool_bytes: int = 256 << 20  # L1 capacity (the first process on the host sets it)
     redis_url: str = ""  # L2 global tier, e.g. redis://host:6379/0; "": off
     corrupt_transfers: int = 0  # test hook: corrupt this many received transfers
+    param_peers: str = ""  # hosts serving the weights (`kvrelay pool serve`), nearest first
+    param_pool: bool = True  # attach weights from the host's parameter pool (made once per host)
     engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -86,3 +92,22 @@ def layout_from_shape(shape: tuple[int, ...], dtype: torch.dtype) -> KvLayout:
     names = {v: k for k, v in TORCH_DTYPES.items()}
     num_layers, _, num_blocks, block_size, num_kv_heads, head_dim = shape
     return KvLayout(num_layers, num_blocks, block_size, num_kv_heads, head_dim, names[dtype])
+
+
+def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
+    """This host's parameter pool: attached if ready, else filled from ``param_peers``
+    (a chain), else built from the checkpoint on disk."""
+    from kvrelay.cachetier.param_pool import ParamPool, list_pools, pool_name
+    from kvrelay.cachetier.param_transfer import fetch_pool
+    from kvrelay.transport.chain import ChainError
+
+    peers = [a.strip() for a in config.param_peers.split(",") if a.strip()]
+    if peers:
+        fingerprint = model_fingerprint(config.model)
+        name = pool_name(fingerprint, dtype)
+        if not any(p.name == name and p.state == "ready" for p in list_pools()):
+            try:
+                return fetch_pool(fingerprint, dtype, peers).pool
+            except (ChainError, FileExistsError) as e:  # no peer, or another process fills it
+                logger.warning("weights from peers failed (%s); using the host pool or disk", e)
+    return ParamPool.attach_or_create(config.model, dtype)

@@ -128,7 +128,7 @@ class FetchResult(NamedTuple):
 
 def chunk_checksums(buffer: memoryview | np.ndarray | bytes, chunk_bytes: int) -> list[int]:
     """xxh3-64 of each ``chunk_bytes`` piece of ``buffer``."""
-    view = memoryview(buffer).cast("B")
+    view = memoryview(buffer).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
     return [
         xxhash.xxh3_64_intdigest(view[start : start + chunk_bytes])
         for start in range(0, view.nbytes, chunk_bytes)
@@ -142,7 +142,7 @@ def create_meta(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> ChainMeta:
     """The ``ChainMeta`` of a complete buffer (checksums computed here)."""
-    total_bytes = memoryview(buffer).nbytes
+    total_bytes = memoryview(buffer).nbytes  # type: ignore[arg-type]  # numpy arrays are buffers
     return ChainMeta(name, header, total_bytes, chunk_bytes, chunk_checksums(buffer, chunk_bytes))
 
 
@@ -590,7 +590,7 @@ def _drain(socket: zmq.Socket) -> bytes:
 
 
 def _byte_view(buffer: BufferLike, nbytes: int, writable: bool) -> memoryview:
-    view = memoryview(buffer)
+    view = memoryview(buffer)  # type: ignore[arg-type]  # numpy arrays are buffers
     if not view.c_contiguous:
         raise ValueError("the buffer must be C-contiguous")
     view = view.cast("B")

@@ -1,0 +1,417 @@
+"""Parameter pool: one copy of the weights per host, shared by real processes.
+
+Children are forked from a forkserver that has imported torch once, so each starts in
+milliseconds. Each test works in its own scope and checks that no segment of it remains.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvrelay.cachetier import param_pool
+from kvrelay.cachetier.param_pool import SHM_DIR, CorruptPool, ParamPool, PoolBusy
+from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.engine import LLMEngine, build_engine_config
+from kvrelay.engine.loader import load_weights, model_fingerprint
+from kvrelay.engine.make_tiny import make_tiny
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.engine.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm (Linux)")
+
+REPO = Path(__file__).resolve().parents[1]
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["torch", "kvrelay.cachetier.param_pool", "kvrelay.engine.loader"])
+TIMEOUT_S = 60
+
+
+@pytest.fixture
+def scope() -> Iterator[str]:
+    """A scope of this test alone; every segment under it is removed afterwards."""
+    name = f"t{os.getpid()}x{time.monotonic_ns() % 10**9:09d}"
+    yield name
+    for entry in os.listdir(SHM_DIR):
+        if entry.startswith(f"{param_pool.PREFIX}{name}"):
+            (SHM_DIR / entry).unlink()
+
+
+@pytest.fixture(scope="module")
+def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A ~134 MB float32 llama checkpoint."""
+    return make_tiny(tmp_path_factory.mktemp("small-llama"), arch="llama", size="small", seed=0)
+
+
+def _segments(scope: str) -> list[str]:
+    return sorted(e for e in os.listdir(SHM_DIR) if e.startswith(f"{param_pool.PREFIX}{scope}"))
+
+
+def _reference(model_dir: Path, dtype: str = "float32") -> dict[str, torch.Tensor]:
+    return load_weights(model_dir, ModelConfig.from_dir(model_dir), dtype)
+
+
+def _digest(weights: dict[str, torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in weights.items():
+        h.update(name.encode() + str(tuple(t.shape)).encode() + str(t.dtype).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _assert_bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+        assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
+def _recording_build(
+    model_dir: Path, calls: Path, delay_s: float = 0.0
+) -> Callable[[], dict[str, torch.Tensor]]:
+    """A build that appends this pid to ``calls`` first (the file counts builds)."""
+
+    def build() -> dict[str, torch.Tensor]:
+        with calls.open("a") as f:
+            f.write(f"{os.getpid()}\n")
+        time.sleep(delay_s)
+        return _reference(model_dir)
+
+    return build
+
+
+def _build_calls(calls: Path) -> list[int]:
+    return [int(line) for line in calls.read_text().split()] if calls.exists() else []
+
+
+# -- children (run in forked processes) ------------------------------------------------------------
+
+
+def _attach_child(
+    model_dir: Path,
+    scope: str,
+    calls: Path,
+    out: Any,
+    start: Any = None,
+    hold: Any = None,
+    build_delay_s: float = 0.0,
+) -> None:
+    """Waits for ``start``, attaches, touches every weight, reports (pid, name, digest),
+    then stays attached until ``hold`` is set (or it is killed)."""
+    torch.set_num_threads(1)
+    if start is not None:
+        start.wait(TIMEOUT_S)
+    build = _recording_build(model_dir, calls, build_delay_s)
+    pool = ParamPool.attach_or_create(model_dir, "float32", build, scope=scope)
+    out.put((os.getpid(), pool.name, _digest(pool.weights)))
+    if hold is not None:
+        hold.wait(TIMEOUT_S)
+    pool.close()
+
+
+def _fill_child(name: str, header: bytes, data: bytes, out: Any) -> None:
+    """Fills the first half of a pool's chunks, reports, then hangs until killed."""
+    pool = ParamPool.open_for_fill(name, header, len(data))
+    half = pool.num_chunks // 2 * pool.chunk_bytes
+    pool.buffer[:half] = data[:half]
+    out.put(os.getpid())
+    time.sleep(TIMEOUT_S)
+
+
+def _start(target: Callable[..., None], *args: Any, **kwargs: Any) -> Any:
+    proc = CTX.Process(target=target, args=args, kwargs=kwargs, daemon=True)
+    proc.start()
+    return proc
+
+
+def _kill(proc: Any) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(TIMEOUT_S)
+    assert proc.exitcode == -signal.SIGKILL
+
+
+def _info(name: str, scope: str) -> param_pool.PoolInfo:
+    (info,) = [p for p in param_pool.list_pools(scope) if p.name == name]
+    return info
+
+
+# -- tests -----------------------------------------------------------------------------------------
+
+
+def test_first_attach_builds_and_other_processes_attach(tiny_model_dir, scope, tmp_path):
+    calls, out = tmp_path / "calls", CTX.Queue()
+    first = _start(_attach_child, tiny_model_dir, scope, calls, out)
+    pid, name, digest = out.get(timeout=TIMEOUT_S)
+    first.join(TIMEOUT_S)
+    second = _start(_attach_child, tiny_model_dir, scope, calls, out)
+    pid2, name2, digest2 = out.get(timeout=TIMEOUT_S)
+    second.join(TIMEOUT_S)
+    assert _build_calls(calls) == [pid] and pid2 != pid and name2 == name
+    assert name == f"kvrelay-params-{scope}-{model_fingerprint(tiny_model_dir)[:8].hex()}-float32"
+
+    def fail() -> dict[str, torch.Tensor]:
+        raise AssertionError("a ready pool must not be rebuilt")
+
+    with ParamPool.attach_or_create(tiny_model_dir, "float32", fail, scope=scope) as pool:
+        reference = _reference(tiny_model_dir)
+        _assert_bitwise_equal(pool.weights, reference)
+        assert digest == digest2 == _digest(reference)
+        assert all(t.data_ptr() % param_pool.TENSOR_ALIGN == 0 for t in pool.weights.values())
+        info = _info(name, scope)
+        assert (info.state, info.user_pids, info.dtype) == ("ready", (os.getpid(),), "float32")
+        assert info.fingerprint == model_fingerprint(tiny_model_dir).hex()
+    assert _info(name, scope).user_pids == ()
+    assert param_pool.remove(name) is True
+    assert _segments(scope) == []
+
+
+def test_model_on_pool_weights_generates_the_disk_tokens(tiny_model_dir, scope):
+    tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
+    prompts = ["The parameter pool", "a", "weights in shared memory, attached zero-copy " * 3]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def generate(weights: dict[str, torch.Tensor] | None) -> list[list[int]]:
+        config = build_engine_config(str(tiny_model_dir), num_blocks=64)
+        engine = LLMEngine(config, tokenizer, weights=weights)
+        for i, text in enumerate(prompts):
+            engine.add_request(str(i), tokenizer.encode(text), greedy)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] = out.token_ids
+        return [tokens[str(i)] for i in range(len(prompts))]
+
+    with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope) as pool:
+        assert generate(pool.weights) == generate(None)
+        name = pool.name
+    param_pool.remove(name)
+    assert _segments(scope) == []
+
+
+def _shm_memory_kb(pid: int, name: str) -> tuple[int, int]:
+    """(Rss, Pss) in kB of ``pid``'s mappings of segment ``name`` (/proc/<pid>/smaps)."""
+    rss = pss = 0
+    in_pool = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+            in_pool = line.split(maxsplit=5)[-1] == f"/dev/shm/{name}"
+        elif in_pool and line.startswith(("Rss:", "Pss:")):
+            kb = int(line.split()[1])
+            rss, pss = (rss + kb, pss) if line.startswith("Rss:") else (rss, pss + kb)
+    return rss, pss
+
+
+def _pss_shmem_kb(pid: int) -> int:
+    text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    match = re.search(r"^Pss_Shmem:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else -1
+
+
+def test_two_processes_share_one_resident_copy(small_model_dir, scope, tmp_path):
+    calls, out, hold = tmp_path / "calls", CTX.Queue(), CTX.Event()
+    procs = [_start(_attach_child, small_model_dir, scope, calls, out, hold=hold)]
+    pid_a, name, digest_a = out.get(timeout=TIMEOUT_S)  # built by the first
+    procs.append(_start(_attach_child, small_model_dir, scope, calls, out, hold=hold))
+    pid_b, _, digest_b = out.get(timeout=TIMEOUT_S)
+    try:
+        assert _build_calls(calls) == [pid_a] and digest_a == digest_b
+        pool_kb = (SHM_DIR / name).stat().st_size // 1024
+        assert pool_kb > 100_000
+        usage = {pid: _shm_memory_kb(pid, name) for pid in (pid_a, pid_b)}
+        rollup = {pid: _pss_shmem_kb(pid) for pid in (pid_a, pid_b)}
+        print(f"pool {pool_kb} kB; (Rss, Pss) kB per process {usage}; Pss_Shmem {rollup}")
+        for rss, pss in usage.values():
+            assert rss > 0.95 * pool_kb  # each process touched (maps) every page
+            assert 0.4 * pool_kb < pss < 0.6 * pool_kb  # and pays for half of them
+        assert sum(pss for _, pss in usage.values()) < 1.3 * pool_kb  # one copy, not two
+    finally:
+        hold.set()
+        for proc in procs:
+            proc.join(TIMEOUT_S)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert param_pool.gc(grace_s=0, scope=scope) == [name]
+    assert _segments(scope) == []
+
+
+def test_concurrent_creators_build_exactly_once(tiny_model_dir, scope, tmp_path):
+    calls, out, start = tmp_path / "calls", CTX.Queue(), CTX.Event()
+    procs = [
+        _start(_attach_child, tiny_model_dir, scope, calls, out, start, build_delay_s=0.3)
+        for _ in range(4)
+    ]
+    start.set()
+    reports = [out.get(timeout=TIMEOUT_S) for _ in procs]
+    for proc in procs:
+        proc.join(TIMEOUT_S)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert len(_build_calls(calls)) == 1
+    assert _build_calls(calls)[0] in {pid for pid, _, _ in reports}
+    assert {(name, digest) for _, name, digest in reports} == {
+        (reports[0][1], _digest(_reference(tiny_model_dir)))
+    }
+    assert param_pool.gc(grace_s=0, scope=scope) == [reports[0][1]]
+    assert _segments(scope) == []
+
+
+def test_a_builder_killed_mid_build_is_replaced(tiny_model_dir, scope, tmp_path):
+    calls, out = tmp_path / "calls", CTX.Queue()
+    # killed inside build(): it holds the build lock, and the kernel drops it
+    hung = _start(_attach_child, tiny_model_dir, scope, calls, out, build_delay_s=TIMEOUT_S)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not _build_calls(calls) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _kill(hung)
+    # killed while writing a segment (a peer-transfer fill): a stale BUILDING segment
+    with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=f"{scope}.src") as source:
+        name = param_pool.pool_name(model_fingerprint(tiny_model_dir), "float32", scope)
+        filler = _start(_fill_child, name, source.header, bytes(source.buffer), out)
+        out.get(timeout=TIMEOUT_S)
+        assert _info(name, scope).state == "building"
+        assert param_pool.gc(grace_s=0, scope=scope) == []  # a live builder's
+        with pytest.raises(PoolBusy, match="a live builder"):
+            param_pool.remove(name)
+        _kill(filler)
+        assert _info(name, scope).state == "stale"
+        param_pool.remove(source.name, force=True)
+    build = _recording_build(tiny_model_dir, calls)
+    with ParamPool.attach_or_create(tiny_model_dir, "float32", build, scope=scope) as pool:
+        assert _build_calls(calls) == [hung.pid, os.getpid()]
+        _assert_bitwise_equal(pool.weights, _reference(tiny_model_dir))
+        assert all(pool.verify_chunk(i) for i in range(pool.num_chunks))
+    assert param_pool.gc(grace_s=0, scope=scope) == [name]
+    assert _segments(scope) == []
+
+
+def test_killed_users_are_pruned_and_the_pool_stays_intact(tiny_model_dir, scope, tmp_path):
+    calls, out, hold = tmp_path / "calls", CTX.Queue(), CTX.Event()
+    pool = ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope)
+    procs = [_start(_attach_child, tiny_model_dir, scope, calls, out, hold=hold) for _ in range(2)]
+    pids = sorted(out.get(timeout=TIMEOUT_S)[0] for _ in procs)
+    assert sorted(_info(pool.name, scope).user_pids) == sorted([os.getpid(), *pids])
+    with pytest.raises(PoolBusy, match="live users"):
+        param_pool.remove(pool.name)
+    for proc in procs:
+        _kill(proc)
+    assert _info(pool.name, scope).user_pids == (os.getpid(),)
+    assert param_pool.gc(grace_s=0, scope=scope) == []  # the survivor still uses it
+    assert all(pool.verify_chunk(i) for i in range(pool.num_chunks))
+    _assert_bitwise_equal(pool.weights, _reference(tiny_model_dir))
+    assert _build_calls(calls) == []
+    pool.close()
+    assert param_pool.gc(grace_s=300, scope=scope) == []  # idle for less than the grace
+    assert param_pool.gc(grace_s=0, scope=scope) == [pool.name]
+    assert _segments(scope) == []
+
+
+def test_fill_from_a_peer_checks_every_chunk(tiny_model_dir, scope):
+    with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=f"{scope}.src") as source:
+        data = bytearray(source.buffer)
+        name = param_pool.pool_name(model_fingerprint(tiny_model_dir), "float32", scope)
+        with pytest.raises(CorruptPool):
+            ParamPool.open_for_fill(name, source.header, source.total_bytes + 1)
+        abandoned = ParamPool.open_for_fill(name, source.header, source.total_bytes)
+        abandoned.close()  # closed before mark_ready: unlinked
+        assert _segments(scope) == [source.name]
+        assert param_pool.list_pools(scope) == []
+        pool = ParamPool.open_for_fill(name, source.header, source.total_bytes)
+        assert (pool.chunk_bytes, pool.chunk_checksums) == (
+            source.chunk_bytes,
+            source.chunk_checksums,
+        )
+        data[5] ^= 0xFF
+        pool.buffer[:] = data
+        assert pool.num_chunks >= 2 and not pool.verify_chunk(0) and pool.verify_chunk(1)
+        with pytest.raises(CorruptPool, match=r"chunks \[0\]"):
+            pool.mark_ready()
+        data[5] ^= 0xFF
+        pool.buffer[:] = data
+        assert pool.verify_chunk(0)
+        pool.mark_ready()
+        with pytest.raises(FileExistsError):
+            ParamPool.open_for_fill(name, source.header, source.total_bytes)
+        _assert_bitwise_equal(pool.weights, source.weights)
+        assert _info(name, scope).user_pids == (os.getpid(),)
+        assert pool.buffer.readonly
+        pool.close()
+    assert param_pool.remove(source.name)
+    assert param_pool.gc(grace_s=0, scope=scope) == [name]
+    assert _segments(scope) == []
+
+
+_CLI_DRIVER = """
+import contextlib, io, json, sys
+from kvrelay.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    results.append([rc, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def _cli(*commands: list[str]) -> list[tuple[int, str, str]]:
+    """Runs ``kvrelay <argv>`` for each argv, in order, in one new process (one torch import)."""
+    argvs = json.dumps([["pool", *argv] for argv in commands])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLI_DRIVER, argvs],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=True,
+    )  # fmt: skip
+    return [tuple(r) for r in json.loads(proc.stdout.splitlines()[-1])]
+
+
+def test_pool_cli_lists_refuses_and_frees(tiny_model_dir, scope):
+    used = ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope)
+    with ParamPool.attach_or_create(tiny_model_dir, "bfloat16", scope=scope) as idle:
+        sizes = {p.name: f"{(SHM_DIR / p.name).stat().st_size / 2**20:.1f}" for p in (used, idle)}
+    ls, refused, gc, force, ls_after = _cli(
+        ["ls", "--scope", scope],
+        ["rm", used.name],
+        ["gc", "--grace", "0", "--scope", scope],
+        ["rm", "--force", used.name],
+        ["ls", "--scope", scope],
+    )
+    header = ["NAME", "FINGERPRINT", "DTYPE", "MIB", "STATE", "USERS", "IDLE_S"]
+    assert ls[0] == 0 and ls[1].split()[:7] == header
+    rows = {line.split()[0]: line.split() for line in ls[1].splitlines()[1:]}
+    assert set(rows) == {used.name, idle.name}
+    fingerprint = model_fingerprint(tiny_model_dir).hex()
+    pid = str(os.getpid())
+    assert rows[used.name][1:] == [fingerprint, "float32", sizes[used.name], "ready", pid, "-"]
+    assert rows[idle.name][1:6] == [fingerprint, "bfloat16", sizes[idle.name], "ready", "-"]
+    assert float(rows[idle.name][6]) >= 0
+    assert refused[0] == 1 and f"live users (pids [{pid}])" in refused[2]
+    assert (gc[0], gc[1].split()) == (0, [idle.name])
+    assert (force[0], force[1].split()) == (0, [used.name])
+    assert (ls_after[0], ls_after[1].split()) == (0, header)
+    used.close()  # its segment was removed under it: detaching still works
+    assert _segments(scope) == []
+
+
+def test_gc_frees_unwritten_segments_and_leaves_other_formats(scope):
+    empty, foreign = (f"{param_pool.PREFIX}{scope}-{kind}-float32" for kind in ("empty", "other"))
+    (SHM_DIR / empty).write_bytes(bytes(4096))  # a creator killed before its header
+    (SHM_DIR / foreign).write_bytes(b"OTHERFMT" + bytes(4088))
+    assert [(p.name, p.state) for p in param_pool.list_pools(scope)] == [(empty, "stale")]
+    assert param_pool.gc(grace_s=300, scope=scope) == [empty]
+    assert _segments(scope) == [foreign]
+    with pytest.raises(ValueError, match="pool name"):
+        param_pool.remove("../etc/passwd")
+    with pytest.raises(CorruptPool, match="another format"):
+        param_pool.remove(foreign)
+    assert param_pool.remove(foreign, force=True)
+    assert _segments(scope) == []
