@@ -16,12 +16,13 @@ text is made; workers never see them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import zmq
 import zmq.asyncio
@@ -57,6 +58,16 @@ from kvrelay.router.registry import Instance, Placement, Registry
 
 logger = logging.getLogger(__name__)
 
+_NUM_LATENCY_SAMPLES = 4096  # finished requests kept for windowed SLO attainment
+
+
+class LatencySample(NamedTuple):
+    """One finished request's latencies (the autoscaler's SLO windows)."""
+
+    finished_at: float  # time.monotonic() at the last token
+    ttft_s: float  # admission to the first token
+    tpot_s: float | None  # mean time per output token after the first; None with one token
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ClusterSettings:
@@ -82,6 +93,7 @@ class _Tracked:
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     started: float = dataclasses.field(default_factory=time.monotonic)
+    first_token: float = 0.0
     last_token: float = 0.0
 
 
@@ -108,6 +120,9 @@ class ClusterBackend(Backend):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._tracked: dict[str, _Tracked] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._latencies: collections.deque[LatencySample] = collections.deque(
+            maxlen=_NUM_LATENCY_SAMPLES
+        )
 
     @property
     def max_model_len(self) -> int:  # type: ignore[override]
@@ -136,6 +151,15 @@ class ClusterBackend(Backend):
     @property
     def num_inflight(self) -> int:
         return len(self._tracked)
+
+    def num_requests_on(self, instance_id: str) -> int:
+        """Requests in flight that still depend on an instance (placed on it, not handed off)."""
+        return sum(1 for tr in self._tracked.values() if not tr.done and instance_id in tr.watch)
+
+    def recent_latencies(self, window_s: float) -> list[LatencySample]:
+        """The requests that finished in the last ``window_s`` seconds (at most 4096)."""
+        since = time.monotonic() - window_s
+        return [s for s in self._latencies if s.finished_at >= since]
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request: GenerateInput) -> AsyncIterator[Delta]:
@@ -207,16 +231,26 @@ class ClusterBackend(Backend):
                 self._send(inst, Abort(tr.request.request_id))
 
     def _reply(self, identity: bytes, msg: Any) -> None:
-        try:
-            self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK)
-        except (zmq.Again, zmq.ZMQError) as e:
-            logger.warning("cannot reply %s to %r: %s", type(msg).__name__, identity, e)
+        self._send_to(identity, msg)
 
     def _send(self, inst: Instance, msg: Any) -> None:
+        self._send_to(inst.instance_id.encode(), msg)
+
+    def _send_to(self, identity: bytes, msg: Any) -> None:
+        """Sends without waiting; a failure (e.g. the peer left) is logged, not raised.
+
+        The asyncio socket reports send errors through the returned future, not by raising.
+        """
+        what = f"{type(msg).__name__} to {identity.decode(errors='replace')}"
         try:
-            self._sock.send_multipart([inst.instance_id.encode(), encode(msg)], zmq.NOBLOCK)
+            sent = cast(  # zmq.asyncio returns an asyncio.Future
+                "asyncio.Future[Any]",
+                self._sock.send_multipart([identity, encode(msg)], zmq.NOBLOCK),
+            )
         except (zmq.Again, zmq.ZMQError) as e:
-            logger.warning("cannot send %s to %s: %s", type(msg).__name__, inst.instance_id, e)
+            logger.warning("cannot send %s: %s", what, e)
+            return
+        sent.add_done_callback(lambda f: _log_send_error(what, f))
 
     def drain(self, instance_id: str) -> bool:
         """Stops placing requests on an instance and tells it to drain; False if unknown."""
@@ -279,13 +313,15 @@ class ClusterBackend(Backend):
         if not new and not event.finished:
             return
         is_first = not tr.tokens and bool(new)
+        now = time.monotonic()
         if is_first:
             tr.num_cached_tokens = event.num_cached_tokens
             tr.cached_tokens_by_tier = dict(event.cached_tokens_by_tier)
-            self.metrics.ttft.observe(time.monotonic() - tr.started)
+            tr.first_token = now
+            self.metrics.ttft.observe(now - tr.started)
         elif new:
-            self.metrics.itl.observe(time.monotonic() - tr.last_token)
-        tr.last_token = time.monotonic()
+            self.metrics.itl.observe(now - tr.last_token)
+        tr.last_token = now
         text, stop_str, num_used = self._detokenize(tr, new, event.finished)
         new = new[:num_used]
         tr.tokens.extend(new)
@@ -307,7 +343,15 @@ class ClusterBackend(Backend):
                 self._abort(tr)  # the worker is still generating
             tr.done = True
             self.metrics.observe_finish(tr.started, reason or "stop")
+            self._record_latency(tr)
         tr.queue.put_nowait(delta)
+
+    def _record_latency(self, tr: _Tracked) -> None:
+        if not tr.tokens:
+            return
+        num_after_first = len(tr.tokens) - 1
+        tpot = (tr.last_token - tr.first_token) / num_after_first if num_after_first else None
+        self._latencies.append(LatencySample(tr.last_token, tr.first_token - tr.started, tpot))
 
     def _detokenize(
         self, tr: _Tracked, new: list[int], finished: bool
@@ -357,6 +401,11 @@ class ClusterBackend(Backend):
             len(tr.tokens),
         )
         self._submit(tr, placement)
+
+
+def _log_send_error(what: str, sent: asyncio.Future[Any]) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        logger.warning("cannot send %s: %s", what, sent.exception())
 
 
 def _logprobs(wire: list[Any] | None, skip: int, count: int) -> list[TokenLogprobs] | None:

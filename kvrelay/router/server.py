@@ -13,12 +13,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, Response
+from fastapi import Depends, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvrelay.autoscale.autoscaler import Autoscaler, AutoscalerSettings, UpdateError
+from kvrelay.autoscale.policy import Policy, PolicyConfig
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.tokenizer import Tokenizer
-from kvrelay.router.api import ApiSettings, create_app
+from kvrelay.router.api import ApiSettings, create_app, parse_json_object
 from kvrelay.router.cache_stats import build_report, fetch_worker_stats
 from kvrelay.router.cluster import ClusterBackend, ClusterSettings
 from kvrelay.router.errors import ApiError, require_admin_token
@@ -38,6 +40,11 @@ class RouterConfig:
     dead_after: float = 2.0  # seconds without a heartbeat before a worker is dead
     max_inflight: int = 1024  # requests in flight before 429
     max_body_bytes: int = 4 << 20  # larger bodies get 413
+    cluster_id: str = "default"  # the cluster's id (the local scaling hook's workers get it)
+    autoscale: str = "off"  # scaling hook: off | local | compose | kubernetes | webhook | exec
+    autoscale_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # hook kwargs
+    autoscale_policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+    autoscale_interval: float = 2.0  # seconds between autoscaler evaluations
 
     @property
     def model_name(self) -> str:
@@ -64,14 +71,20 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, ClusterBackend]:
     )
     app = create_app(backend, tokenizer, settings)
     add_operations_routes(app, backend, settings)
+    autoscaler = create_autoscaler(config, backend)
+    add_autoscaler_routes(app, autoscaler, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await backend.start()
         logger.info("router: workers connect to %s", config.control_addr)
+        if autoscaler is not None:
+            autoscaler.start()
         try:
             yield
         finally:
+            if autoscaler is not None:
+                await autoscaler.stop()
             await backend.close()
 
     app.router.lifespan_context = lifespan
@@ -106,6 +119,59 @@ def add_operations_routes(app: FastAPI, backend: ClusterBackend, settings: ApiSe
             "data": [inst.as_dict() for inst in backend.registry.instances()],
             "num_inflight": backend.num_inflight,
         }
+
+
+def create_autoscaler(config: RouterConfig, backend: ClusterBackend) -> Autoscaler | None:
+    """The autoscaler ``config.autoscale`` names, or None when it is off.
+
+    The ``local`` hook gets the router's model, control address, cluster id and host unless
+    ``autoscale_options`` set them. Raises ``ValueError`` for an unknown hook or bad options.
+    """
+    if config.autoscale == "off":
+        return None
+    from kvrelay.autoscale.registry import create_hook
+
+    options = dict(config.autoscale_options)
+    if config.autoscale == "local":
+        defaults = {
+            "model": config.model,
+            "control_addr": config.control_addr,
+            "cluster_id": config.cluster_id,
+            "host": config.host,
+        }
+        options = {**defaults, **options}
+    try:
+        hook = create_hook(config.autoscale, **options)
+    except TypeError as e:  # an option the hook does not take
+        raise ValueError(f"bad options for the {config.autoscale} scaling hook: {e}") from None
+    settings = AutoscalerSettings(interval_s=config.autoscale_interval)
+    return Autoscaler(backend, hook, Policy(config.autoscale_policy), settings)
+
+
+def add_autoscaler_routes(
+    app: FastAPI, autoscaler: Autoscaler | None, settings: ApiSettings
+) -> None:
+    admin = [Depends(require_admin_token(settings))]
+
+    @app.get("/admin/autoscaler", dependencies=admin)
+    async def autoscaler_state() -> dict[str, Any]:
+        if autoscaler is None:
+            return {"enabled": False, "hook": None, "recent_decisions": [], "errors": []}
+        return autoscaler.state()
+
+    @app.post("/admin/autoscaler", dependencies=admin)
+    async def autoscaler_update(request: Request) -> dict[str, Any]:
+        body = parse_json_object(await request.body())
+        if autoscaler is None:
+            raise ApiError(
+                400,
+                "autoscaling is off; start the router with --autoscale HOOK",
+                code="autoscaler_off",
+            )
+        try:
+            return autoscaler.update(body)
+        except UpdateError as e:
+            raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
 
 
 def run_router(config: RouterConfig) -> None:
