@@ -194,7 +194,8 @@ class Launcher:
         """Ends every process and unlinks the cluster's shared memory; returns what it removed."""
         workers = [p for p in self.procs.values() if p.role != "router"]
         routers = [p for p in self.procs.values() if p.role == "router"]
-        for group in (workers, routers):
+        # the router first: its autoscaler must not see workers vanish and replace them
+        for group in (routers, workers):
             for proc in group:
                 with contextlib.suppress(ProcessLookupError):
                     proc.popen.send_signal(signal.SIGTERM)
