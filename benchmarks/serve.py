@@ -163,6 +163,31 @@ def measure(
     return summary, busy, min(1.0, max(0.0, outside / (wall * (os.cpu_count() or 1))))
 
 
+def least_disturbed(
+    system: System,
+    config: LoadConfig,
+    slo: Slo,
+    model_dir: Path,
+    args: argparse.Namespace,
+    repeat: int,
+) -> Run:
+    """Measures up to ``--attempts`` times while outside processes took more than
+    ``--max-outside-cpu`` of the CPUs; returns the run they disturbed least."""
+    best: Run | None = None
+    for _ in range(args.attempts):
+        if best is not None:
+            shown = f"{system.name} @ {config.rate:g} req/s"
+            print(f"{shown}: outside CPU {best.outside_cpu:.0%}; measuring again", flush=True)
+        summary, busy, outside = measure(system, config, slo, model_dir, args)
+        run = Run(system.name, config.rate, repeat, summary, busy, outside)
+        if best is None or run.outside_cpu < best.outside_cpu:
+            best = run
+        if best.outside_cpu <= args.max_outside_cpu:
+            break
+    assert best is not None
+    return best
+
+
 def calibrate(model_dir: Path, base: LoadConfig, slo: Slo, args: argparse.Namespace) -> float:
     """Requests/s the colocated system completes when ``--calibrate-requests`` arrive at once."""
     config = replace(base, rate=math.inf, num_requests=args.calibrate_requests)
@@ -261,13 +286,11 @@ def verdict_lines(groups: Groups, rates: list[float]) -> list[str]:
         co, pd = groups.get((rate, "colocated")), groups.get((rate, "1P+1D"))
         if co is None or pd is None:
             continue
-        lower = pd["tpot_p50"] < co["tpot_p50"] and pd["tpot_p99"] < co["tpot_p99"]
         lines.append(
             f"At {rate:g} req/s, 1P+1D's TPOT is p50 {pd['tpot_p50']:,.0f} ms vs "
             f"{co['tpot_p50']:,.0f} ms colocated ({_change(pd['tpot_p50'], co['tpot_p50'])}), "
             f"p99 {pd['tpot_p99']:,.0f} vs {co['tpot_p99']:,.0f} ms "
-            f"({_change(pd['tpot_p99'], co['tpot_p99'])}): "
-            f"{'lower' if lower else 'not lower'}. TTFT p50 "
+            f"({_change(pd['tpot_p99'], co['tpot_p99'])}); TTFT p50 "
             f"{_change(pd['ttft_p50'], co['ttft_p50'])}, p99 "
             f"{_change(pd['ttft_p99'], co['ttft_p99'])}; goodput {pd['goodput']:.3f} vs "
             f"{co['goodput']:.3f} req/s."
@@ -290,6 +313,12 @@ def describe(setup: dict[str, Any], rates: list[float], slo: Slo) -> str:
         else ""
     )
     prompt, output = setup["prompt_len"], setup["output_len"]
+    retry = ""
+    if setup.get("attempts", 1) > 1:
+        retry = (
+            f" A run during which they took more than {100 * setup['max_outside_cpu']:.0f}% "
+            f"was measured again (at most {setup['attempts']} times); the least disturbed counts."
+        )
     return (
         f"Model: {setup['model']}, float32. Workload: {setup['num_requests']} requests per run, "
         f"Poisson arrivals at {' and '.join(f'{r:g}' for r in rates)} req/s, random-token "
@@ -306,42 +335,58 @@ def describe(setup: dict[str, Any], rates: list[float], slo: Slo) -> str:
         f"{slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms per second; SLO met is their share "
         "of all requests. TPOT = (e2e - TTFT) / (output tokens - 1). CPU busy: CPU-seconds "
         "each process used over the run's wall time; outside CPU: the largest share of all "
-        "CPUs that processes outside the run took during one."
+        "CPUs that processes outside the run took during one." + retry
     )
 
 
 def conclusion(groups: Groups, rates: list[float]) -> str:
     """The answer in numbers at the high rate, what the control and the CPU shares show,
-    and why."""
+    which rows other processes disturbed, and why."""
     high = max(rates)
     co, pd = groups.get((high, "colocated")), groups.get((high, "1P+1D"))
     if co is None or pd is None:
         return ""
-    is_lower = pd["tpot_p99"] < co["tpot_p99"]
     parts = [
         f"**Does disaggregation lower TPOT here?** At the high rate ({high:g} req/s): "
-        f"{'yes' if is_lower else 'no'}, p99 {_change(pd['tpot_p99'], co['tpot_p99'])} "
-        f"(p50 {_change(pd['tpot_p50'], co['tpot_p50'])})."
+        f"{_yes_no(pd, co, 'tpot_p99')} at p99, {_yes_no(pd, co, 'tpot_p50')} at p50; "
+        f"TTFT p50 {_change(pd['ttft_p50'], co['ttft_p50'])}; goodput {pd['goodput']:.3f} vs "
+        f"{co['goodput']:.3f} req/s."
     ]
     half = groups.get((high, "colocated-half"))
     if half is not None:
-        faster = half["tpot_p50"] < co["tpot_p50"]
         parts.append(
-            f"The control tells how much of that is threads rather than interference: the "
-            f"colocated worker with 1 thread has TPOT p50 {half['tpot_p50']:,.0f} ms against "
-            f"{co['tpot_p50']:,.0f} ms with 2, so the second thread made it "
-            f"{'slower' if faster else 'faster'}; 1P+1D against this 1-thread colocated "
-            f"worker (same threads per engine, interference removed, one more core): TPOT p50 "
+            f"The control separates threads from interference: with 1 thread instead of 2 the "
+            f"colocated worker's TPOT p50 is {half['tpot_p50']:,.0f} ms instead of "
+            f"{co['tpot_p50']:,.0f} ms; 1P+1D against that 1-thread worker (the same threads "
+            f"per engine, no interference, one more core): TPOT p50 "
             f"{_change(pd['tpot_p50'], half['tpot_p50'])}, p99 "
             f"{_change(pd['tpot_p99'], half['tpot_p99'])}."
         )
-    outside = max(m["outside_cpu"] for m in groups.values())
-    if outside > 0.1:
-        parts.append(
-            f"Other processes on this shared machine took up to {100 * outside:.0f}% of the "
-            "CPUs during a run (outside CPU column), so these numbers carry their noise."
+    decode, prefill = pd.get("cpu_decode-0"), pd.get("cpu_prefill-0")
+    if decode is not None and prefill is not None:
+        busy = (
+            f"In 1P+1D the decode worker was busy {100 * decode:.0f}% of a core and the "
+            f"prefill worker {100 * prefill:.0f}%"
         )
+        if decode > 0.8 and decode > 2 * prefill:
+            busy += (
+                ": with these lengths decoding is most of the work, so the decode worker is "
+                "the bottleneck and a 1:1 split of the cores leaves the prefill core mostly idle"
+            )
+        parts.append(busy + ".")
+    for rate in rates:
+        outside = max(m["outside_cpu"] for (r, _), m in groups.items() if r == rate)
+        if outside > 0.2:
+            parts.append(
+                f"At {rate:g} req/s other processes on this shared machine took up to "
+                f"{100 * outside:.0f}% of the CPUs during a run (outside CPU column): those "
+                "rows measure that contention as much as the systems."
+            )
     return " ".join([*parts, INTERPRETATION])
+
+
+def _yes_no(new: dict[str, float], old: dict[str, float], key: str) -> str:
+    return f"{'yes' if new[key] < old[key] else 'no'} ({_change(new[key], old[key])})"
 
 
 INTERPRETATION = (
@@ -419,6 +464,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--quiet-wait", type=float, default=60.0, help="max s to wait for idle CPUs")
+    p.add_argument(
+        "--max-outside-cpu",
+        type=float,
+        default=0.2,
+        help="measure a run again while other processes took more than this share of the CPUs",
+    )
+    p.add_argument("--attempts", type=int, default=2, help="measurements at most per run")
     p.add_argument("--log-dir", default=None, help="cluster logs (default: a temporary dir)")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument(
@@ -431,8 +483,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         create_systems(args.threads, args.systems)
     except ValueError as exc:
         p.error(str(exc))
-    if min(args.repeats, args.threads, args.num_requests, args.calibrate_requests) < 1:
-        p.error("--repeats, --threads, --num-requests and --calibrate-requests must be >= 1")
+    counts = (args.repeats, args.threads, args.num_requests, args.calibrate_requests, args.attempts)
+    if min(counts) < 1:
+        p.error("--repeats, --threads, --num-requests, --calibrate-requests and --attempts "
+                "must be >= 1")  # fmt: skip
     return args
 
 
@@ -454,8 +508,10 @@ def result_data(
 
 def setup_of(args: argparse.Namespace, model: str) -> dict[str, Any]:
     """What the report needs to describe a run, besides its results."""
-    names = ("num_requests", "prompt_len", "output_len", "seed", "repeats", "threads",
-             "systems", "num_blocks", "max_num_batched_tokens")  # fmt: skip
+    names = (
+        "num_requests", "prompt_len", "output_len", "seed", "repeats", "threads", "systems",
+        "num_blocks", "max_num_batched_tokens", "attempts", "max_outside_cpu",
+    )  # fmt: skip
     return {"model": model, **{name: getattr(args, name) for name in names}}
 
 
@@ -488,8 +544,8 @@ def run_all(args: argparse.Namespace, model_dir: Path, model: str) -> int:
         for rate in rates:
             config = replace(base, rate=rate, seed=args.seed + repeat)
             for system in create_systems(args.threads, args.systems):
-                summary, busy, outside = measure(system, config, slo, model_dir, args)
-                runs.append(Run(system.name, rate, repeat, summary, busy, outside))
+                runs.append(least_disturbed(system, config, slo, model_dir, args, repeat))
+                summary = runs[-1].summary
                 tpot = metrics(summary)["tpot_p50"]
                 print(
                     f"{system.name} @ {rate:g} req/s: {summary.num_completed} done, "
