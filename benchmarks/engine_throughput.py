@@ -30,14 +30,14 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-
 from common import (
+    TimedRun,
     command_line,
     fmt,
     machine_info,
@@ -46,19 +46,21 @@ from common import (
     measure_memory_bandwidth,
     median,
     text_table,
-    timed,
+    timed_quiet,
     update_benchmarks_md,
     write_json,
 )
 
 SECTION_TITLE = "Engine throughput (offline, CPU)"
 STATIC_BATCH_SIZES = (8, 16, 32)
-MIN_TOKEN_ID = 3  # ids 0..2 are bos / eos / chat specials in make_tiny checkpoints
+MIN_TOKEN_ID = 3  # prompt ids are drawn from [3, vocab): 0..2 are make_tiny specials
 PAD_TOKEN_ID = 1
 DECODE_PROMPT_LEN = 16
 DECODE_OUTPUT_LEN = 128
 DECODE_RUNS = 3
 GOAL_VS_STATIC = 2.0
+STATIC_NAME = "transformers generate, static batch"
+CB_NAME = "transformers continuous batching"
 
 logger = logging.getLogger("engine_throughput")
 
@@ -77,14 +79,31 @@ class Request:
     output_len: int
 
 
+@dataclass(frozen=True, slots=True)
+class TimingPolicy:
+    repeats: int = 1  # timed runs per system; the median counts
+    max_others_cpu: float = 0.1  # time again while other processes used more of the CPUs
+    attempts: int = 3  # runs at most per timed run, when other processes interfere
+    max_wait_s: float = 300.0  # wait this long at most for quiet CPUs before each run
+
+    def run(self, fn: Callable[[], Any], setup: Callable[[], object] | None = None) -> TimedRun:
+        return timed_quiet(fn, setup, self.max_others_cpu, self.attempts, self.max_wait_s)
+
+
 @dataclass(slots=True)
 class SystemResult:
     name: str
     useful_tokens: int = 0  # output tokens the requests asked for
     computed_tokens: int = 0  # output tokens the system generated, waste included
     seconds: list[float] = field(default_factory=list)  # one per repeat
+    others_cpu: list[float] = field(default_factory=list)  # CPU share others took, per repeat
     note: str = ""
     error: str | None = None  # set when the system did not run
+
+    def add(self, run: TimedRun, useful_tokens: int) -> None:
+        self.useful_tokens, self.computed_tokens = useful_tokens, run.value
+        self.seconds.append(run.seconds)
+        self.others_cpu.append(run.others_cpu)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -98,6 +117,7 @@ class DecodeBound:
     step_s: float  # measured seconds per decode step at batch 1
     weight_bytes: int  # bytes of weights one decode step reads
     bandwidth: float  # measured copy bandwidth, bytes/s
+    others_cpu: float  # largest CPU share other processes took while these were measured
 
     @property
     def bound_s(self) -> float:
@@ -145,37 +165,50 @@ def kvrelay_generate(llm: Any, requests: Sequence[Request]) -> int:
     return sum(produced)
 
 
-def run_kvrelay(llm: Any, requests: list[Request], repeats: int, vocab: int) -> SystemResult:
+def run_kvrelay(
+    llm: Any, requests: list[Request], timing: TimingPolicy, vocab: int
+) -> SystemResult:
     result = SystemResult("kvrelay LLM.generate", note="all requests at once")
     kvrelay_generate(llm, warmup_requests(vocab))
-    for _ in range(repeats):
-        llm.engine.block_manager.reset_prefix_cache()  # repeats must not hit the last run's KV
-        tokens, seconds = timed(lambda: kvrelay_generate(llm, requests))
-        result.useful_tokens = result.computed_tokens = tokens
-        result.seconds.append(seconds)
+    reset = llm.engine.block_manager.reset_prefix_cache  # a repeat must not hit the last run's KV
+    for _ in range(timing.repeats):
+        run = timing.run(lambda: kvrelay_generate(llm, requests), setup=reset)
+        result.add(run, run.value)
     return result
 
 
 def measure_decode_step(llm: Any, vocab: int) -> float:
     """Median seconds per decode step of one sequence (the first token, prefill, excluded)."""
+    rng = random.Random(7)
+    prompts = [
+        [rng.randrange(MIN_TOKEN_ID, vocab) for _ in range(DECODE_PROMPT_LEN)]
+        for _ in range(DECODE_RUNS + 1)
+    ]
+    decode_one(llm.engine, "decode-warmup", prompts[0])
+    return median([decode_one(llm.engine, f"decode-{i}", p) for i, p in enumerate(prompts[1:])])
+
+
+def time_decode_step(llm: Any, vocab: int, timing: TimingPolicy) -> tuple[TimedRun, int]:
+    """The timed batch-1 decode step and the weight bytes such a step reads."""
+    reset = llm.engine.block_manager.reset_prefix_cache
+    step = timing.run(lambda: measure_decode_step(llm, vocab), setup=reset)
+    return step, decode_weight_bytes(llm)
+
+
+def decode_one(engine: Any, request_id: str, prompt: list[int]) -> float:
+    """Seconds per step after the first token of one request running alone."""
     from kvrelay import SamplingParams
 
-    engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_OUTPUT_LEN, ignore_eos=True)
-    rng = random.Random(7)
-    per_step = []
-    for run in range(DECODE_RUNS + 1):  # run 0 warms up
-        prompt = [rng.randrange(MIN_TOKEN_ID, vocab) for _ in range(DECODE_PROMPT_LEN)]
-        engine.add_request(f"decode-{run}", prompt, params)
-        first_at, num_tokens = None, 0
-        while engine.has_unfinished_requests():
-            num_tokens += sum(len(o.new_token_ids) for o in engine.step())
-            if first_at is None and num_tokens:
-                first_at, first_tokens = time.perf_counter(), num_tokens
-        elapsed = time.perf_counter() - first_at
-        if run:
-            per_step.append(elapsed / (num_tokens - first_tokens))
-    return median(per_step)
+    engine.add_request(request_id, prompt, params)
+    while not engine.step():  # prefill, until the first token comes out
+        pass
+    start = time.perf_counter()
+    num_steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        num_steps += 1
+    return (time.perf_counter() - start) / num_steps
 
 
 def decode_weight_bytes(llm: Any) -> int:
@@ -222,25 +255,29 @@ def hf_static_batch(model: Any, batch: Sequence[Request]) -> int:
 
 
 def run_hf_static(
-    model: Any, requests: list[Request], batch_size: int, repeats: int, vocab: int
+    model: Any, requests: list[Request], batch_size: int, timing: TimingPolicy, vocab: int
 ) -> SystemResult:
     batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
     result = SystemResult(
-        f"transformers generate, static batch {batch_size}",
+        f"{STATIC_NAME} {batch_size}",
         note=f"{len(batches)} batches in arrival order",
     )
     hf_static_batch(model, warmup_requests(vocab))
-    for _ in range(repeats):
-        computed, seconds = timed(lambda: sum(hf_static_batch(model, b) for b in batches))
-        result.computed_tokens = computed
-        result.useful_tokens = sum(r.output_len for r in requests)
-        result.seconds.append(seconds)
+    for _ in range(timing.repeats):
+        # Batch by batch, so a batch that other processes disturbed is timed again alone.
+        runs = [timing.run(lambda b=batch: hf_static_batch(model, b)) for batch in batches]
+        total = TimedRun(
+            sum(r.value for r in runs),
+            sum(r.seconds for r in runs),
+            max(r.others_cpu for r in runs),
+        )
+        result.add(total, sum(r.output_len for r in requests))
     return result
 
 
 @contextlib.contextmanager
 def hf_cb_manager(model: Any, requests: list[Request]) -> Iterator[Any]:
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.continuous_batching.continuous_api import WorkloadHints
 
     hints = WorkloadHints(
@@ -251,8 +288,15 @@ def hf_cb_manager(model: Any, requests: list[Request]) -> Iterator[Any]:
     config = GenerationConfig(
         max_new_tokens=max(r.output_len for r in requests), do_sample=False, eos_token_id=-1
     )
+    # Block sharing (its prefix cache) off: these prompts share no prefix, and a repeat or a
+    # retried run must not reuse the KV of the run before.
+    cb_config = ContinuousBatchingConfig(allow_block_sharing=False)
     with model.continuous_batching_context_manager(
-        generation_config=config, block=True, timeout=5, workload_hints=hints
+        generation_config=config,
+        block=True,
+        timeout=5,
+        continuous_batching_config=cb_config,
+        workload_hints=hints,
     ) as manager:
         yield manager
 
@@ -280,18 +324,19 @@ def hf_cb_generate(manager: Any, requests: Sequence[Request]) -> int:
     return sum(done.values())
 
 
-def run_hf_cb(model: Any, requests: list[Request], repeats: int, vocab: int) -> SystemResult:
+def run_hf_cb(
+    model: Any, requests: list[Request], timing: TimingPolicy, vocab: int
+) -> SystemResult:
     result = SystemResult(
-        "transformers continuous batching",
+        CB_NAME,
         note="generate_batch's manager, per-request max_new_tokens",
     )
     try:
-        for _ in range(repeats):  # a fresh manager each time: no prefix sharing across repeats
-            with hf_cb_manager(model, requests) as manager:
-                hf_cb_generate(manager, warmup_requests(vocab))
-                tokens, seconds = timed(lambda m=manager: hf_cb_generate(m, requests))
-            result.useful_tokens = result.computed_tokens = tokens
-            result.seconds.append(seconds)
+        with hf_cb_manager(model, requests) as manager:
+            hf_cb_generate(manager, warmup_requests(vocab))
+            for _ in range(timing.repeats):
+                run = timing.run(lambda: hf_cb_generate(manager, requests))
+                result.add(run, run.value)
     except (RuntimeError, ValueError, NotImplementedError, ImportError, AttributeError) as exc:
         result.error = f"did not run: {type(exc).__name__}: {exc}"
         logger.warning("transformers continuous batching %s", result.error)
@@ -299,21 +344,6 @@ def run_hf_cb(model: Any, requests: list[Request], repeats: int, vocab: int) -> 
 
 
 # ---------------------------------------------------------------------------- report
-
-
-def result_rows(results: list[SystemResult]) -> list[list[str]]:
-    ours = results[0].tokens_per_s
-    rows = []
-    for r in results:
-        rate = r.tokens_per_s
-        if rate is None:
-            rows.append([r.name, "-", "-", "-", "-", r.error or ""])
-            continue
-        ratio = f"{ours / rate:.2f}x" if ours else "-"
-        tokens = f"{r.useful_tokens:,} / {r.computed_tokens:,}"
-        rows.append([r.name, fmt(rate), f"{median(r.seconds):.1f}", tokens, ratio, r.note])
-    return rows
-
 
 RESULT_HEADERS = (
     "system",
@@ -323,12 +353,36 @@ RESULT_HEADERS = (
     "kvrelay ÷ system",
     "note",
 )
+DECODE_HEADERS = (
+    "decode step (ms)",
+    "weights read (MB)",
+    "copy bandwidth (GB/s)",
+    "bound (ms)",
+    "step ÷ bound",
+)
+
+
+def result_rows(results: list[SystemResult], max_others_cpu: float) -> list[list[str]]:
+    ours = results[0].tokens_per_s
+    rows = []
+    for r in results:
+        rate = r.tokens_per_s
+        if rate is None:
+            rows.append([r.name, "-", "-", "-", "-", r.error or ""])
+            continue
+        note = r.note
+        if max(r.others_cpu, default=0.0) > max_others_cpu:
+            note += f"; other processes took {max(r.others_cpu):.0%} of the CPUs"
+        ratio = f"{ours / rate:.2f}x" if ours else "-"
+        tokens = f"{r.useful_tokens:,} / {r.computed_tokens:,}"
+        rows.append([r.name, fmt(rate), f"{median(r.seconds):.1f}", tokens, ratio, note])
+    return rows
 
 
 def goal_lines(results: list[SystemResult]) -> list[str]:
     ours = results[0].tokens_per_s
-    static = [r.tokens_per_s for r in results if "static" in r.name and r.tokens_per_s]
-    cb = next((r for r in results if "continuous" in r.name), None)
+    static = [r.tokens_per_s for r in results if r.name.startswith(STATIC_NAME) and r.tokens_per_s]
+    cb = next((r for r in results if r.name == CB_NAME), None)
     lines = []
     if ours and static:
         ratio = ours / max(static)
@@ -350,35 +404,41 @@ def goal_lines(results: list[SystemResult]) -> list[str]:
     return lines
 
 
-def decode_rows(bound: DecodeBound) -> list[list[str]]:
-    return [
-        [
-            f"{bound.step_s * 1e3:.2f}",
-            f"{bound.weight_bytes / 1e6:.1f}",
-            f"{bound.bandwidth / 1e9:.2f}",
-            f"{bound.bound_s * 1e3:.2f}",
-            f"{bound.step_s / bound.bound_s:.2f}x",
-        ]
+def decode_rows(bound: DecodeBound, max_others_cpu: float) -> list[list[str]]:
+    row = [
+        f"{bound.step_s * 1e3:.2f}",
+        f"{bound.weight_bytes / 1e6:.1f}",
+        f"{bound.bandwidth / 1e9:.2f}",
+        f"{bound.bound_s * 1e3:.2f}",
+        f"{bound.step_s / bound.bound_s:.2f}x",
     ]
-
-
-DECODE_HEADERS = (
-    "decode step (ms)",
-    "weights read (MB)",
-    "copy bandwidth (GB/s)",
-    "bound (ms)",
-    "step ÷ bound",
-)
+    if bound.others_cpu > max_others_cpu:
+        row[-1] += f" (other processes took {bound.others_cpu:.0%} of the CPUs)"
+    return [row]
 
 
 def describe(args: argparse.Namespace, workload: Workload, params: int) -> str:
+    model = f"`{args.model_dir.name}`" if args.model_dir else f"make_tiny `{args.size}` llama"
     return (
-        f"Model: make_tiny `{args.size}` llama ({params / 1e6:.1f}M parameters), float32, "
-        f"{args.threads} threads. {workload.num_requests} requests, prompt lengths "
-        f"{workload.prompt_lens[0]}-{workload.prompt_lens[1]}, output lengths "
-        f"{workload.output_lens[0]}-{workload.output_lens[1]} (uniform, seed {workload.seed}); "
-        "greedy, eos ignored, so every system produces the same number of output tokens, and "
-        f"only those count. Median of {args.repeats} run(s) after a warm-up."
+        f"Model: {model} ({params / 1e6:.1f}M parameters), float32, {args.threads} threads. "
+        f"{workload.num_requests} requests, prompt lengths {workload.prompt_lens[0]}-"
+        f"{workload.prompt_lens[1]}, output lengths {workload.output_lens[0]}-"
+        f"{workload.output_lens[1]} (uniform, seed {workload.seed}); greedy with eos ignored, so "
+        "each request gets exactly its output length in every system, and only those tokens "
+        "count (a static batch runs to its longest output; the rest is computed, not counted). "
+        f"Median of {args.repeats} timed run(s) per system after a warm-up, each on a quiet "
+        "machine (a run is repeated while other processes take over "
+        f"{args.max_others_cpu:.0%} of the CPUs)."
+    )
+
+
+def decode_text(bound: DecodeBound) -> str:
+    return (
+        f"Decode step at batch 1 (kvrelay; prompt {DECODE_PROMPT_LEN} tokens, "
+        f"{DECODE_OUTPUT_LEN} output tokens, time per token after the first, median of "
+        f"{DECODE_RUNS}) against its memory bound: weight bytes read per step (all weights but "
+        "an untied embedding table) / copy bandwidth (`dst.copy_(src)` of 512 MB float32, "
+        "bytes read + written, median of 7)."
     )
 
 
@@ -390,28 +450,29 @@ def markdown_body(
     bound: DecodeBound | None,
     info: dict[str, Any],
 ) -> str:
-    parts = [describe(args, workload, params), markdown_table(RESULT_HEADERS, result_rows(results))]
+    rows = result_rows(results, args.max_others_cpu)
+    parts = [describe(args, workload, params), markdown_table(RESULT_HEADERS, rows)]
     parts.append("\n".join(f"- {line}" for line in goal_lines(results)))
     if bound is not None:
-        parts.append(
-            f"Decode step at batch 1 (kvrelay, prompt {DECODE_PROMPT_LEN}, "
-            f"{DECODE_OUTPUT_LEN} output tokens, first excluded) against weight bytes / "
-            f"copy bandwidth (`dst.copy_(src)` of 512 MB, read + written bytes):"
-        )
-        parts.append(markdown_table(DECODE_HEADERS, decode_rows(bound)))
+        parts += [
+            decode_text(bound),
+            markdown_table(DECODE_HEADERS, decode_rows(bound, args.max_others_cpu)),
+        ]
     parts.append(machine_markdown(info))
     return "\n\n".join(p for p in parts if p)
 
 
-def print_report(results: list[SystemResult], bound: DecodeBound | None) -> None:
+def print_report(
+    results: list[SystemResult], bound: DecodeBound | None, max_others_cpu: float
+) -> None:
     print()
-    print(text_table(RESULT_HEADERS, result_rows(results)))
+    print(text_table(RESULT_HEADERS, result_rows(results, max_others_cpu)))
     print()
     for line in goal_lines(results):
         print(line)
     if bound is not None:
         print()
-        print(text_table(DECODE_HEADERS, decode_rows(bound)))
+        print(text_table(DECODE_HEADERS, decode_rows(bound, max_others_cpu)))
 
 
 # ---------------------------------------------------------------------------- main
@@ -429,11 +490,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-cb", action="store_true")
     parser.add_argument("--skip-decode", action="store_true", help="skip the batch-1 decode bound")
+    parser.add_argument(
+        "--max-others-cpu",
+        type=float,
+        default=0.1,
+        help="time a run again while other processes use more than this share of the CPUs",
+    )
+    parser.add_argument("--attempts", type=int, default=3, help="runs at most per timed run")
+    parser.add_argument(
+        "--max-wait-quiet",
+        type=float,
+        default=300.0,
+        help="seconds to wait at most for quiet CPUs before each timed run",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.threads < 1:
-        parser.error("--repeats and --threads must be >= 1")
+    if min(args.repeats, args.threads, args.attempts, args.num_requests or 1) < 1:
+        parser.error("--repeats, --threads, --attempts and --num-requests must be >= 1")
     return args
 
 
@@ -443,35 +517,58 @@ def make_workload(args: argparse.Namespace) -> Workload:
     return Workload(args.num_requests or 64, (16, 512), (16, 256), args.seed)
 
 
-def run_all(args: argparse.Namespace, model_dir: Path) -> int:
+def measure_kvrelay(
+    args: argparse.Namespace, model_dir: Path, requests: list[Request], timing: TimingPolicy
+) -> tuple[SystemResult, DecodeBound | None]:
+    vocab = vocab_size(model_dir)
+    llm = create_llm(model_dir, args.threads)
+    result = run_kvrelay(llm, requests, timing, vocab)
+    print(f"{result.name}: {fmt(result.tokens_per_s or 0)} tok/s", flush=True)
+    if args.skip_decode:
+        return result, None
+    step, weight_bytes = time_decode_step(llm, vocab, timing)
+    del llm  # frees the KV pool before the bandwidth test allocates 1 GB
+    bandwidth = timing.run(measure_memory_bandwidth)
+    others_cpu = max(step.others_cpu, bandwidth.others_cpu)
+    return result, DecodeBound(step.value, weight_bytes, bandwidth.value, others_cpu)
+
+
+def measure_hf(
+    args: argparse.Namespace, model_dir: Path, requests: list[Request], timing: TimingPolicy
+) -> list[SystemResult]:
+    if args.skip_hf_static and args.skip_hf_cb:
+        return []
+    vocab = vocab_size(model_dir)
+    model = load_hf_model(model_dir)
+    results = []
+    if not args.skip_hf_static:
+        for batch_size in STATIC_BATCH_SIZES:
+            results.append(run_hf_static(model, requests, batch_size, timing, vocab))
+            print(f"{results[-1].name}: {fmt(results[-1].tokens_per_s or 0)} tok/s", flush=True)
+    if not args.skip_hf_cb:
+        results.append(run_hf_cb(model, requests, timing, vocab))
+        rate = results[-1].tokens_per_s
+        print(f"{results[-1].name}: {fmt(rate) + ' tok/s' if rate else results[-1].error}")
+    return results
+
+
+def vocab_size(model_dir: Path) -> int:
     from kvrelay.engine.config import ModelConfig
+
+    return ModelConfig.from_dir(model_dir).vocab_size
+
+
+def run_all(args: argparse.Namespace, model_dir: Path) -> int:
     from kvrelay.engine.make_tiny import param_count
 
     torch.set_num_threads(args.threads)
-    workload = make_workload(args)
-    vocab = ModelConfig.from_dir(model_dir).vocab_size
-    requests = make_requests(workload, vocab)
-    llm = create_llm(model_dir, args.threads)
-    results = [run_kvrelay(llm, requests, args.repeats, vocab)]
-    print(f"kvrelay: {fmt(results[0].tokens_per_s or 0)} tok/s", flush=True)
-    bound = None
-    if not args.skip_decode:
-        step_s = measure_decode_step(llm, vocab)
-        weight_bytes = decode_weight_bytes(llm)
-        del llm  # frees the KV pool before the bandwidth test allocates 1 GB
-        bound = DecodeBound(step_s, weight_bytes, measure_memory_bandwidth())
-    else:
-        del llm
-    if not (args.skip_hf_static and args.skip_hf_cb):
-        model = load_hf_model(model_dir)
-        if not args.skip_hf_static:
-            for size in STATIC_BATCH_SIZES:
-                results.append(run_hf_static(model, requests, size, args.repeats, vocab))
-                print(f"{results[-1].name}: {fmt(results[-1].tokens_per_s or 0)} tok/s", flush=True)
-        if not args.skip_hf_cb:
-            results.append(run_hf_cb(model, requests, args.repeats, vocab))
-    print_report(results, bound)
     info = machine_info(args.threads)
+    workload = make_workload(args)
+    timing = TimingPolicy(args.repeats, args.max_others_cpu, args.attempts, args.max_wait_quiet)
+    requests = make_requests(workload, vocab_size(model_dir))
+    kvrelay, bound = measure_kvrelay(args, model_dir, requests, timing)
+    results = [kvrelay, *measure_hf(args, model_dir, requests, timing)]
+    print_report(results, bound, args.max_others_cpu)
     params = param_count(model_dir)
     if args.json:
         write_json(

@@ -1,0 +1,67 @@
+"""Benchmark scripts: the engine throughput run end to end on the tiny model (a smoke test,
+not a timing), and the shared BENCHMARKS.md section writer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = REPO_ROOT / "benchmarks" / "engine_throughput.py"
+
+
+def _load_common():
+    spec = importlib.util.spec_from_file_location("bench_common", SCRIPT.parent / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(120)
+def test_engine_throughput_quick(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out_json = tmp_path / "result.json"
+    benchmarks_md = REPO_ROOT / "BENCHMARKS.md"
+    before = benchmarks_md.read_bytes() if benchmarks_md.exists() else None
+    cmd = [
+        sys.executable, str(SCRIPT), "--quick", "--skip-hf-cb", "--no-write",
+        "--num-requests", "4", "--size", "tiny", "--attempts", "1", "--max-wait-quiet", "0",
+        "--json", str(out_json),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert re.search(r"kvrelay LLM.generate: [\d,]+\.\d tok/s", proc.stdout), proc.stdout
+    assert "static batch 8" in proc.stdout
+    data = json.loads(out_json.read_text())
+    kvrelay = data["results"][0]
+    assert kvrelay["useful_tokens"] == kvrelay["computed_tokens"] > 0
+    assert kvrelay["tokens_per_s"] > 0
+    static = [r for r in data["results"] if "static" in r["name"]]
+    assert [r["useful_tokens"] for r in static] == [kvrelay["useful_tokens"]] * 3
+    assert all(r["computed_tokens"] >= r["useful_tokens"] for r in static)
+    assert data["decode"]["step_s"] > 0 and data["decode"]["bandwidth"] > 0
+    after = benchmarks_md.read_bytes() if benchmarks_md.exists() else None
+    assert after == before, "--no-write must leave BENCHMARKS.md alone"
+
+
+def test_update_benchmarks_md_replaces_only_its_section(tmp_path: Path) -> None:
+    common = _load_common()
+    path = tmp_path / "BENCHMARKS.md"
+    common.update_benchmarks_md("A", "first a", "run a", path=path)
+    common.update_benchmarks_md("B", "b body\n\n```\n## not a heading\n```", "run b", path=path)
+    common.update_benchmarks_md("A", "second a", "run a2", path=path)
+    text = path.read_text()
+    preamble, sections = common.split_sections(text)
+    assert preamble.startswith("# Benchmarks")
+    assert [title for title, _ in sections] == ["A", "B"]
+    assert "second a" in sections[0][1] and "run a2" in sections[0][1]
+    assert "first a" not in text and "run a\n" not in text
+    assert "## not a heading" in sections[1][1] and "run b" in sections[1][1]
+    common.update_benchmarks_md("B", "b body\n\n```\n## not a heading\n```", "run b", path=path)
+    assert path.read_text() == text
