@@ -93,7 +93,7 @@ ITEM_SIZES = {
 }  # fmt: skip
 
 _MAGIC = b"KVRLPRM1"
-_VERSION = 1
+_VERSION = 2  # 2: projection weights stored [in, out]
 _FIXED = struct.Struct("<8sII16s16sQQQQQdd")
 _STATE = struct.Struct("<I")
 _STATE_POS = 12

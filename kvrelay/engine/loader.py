@@ -71,7 +71,10 @@ def load_weights(
 def prepare_weights(
     config: ModelConfig, hf: dict[str, torch.Tensor], dtype: str = "float32"
 ) -> dict[str, torch.Tensor]:
-    """Maps HF names to runtime names, fusing q/k/v and gate/up; consumes ``hf``."""
+    """Maps HF names to runtime names, fusing q/k/v and gate/up; consumes ``hf``.
+
+    Projection weights come out transposed to ``[in, out]`` (see ``models/llama.py``).
+    """
     torch_dtype = TORCH_DTYPES[dtype]
 
     def take(name: str) -> torch.Tensor:
@@ -82,7 +85,7 @@ def prepare_weights(
 
     out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
     if "lm_head.weight" in hf and not config.tie_word_embeddings:
-        out["lm_head"] = take("lm_head.weight")
+        out["lm_head"] = take("lm_head.weight").t()
     elif not config.tie_word_embeddings:
         raise CheckpointError(
             "checkpoint has no tensor 'lm_head.weight' and embeddings are not tied"
@@ -94,14 +97,15 @@ def prepare_weights(
         out[p + "post_norm"] = take(f"model.layers.{i}.post_attention_layernorm.weight")
         out[p + "qkv"] = torch.cat(
             [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]
-        )
+        ).t()
         if config.attention_bias:
             out[p + "qkv_bias"] = torch.cat(
                 [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")]
             )
-        out[p + "o"] = take(a + "o_proj.weight")
-        out[p + "gate_up"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-        out[p + "down"] = take(m + "down_proj.weight")
+        out[p + "o"] = take(a + "o_proj.weight").t()
+        gate_up = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        out[p + "gate_up"] = gate_up.t()
+        out[p + "down"] = take(m + "down_proj.weight").t()
     if hf:
         logger.warning("ignoring %d unused checkpoint tensors, e.g. %s", len(hf), next(iter(hf)))
     return {k: v.contiguous() for k, v in out.items()}

@@ -15,9 +15,10 @@ from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
 from kvrelay.engine.sequence import Sequence
 from kvrelay.kernels.attention import (
     AttentionMetadata,
-    DecodeBatch,
     PrefillSegment,
+    Workspace,
     causal_mask,
+    decode_groups,
 )
 
 
@@ -35,6 +36,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.window = model.config.sliding_window
+        self.workspace = Workspace()  # context-gather buffers, reused by every step
 
     def run(self, plan: StepPlan) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
@@ -84,9 +86,17 @@ class ModelRunner:
                 prefills.append(self._prefill_segment(row, start, n, table))
             if item.needs_sample:
                 sample_rows.append(row + n - 1)
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_list), prefills=prefills)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slot_list), prefills=prefills, workspace=self.workspace
+        )
         if decode_items:
-            meta.decode = self._decode_batch(decode_rows, decode_items)
+            meta.decode = decode_groups(
+                decode_rows,
+                [item.start + 1 for item in decode_items],
+                [item.seq.block_ids for item in decode_items],
+                self.block_size,
+                self.window,
+            )
         return (
             torch.tensor(tokens, dtype=torch.long),
             torch.cat(pos_list),
@@ -99,25 +109,9 @@ class ModelRunner:
 
     def _prefill_segment(self, row: int, start: int, n: int, table: torch.Tensor) -> PrefillSegment:
         ctx_len = start + n
-        ctx_slots = None if start == 0 else self._slots(table, torch.arange(ctx_len))
-        return PrefillSegment(row, n, ctx_slots, causal_mask(start, n, ctx_len, self.window))
-
-    def _decode_batch(self, rows: list[int], items: list[ScheduledSeq]) -> DecodeBatch:
-        bs = self.block_size
-        ctx_lens = torch.tensor([item.start + 1 for item in items])
-        max_len = int(ctx_lens.max())
-        num_table = -(-max_len // bs)
-        tables = torch.zeros(len(items), num_table, dtype=torch.long)
-        for i, item in enumerate(items):
-            ids = item.seq.block_ids[:num_table]
-            tables[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        offsets = torch.arange(bs)
-        slots = (tables.unsqueeze(-1) * bs + offsets).view(len(items), -1)[:, :max_len]
-        key_pos = torch.arange(max_len).unsqueeze(0)
-        mask = key_pos < ctx_lens.unsqueeze(1)
-        if self.window is not None:
-            mask &= key_pos > (ctx_lens.unsqueeze(1) - 1 - self.window)
-        return DecodeBatch(torch.tensor(rows, dtype=torch.long), slots, mask[:, None, None, :])
+        blocks = None if start == 0 else table[: -(-ctx_len // self.block_size)]
+        mask = causal_mask(start, n, ctx_len, self.window)
+        return PrefillSegment(row, n, blocks, ctx_len, mask)
 
     # ------------------------------------------------------------------ sampling
     @staticmethod

@@ -4,10 +4,20 @@ Pool layout per layer: ``kv[2, num_blocks, block_size, kv_heads, head_dim]``; a 
 position ``p`` of a sequence with block table ``bt`` lives in slot ``bt[p // bs] * bs + p % bs``.
 
 A step's tokens are flat (selective batching); only attention is split per sequence:
+
 - prefill segments (a chunk of one sequence's tokens) attend causally to their context;
   a segment that starts at position 0 uses its fresh K/V directly (no gather);
-- decode tokens (one per sequence) are batched into one padded, masked SDPA call.
-The metadata (slots, masks) is built once per step by the runner and shared by all layers.
+- decode tokens (one per sequence) are grouped by context length, and each group is one
+  masked SDPA call over its sequences' blocks, padded to the group's longest context. Grouping
+  bounds the padding (``DECODE_GROUP_PAD_TOKENS``), which would otherwise make every sequence
+  pay for the longest one in the batch.
+
+Context blocks are gathered whole (rows of ``block_size * kv_heads * head_dim`` elements, not
+token by token) into a workspace that lives across layers and steps: a fresh multi-megabyte
+tensor per layer costs more in page faults than the copy itself. Decode queries are viewed
+as ``[n, kv_heads, q_per_kv, head_dim]``, so grouped-query attention needs no repeated K/V.
+The metadata (block lists, masks) is built once per step by the runner and shared by all
+layers.
 """
 
 from __future__ import annotations
@@ -17,27 +27,64 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+DECODE_GROUP_PAD_TOKENS = 256  # a decode group pads no sequence by more than this many tokens
+
 
 @dataclass(slots=True)
 class PrefillSegment:
     q_start: int  # first row of the segment in the flat batch
     q_len: int  # rows in the segment
-    ctx_slots: torch.Tensor | None  # [ctx_len] slots of every context token; None: start == 0
+    ctx_blocks: torch.Tensor | None  # [ceil(ctx_len / bs)] context block ids; None: start == 0
+    ctx_len: int  # tokens of context, this segment's included
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, True = attend; None: plain causal
 
 
 @dataclass(slots=True)
-class DecodeBatch:
-    q_index: torch.Tensor  # [B] rows of the decode tokens in the flat batch
-    slots: torch.Tensor  # [B, L] context slots, padded with 0
-    mask: torch.Tensor  # [B, 1, 1, L] bool, True = attend
+class DecodeGroup:
+    q_index: torch.Tensor  # [n] rows of the group's decode tokens in the flat batch
+    block_ids: torch.Tensor  # [n * num_blocks] block tables, row-major, padded with block 0
+    num_blocks: int  # blocks per sequence after padding
+    ctx_len: int  # keys per sequence that the call reads (<= num_blocks * block_size)
+    mask: torch.Tensor | None  # [n, 1, 1, ctx_len] bool, True = attend; None: attend to all
 
 
 @dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] slot where each new token's K/V is written
     prefills: list[PrefillSegment] = field(default_factory=list)
-    decode: DecodeBatch | None = None
+    decode: list[DecodeGroup] = field(default_factory=list)
+    workspace: Workspace | None = None  # gather buffers; None: allocate per call
+
+
+class Workspace:
+    """Two reusable buffers of whole KV blocks that context gathers write into.
+
+    Grows to the largest gather seen and keeps that size, the way a caching allocator would.
+    Valid because a layer's attention finishes reading a gather before the next one starts.
+    """
+
+    def __init__(self) -> None:
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+
+    def gather(
+        self, k_blocks: torch.Tensor, v_blocks: torch.Tensor, ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k_blocks[ids], v_blocks[ids]`` of 2-D ``[num_blocks, row]`` pools, into the buffers."""
+        n, row = ids.numel(), k_blocks.shape[1]
+        if (
+            self._k is None
+            or self._v is None
+            or self._k.shape[0] < n
+            or self._k.shape[1] != row
+            or self._k.dtype != k_blocks.dtype
+        ):
+            cap = max(n, 1 if self._k is None else self._k.shape[0])
+            self._k = torch.empty(cap, row, dtype=k_blocks.dtype, device=k_blocks.device)
+            self._v = torch.empty_like(self._k)
+        k = torch.index_select(k_blocks, 0, ids, out=self._k[:n])
+        v = torch.index_select(v_blocks, 0, ids, out=self._v[:n])
+        return k, v
 
 
 def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
@@ -62,6 +109,70 @@ def causal_mask(start: int, q_len: int, ctx_len: int, window: int | None) -> tor
     return mask
 
 
+def decode_groups(
+    rows: list[int],
+    ctx_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    window: int | None,
+    max_pad_tokens: int = DECODE_GROUP_PAD_TOKENS,
+) -> list[DecodeGroup]:
+    """Groups decode tokens by context length and builds each group's blocks and mask.
+
+    Args:
+        rows: row of each decode token in the flat batch.
+        ctx_lens: keys each token attends over (its own included).
+        tables: each sequence's block table (at least ``ceil(ctx_len / block_size)`` long).
+        block_size: tokens per block.
+        window: sliding-window size, or None.
+        max_pad_tokens: a new group starts when a sequence would be padded by more than this.
+    """
+    order = sorted(range(len(rows)), key=lambda i: ctx_lens[i], reverse=True)
+    groups: list[DecodeGroup] = []
+    members: list[int] = []
+    for i in order:
+        if members and ctx_lens[members[0]] - ctx_lens[i] > max_pad_tokens:
+            groups.append(_decode_group(members, rows, ctx_lens, tables, block_size, window))
+            members = []
+        members.append(i)
+    if members:
+        groups.append(_decode_group(members, rows, ctx_lens, tables, block_size, window))
+    return groups
+
+
+def _decode_group(
+    members: list[int],
+    rows: list[int],
+    ctx_lens: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    window: int | None,
+) -> DecodeGroup:
+    lens = [ctx_lens[i] for i in members]
+    max_len = lens[0]
+    num_blocks = -(-max_len // block_size)
+    ids: list[int] = []
+    for i in members:
+        table = tables[i][:num_blocks]
+        ids.extend(table)
+        ids.extend([0] * (num_blocks - len(table)))
+    mask = None
+    if lens[-1] != max_len or (window is not None and window < max_len):
+        key_pos = torch.arange(max_len).unsqueeze(0)
+        len_t = torch.tensor(lens).unsqueeze(1)
+        m = key_pos < len_t
+        if window is not None:
+            m &= key_pos > len_t - 1 - window
+        mask = m[:, None, None, :]
+    return DecodeGroup(
+        torch.tensor([rows[i] for i in members], dtype=torch.long),
+        torch.tensor(ids, dtype=torch.long),
+        num_blocks,
+        max_len,
+        mask,
+    )
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -76,27 +187,37 @@ def paged_attention(
         q: ``[T, q_heads, head_dim]`` queries (rotary already applied).
         k, v: ``[T, kv_heads, head_dim]`` this step's keys and values.
         kv: one layer's pool ``[2, num_blocks, block_size, kv_heads, head_dim]``.
-        meta: the step's segments and decode batch.
+        meta: the step's segments and decode groups.
         scale: softmax scale, usually ``head_dim ** -0.5``.
     """
     store_kv(kv, k, v, meta.slot_mapping)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_pool = kv[0].view(-1, num_kv_heads, head_dim)
-    v_pool = kv[1].view(-1, num_kv_heads, head_dim)
+    num_blocks = kv.shape[1]
+    k_blocks = kv[0].view(num_blocks, -1)
+    v_blocks = kv[1].view(num_blocks, -1)
+    workspace = meta.workspace if meta.workspace is not None else Workspace()
     out = torch.empty_like(q)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        if seg.ctx_slots is None:
+        if seg.ctx_blocks is None:
             ks, vs = k[rows], v[rows]
         else:
-            ks, vs = k_pool[seg.ctx_slots], v_pool[seg.ctx_slots]
+            kb, vb = workspace.gather(k_blocks, v_blocks, seg.ctx_blocks)
+            ks = kb.view(-1, num_kv_heads, head_dim)[: seg.ctx_len]
+            vs = vb.view(-1, num_kv_heads, head_dim)[: seg.ctx_len]
         out[rows] = _sdpa(q[rows].unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), seg.mask, scale)[
             0
         ]
-    if meta.decode is not None:
-        d = meta.decode
-        qd = q[d.q_index].unsqueeze(1)  # [B, 1, Hq, D]
-        out[d.q_index] = _sdpa(qd, k_pool[d.slots], v_pool[d.slots], d.mask, scale)[:, 0]
+    q_per_kv = q.shape[1] // num_kv_heads
+    for group in meta.decode:
+        n = group.q_index.numel()
+        kb, vb = workspace.gather(k_blocks, v_blocks, group.block_ids)
+        shape = (n, group.num_blocks * kv.shape[2], num_kv_heads, head_dim)
+        ks = kb.view(shape)[:, : group.ctx_len].transpose(1, 2)  # [n, Hkv, L, D]
+        vs = vb.view(shape)[:, : group.ctx_len].transpose(1, 2)
+        qg = q[group.q_index].view(n, num_kv_heads, q_per_kv, head_dim)
+        o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=group.mask, scale=scale)
+        out[group.q_index] = o.reshape(n, -1, head_dim)
     return out
 
 

@@ -8,6 +8,11 @@ dict of runtime tensors (``loader.prepare_weights``), so weights can live in a s
 Runtime weight names: ``embed``, ``norm``, ``lm_head`` (absent when tied) and, per layer
 ``i``: ``layers.i.in_norm``, ``layers.i.qkv``, ``layers.i.qkv_bias`` (Qwen2), ``layers.i.o``,
 ``layers.i.post_norm``, ``layers.i.gate_up``, ``layers.i.down``.
+
+Projection weights (``qkv``, ``o``, ``gate_up``, ``down`` and an untied ``lm_head``) are
+stored transposed, ``[in, out]``, and applied as ``x @ w``: on CPU, MKL's sgemm runs 2-4x
+faster in that layout for the 8-48-row batches that decode steps make (and no slower for
+prefill-sized ones). A tied ``embed`` stays ``[vocab, hidden]`` and serves both ends.
 """
 
 from __future__ import annotations
@@ -61,6 +66,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w + bias`` for a weight stored ``[in, out]``."""
+    if bias is None:
+        return torch.mm(x, w)
+    return torch.addmm(bias, x, w)
+
+
 class LlamaModel:
     def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]) -> None:
         self.config = config
@@ -70,7 +82,6 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
-        self._lm_head = weights.get("lm_head", weights["embed"])
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[T, 1, head_dim / 2]`` for the given positions."""
@@ -96,20 +107,22 @@ class LlamaModel:
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             h = rms_norm(x, w[p + "in_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))
+            qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))
             q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
             q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, kv_cache[i], meta, self.scale)
-            x = x + F.linear(attn.reshape(-1, self._q_size), w[p + "o"])
+            x = x + linear(attn.reshape(-1, self._q_size), w[p + "o"])
             h = rms_norm(x, w[p + "post_norm"], cfg.rms_norm_eps)
-            gate, up = F.linear(h, w[p + "gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w[p + "down"])
+            gate, up = linear(h, w[p + "gate_up"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, w[p + "down"])
         return x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for the rows of ``hidden`` that are sampled."""
         h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
-        return F.linear(h, self._lm_head).float()
+        if "lm_head" in self.weights:
+            return linear(h, self.weights["lm_head"]).float()
+        return F.linear(h, self.weights["embed"]).float()  # tied: the embedding, [vocab, hidden]
