@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_autoscale_args(serve)
     _add_bench_parser(sub)
     _add_pool_parser(sub)
+    _add_cache_parser(sub)
     return parser
 
 
@@ -404,6 +406,41 @@ def _add_pool_parser(sub: Any) -> None:
         p.add_argument("--scope", default="", help="only the pools of this scope (tests)")
 
 
+def _add_cache_parser(sub: Any) -> None:
+    cache = sub.add_parser("cache", help="the host's L1 KV block pools (shared memory)")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    cache_sub.add_parser("ls", help="list L1 pools: size, block format, blocks held, users")
+    rm = cache_sub.add_parser(
+        "rm", help="free an L1 pool (refused while processes map it); its blocks are lost"
+    )
+    rm.add_argument("name", help="pool name, as `kvrelay cache ls` shows it")
+    rm.add_argument("--force", action="store_true", help="free it even while processes map it")
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from kvrelay.cachetier import host_pool
+
+    if args.cache_command == "ls":
+        row = "{:<44} {:>9} {:<34} {:>15} {}"
+        print(row.format("NAME", "MIB", "FORMAT (L,BS,KVH,D,DTYPE)", "BLOCKS", "PIDS"))
+        for p in host_pool.list_host_pools():
+            fmt = "?" if p.fmt is None else dataclasses.astuple(p.fmt)
+            fmt_text = "unknown layout" if fmt == "?" else ",".join(map(str, fmt))
+            blocks = f"{p.valid_slots}/{p.num_slots}"
+            pids = ",".join(map(str, p.pids)) or "-"
+            print(row.format(p.name, f"{p.total_bytes / 2**20:.1f}", fmt_text, blocks, pids))
+        return 0
+    try:
+        if not host_pool.remove_host_pool(args.name, force=args.force):
+            print(f"kvrelay cache rm: error: no pool named {args.name}", file=sys.stderr)
+            return 1
+    except (host_pool.PoolInUse, ValueError) as e:
+        print(f"kvrelay cache rm: error: {e}", file=sys.stderr)
+        return 1
+    print(args.name)
+    return 0
+
+
 def cmd_pool(args: argparse.Namespace) -> int:
     from kvrelay.cachetier import param_pool
 
@@ -540,6 +577,7 @@ COMMANDS = {
     "up": cmd_up,
     "bench": cmd_bench,
     "pool": cmd_pool,
+    "cache": cmd_cache,
 }
 
 

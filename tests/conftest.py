@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +14,35 @@ from kvrelay.engine.make_tiny import make_tiny
 
 if TYPE_CHECKING:
     from tests.engine_backend import ApiServer
+
+
+@pytest.fixture(scope="session", autouse=True)
+def free_host_pools_made_by_the_suite() -> Iterator[None]:
+    """Frees the per-host pools that test processes created under default names.
+
+    Workers started with default options (``tests/test_deploy.py`` runs compose's commands)
+    use the host's L1 pool (``kvrelay-l1-host-*``) and parameter pools (``kvrelay-params-*``),
+    which outlive their processes on purpose. Pools that existed before the session, and any
+    a live process still maps or uses, are left alone.
+    """
+    from kvrelay.cachetier import host_pool, param_pool
+
+    shm = Path("/dev/shm")
+    before = set(os.listdir(shm)) if shm.is_dir() else set()
+    yield
+    if not shm.is_dir():
+        return
+    log = logging.getLogger(__name__)
+    for name in sorted(set(os.listdir(shm)) - before):
+        if name.endswith(".lock"):
+            continue
+        try:
+            if name.startswith("kvrelay-l1-"):
+                host_pool.remove_host_pool(name)
+            elif name.startswith(param_pool.PREFIX):
+                param_pool.remove(name)
+        except (host_pool.PoolInUse, param_pool.PoolBusy, ValueError) as exc:
+            log.warning("left %s in %s: %s", name, shm, exc)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ import hashlib
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -24,7 +26,11 @@ from kvrelay.cachetier.host_pool import (
     NUM_WAYS,
     SHM_DIR,
     HostPool,
+    HostPoolInfo,
+    PoolInUse,
     default_pool_name,
+    list_host_pools,
+    remove_host_pool,
     unlink_pool,
 )
 
@@ -340,3 +346,43 @@ def test_corrupted_value_is_a_miss_counted_as_an_error(pool_name: str) -> None:
         assert pool.put(items(keys[1:2])) == 1  # and its way is rewritten
         assert [g.tobytes() for g in pool.get(keys)] == [payload_of(k).tobytes() for k in keys]
         assert pool.check_integrity() == 3
+
+
+def _listed(name: str) -> HostPoolInfo | None:
+    return next((p for p in list_host_pools() if p.name == name), None)
+
+
+def test_list_and_remove_for_operators(pool_name: str) -> None:
+    """`kvrelay cache ls|rm`: what a pool holds, who maps it; no removal under a live user."""
+    with HostPool.open(pool_name, FOUR_SETS, FMT) as pool:
+        assert pool.put(items([make_key(f"ls{j}") for j in range(5)])) == 5
+        info = _listed(pool_name)
+        assert info is not None
+        assert info.fmt == FMT and info.num_slots == 4 * NUM_WAYS and info.valid_slots == 5
+        assert os.getpid() in info.pids
+        assert info.total_bytes == (SHM_DIR / pool_name).stat().st_size
+        with pytest.raises(PoolInUse, match=str(os.getpid())):
+            remove_host_pool(pool_name)
+        assert leftovers(pool_name) == [pool_name, f"{pool_name}.lock"]
+        cli = [sys.executable, "-m", "kvrelay", "cache"]
+        ls = subprocess.run([*cli, "ls"], capture_output=True, text=True, check=True)
+        line = next(row for row in ls.stdout.splitlines() if row.startswith(pool_name))
+        assert line.split()[2:4] == ["2,4,2,8,float16", f"5/{4 * NUM_WAYS}"]
+        refused = subprocess.run([*cli, "rm", pool_name], capture_output=True, text=True)
+        assert refused.returncode == 1 and "mapped by live processes" in refused.stderr
+        assert _listed(pool_name) is not None
+    info = _listed(pool_name)
+    assert info is not None and os.getpid() not in info.pids  # closed: unmapped
+    removed = subprocess.run([*cli, "rm", pool_name], capture_output=True, text=True, check=True)
+    assert removed.stdout.strip() == pool_name
+    assert leftovers(pool_name) == [] and _listed(pool_name) is None
+    assert remove_host_pool(pool_name) is False  # gone: nothing to remove
+
+
+def test_force_removes_a_mapped_pool_and_the_user_keeps_its_mapping(pool_name: str) -> None:
+    with HostPool.open(pool_name, FOUR_SETS, FMT) as pool:
+        key = make_key("kept")
+        pool.put(items([key]))
+        assert remove_host_pool(pool_name, force=True) is True
+        assert leftovers(pool_name) == []
+        assert pool.get([key])[0].tobytes() == payload_of(key).tobytes()

@@ -171,6 +171,101 @@ def unlink_pool(name: str) -> bool:
     return removed
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostPoolInfo:
+    """What ``list_host_pools`` reports of one segment."""
+
+    name: str
+    total_bytes: int  # the segment's size
+    fmt: BlockFormat | None  # None: never initialised, or written by another layout version
+    num_slots: int  # blocks it can hold
+    valid_slots: int  # blocks it holds now
+    pids: tuple[int, ...]  # live processes that map it
+
+
+def list_host_pools() -> list[HostPoolInfo]:
+    """Every L1 pool segment in ``/dev/shm``, by name; reads headers only, changes nothing.
+
+    A pool is recognised by its magic, whatever its name; ``pids`` come from
+    ``/proc/*/maps`` (processes of other users may be invisible without privileges).
+    """
+    mappers = _segment_mappers()
+    out = []
+    for path in sorted(SHM_DIR.iterdir()):
+        if path.suffix == ".lock" or not path.is_file() or not _NAME.fullmatch(path.name):
+            continue
+        try:
+            info = _describe(path, mappers.get(path.name, ()))
+        except OSError:
+            continue  # removed meanwhile, or not ours to read
+        if info is not None:
+            out.append(info)
+    return out
+
+
+class PoolInUse(RuntimeError):
+    """``remove_host_pool`` without ``force`` while live processes map the pool."""
+
+
+def remove_host_pool(name: str, force: bool = False) -> bool:
+    """Unlinks an L1 pool (``unlink_pool``) unless live processes map it; True if it existed.
+
+    Processes that map it keep their mapping; the next opener creates a fresh, empty pool.
+
+    Raises:
+        PoolInUse: (unless ``force``) processes map it; their pids are in the message.
+    """
+    _check_name(name)
+    pids = _segment_mappers().get(name, ())
+    if pids and not force:
+        pid_list = ", ".join(map(str, pids))
+        raise PoolInUse(f"pool {name} is mapped by live processes {pid_list} (--force frees it)")
+    return unlink_pool(name)
+
+
+def _describe(path: Path, pids: tuple[int, ...]) -> HostPoolInfo | None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        raw = os.pread(fd, _POOL_HEADER.size, 0)
+        if len(raw) < len(_POOL_MAGIC) or raw[: len(_POOL_MAGIC)] != _POOL_MAGIC:
+            return None
+        if len(raw) < _POOL_HEADER.size:
+            return HostPoolInfo(path.name, size, None, 0, 0, pids)
+        h = dict(zip(_HEADER_FIELDS, _POOL_HEADER.unpack(raw), strict=True))
+        dtypes = {code: name for name, code in DTYPE_CODES.items()}
+        if h["layout_version"] != _LAYOUT_VERSION or h["dtype"] not in dtypes:
+            return HostPoolInfo(path.name, size, None, 0, 0, pids)
+        fmt = BlockFormat(
+            h["num_layers"], h["block_size"], h["num_kv_heads"], h["head_dim"], dtypes[h["dtype"]]
+        )
+        geo = _Geometry.of(h["capacity_bytes"], fmt)
+        seq = np.frombuffer(os.pread(fd, geo.num_slots * 8, geo.seq_off), np.uint64)
+        valid = int(np.count_nonzero((seq & _STATE_MASK) == _VALID))
+        return HostPoolInfo(path.name, size, fmt, geo.num_slots, valid, pids)
+    finally:
+        os.close(fd)
+
+
+def _segment_mappers() -> dict[str, tuple[int, ...]]:
+    """``{segment name: pids}`` of the live processes that map a file of ``/dev/shm``."""
+    found: dict[str, set[int]] = {}
+    prefix = f"{SHM_DIR}/"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            maps = (proc / "maps").read_text()
+        except OSError:  # exited, or another user's
+            continue
+        for line in maps.splitlines():
+            at = line.find(prefix)
+            if at >= 0:
+                name = line[at + len(prefix) :].removesuffix(" (deleted)")
+                found.setdefault(name, set()).add(int(proc.name))
+    return {name: tuple(sorted(pids)) for name, pids in found.items()}
+
+
 class HostPool(KvTier):
     """The L1 tier: a fixed-capacity, LRU, set-associative block cache in shared memory.
 
