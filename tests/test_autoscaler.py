@@ -365,6 +365,48 @@ def test_no_decision_before_the_cluster_came_up_and_none_while_disabled(make_aut
     assert [d.decode for d in hook.applied] == [2]
 
 
+class PlatformPicksHook(ScalingHook):
+    """Like compose or Kubernetes: gets counts only and removes a replica of its choosing,
+    here always one the autoscaler did not drain."""
+
+    name = "platform"
+
+    def __init__(self, backend: ClusterBackend) -> None:
+        self.backend = backend
+        self.removed: list[str] = []
+        self.closed = False
+
+    def apply(self, decision: ScaleDecision) -> None:
+        decodes = [i.instance_id for i in self.backend.registry.instances(Role.DECODE)]
+        for victim in [d for d in decodes if d not in decision.drain][
+            : len(decodes) - decision.decode
+        ]:
+            self.removed.append(victim)
+            self.backend.registry.remove(victim)  # as the router does once it stops reporting
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_drained_instance_the_platform_kept_is_undrained(make_autoscaler):
+    scaler = make_autoscaler(RecordingHook(), ("p0", Role.PREFILL), ("d0", Role.DECODE))
+    join(scaler.backend, "d1", Role.DECODE)
+    scaler.hook = hook = PlatformPicksHook(scaler.backend)
+    decision = evaluate(scaler)
+    (drained,) = decision.drain
+    assert decision.decode == 1 and drained in ("d0", "d1")
+    assert hook.removed == [{"d0": "d1", "d1": "d0"}[drained]]  # the platform chose the other
+    assert scaler.state()["current"]["decode"]["draining"] == [drained]
+    evaluate(scaler)  # the registry is down to one: settled
+    kept = scaler.backend.registry.get(drained)
+    assert kept is not None and not kept.draining
+    state = scaler.state()
+    assert state["current"]["decode"]["draining"] == [] and state["settling"] == {}
+    assert state["current"]["decode"]["instances"] == [drained]
+    assert scaler.backend.registry.place() is not None  # d1 takes requests again
+    assert state["errors"] == []
+
+
 def test_a_failing_hook_is_recorded(make_autoscaler):
     hook = RecordingHook(error="platform says no")
     scaler = make_autoscaler(hook, ("p0", Role.PREFILL), ("d0", Role.DECODE))

@@ -1,20 +1,29 @@
 """The disaggregated cluster with real processes, real sockets and the official openai client.
 
 Greedy outputs equal the offline engine's for colocated, 1P+1D and 2P+2D clusters over shm
-and tcp; usage adds up; client disconnects free blocks; after every test each worker
-reports zero used or leaked blocks and no shared-memory segment remains.
+and tcp; usage adds up; client disconnects free blocks; a drained decode worker gets no
+hand-off until it is undrained (both token-protected), then gets them again; after every
+test each worker reports zero used or leaked blocks and no shared-memory segment remains.
+With two routers, each receives the token events of its own requests only.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import json
 import time
+import urllib.error
+import urllib.request
 
+import msgpack
 import openai
 import pytest
 
 from kvrelay import LLM, SamplingParams
-from tests.cluster_harness import running_cluster, wait_idle
+from kvrelay.cluster import messages
+from kvrelay.cluster.messages import WIRE_TYPES, GenerateRequest, ProtocolError, decode, encode
+from tests.cluster_harness import metric_value, read_text, running_cluster, wait_idle
 
 PROMPTS = [
     "The cache moves to the decode worker",
@@ -130,3 +139,101 @@ def test_stop_string_ends_the_request_on_the_workers(tiny_model_dir, tmp_path, o
         assert res.choices[0].text == text[: text.index(stop)]
         assert res.choices[0].finish_reason == "stop"
         time.sleep(0.2)
+
+
+def _admin_post(launcher, path: str, token: str | None) -> tuple[int, dict]:
+    request = urllib.request.Request(launcher.url + path, data=b"", method="POST")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _decode_transfer_bytes(launcher) -> float:
+    (decode,) = [i for i in launcher.get_json("/admin/instances")["data"] if i["role"] == "decode"]
+    return metric_value(
+        read_text(decode["status_url"] + "/metrics"), "kvrelay_kv_transfer_bytes_total"
+    )
+
+
+def _draining(launcher) -> dict[str, bool]:
+    return {i["instance_id"]: i["draining"] for i in launcher.get_json("/admin/instances")["data"]}
+
+
+def _wait(what: str, check, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_drained_instance_serves_again_once_undrained(
+    tiny_model_dir, tmp_path, offline, monkeypatch
+):
+    completions, _ = offline
+    monkeypatch.setenv("KVRELAY_ADMIN_TOKEN", "undrain-s3cret")  # the router and get_json read it
+    with running_cluster(tiny_model_dir, tmp_path) as launcher:
+        c = client(launcher)
+        assert complete(c, PROMPTS[0]).choices[0].text == completions[0].text
+        handed_off = _decode_transfer_bytes(launcher)
+        assert handed_off > 0
+
+        assert _admin_post(launcher, "/admin/instances/decode-0/drain", None)[0] == 401
+        assert _admin_post(launcher, "/admin/instances/decode-0/drain", "undrain-s3cret") == (
+            200, {"instance_id": "decode-0", "draining": True},
+        )  # fmt: skip
+        _wait("decode-0 to report draining", lambda: _draining(launcher)["decode-0"])
+        # prefill-0 runs it end to end: nothing reaches the drained decode worker
+        assert complete(c, PROMPTS[1]).choices[0].text == completions[1].text
+        assert _decode_transfer_bytes(launcher) == handed_off
+
+        assert _admin_post(launcher, "/admin/instances/decode-0/undrain", None)[0] == 401
+        assert _admin_post(launcher, "/admin/instances/nope/undrain", "undrain-s3cret")[0] == 404
+        assert _admin_post(launcher, "/admin/instances/decode-0/undrain", "undrain-s3cret") == (
+            200, {"instance_id": "decode-0", "draining": False},
+        )  # fmt: skip
+        _wait("decode-0 to report not draining", lambda: not _draining(launcher)["decode-0"])
+        assert complete(c, PROMPTS[2]).choices[0].text == completions[2].text
+        assert _decode_transfer_bytes(launcher) > handed_off  # the hand-off goes to it again
+
+
+def test_two_routers_get_only_their_own_requests_events(tiny_model_dir, tmp_path, offline):
+    completions, _ = offline
+    with running_cluster(tiny_model_dir, tmp_path, num_routers=2) as launcher:
+        urls = launcher.router_urls
+        clients = [openai.OpenAI(base_url=u + "/v1", api_key="unused", max_retries=0) for u in urls]
+        jobs = [(i % 2, PROMPTS[i % len(PROMPTS)]) for i in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(lambda job: complete(clients[job[0]], job[1]), jobs))
+        expected = {p: o.text for p, o in zip(PROMPTS, completions)}
+        assert [r.choices[0].text for r in results] == [expected[p] for _, p in jobs]
+        decode = next(
+            i for i in launcher.get_json("/admin/instances")["data"] if i["role"] == "decode"
+        )
+        decode_metrics = read_text(decode["status_url"] + "/metrics")
+        assert metric_value(decode_metrics, "kvrelay_kv_transfer_bytes_total") > 0  # handed off
+        for url in urls:
+            metrics = read_text(url + "/metrics")
+            assert metric_value(metrics, "kvrelay_requests_total") == 4, url
+            dropped = metric_value(metrics, "kvrelay_token_events_dropped_total")
+            assert dropped == 0, f"{url} got {dropped:.0f} events of the other router's requests"
+
+
+def test_messages_from_an_older_process_lack_the_origin():
+    """A GenerateRequest or KvReady without ``origin`` decodes with ``origin=""`` (the
+    worker then answers every router); one with too few fields is still refused."""
+    msg = GenerateRequest("r1", [1, 2], SamplingParams(max_tokens=4), [], None, origin="router-a")
+    assert decode(encode(msg)) == msg
+    values = [getattr(msg, f.name) for f in dataclasses.fields(GenerateRequest)]
+    tag = WIRE_TYPES.index(GenerateRequest)
+
+    def packed(fields: list) -> bytes:
+        ext = msgpack.ExtType(1, msgpack.packb([tag, *fields], default=messages._default))
+        return msgpack.packb(ext)
+
+    assert decode(packed(values[:-1])) == dataclasses.replace(msg, origin="")
+    with pytest.raises(ProtocolError, match="GenerateRequest: expected 6 fields, got 2"):
+        decode(packed(values[:2]))

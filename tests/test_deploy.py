@@ -3,9 +3,12 @@
 - ``compose.yaml`` validates against the Compose Specification (check-jsonschema's vendored
   schema) and loads in ``docker-compose config``; each check skips, naming how to install its
   tool, where the tool is missing. Neither needs a Docker engine or the network.
-- Every kvrelay command in it parses with kvrelay's own argument parser. The words are the
-  ones the container would run: compose's ``${VAR:-default}`` interpolation, then the command
-  run for real (``sh -c`` included) with a stand-in ``kvrelay`` on PATH that prints its argv.
+- Every kvrelay command in it parses with kvrelay's own argument parser, with the
+  container's environment. The words are the ones the container would run: compose's
+  ``${VAR:-default}`` interpolation, then the command run for real (``sh -c`` included) with
+  a stand-in ``kvrelay`` on PATH that prints its argv. Every ``KVRELAY_*`` variable a
+  container gets is one of kvrelay's own (``kvrelay.envs``), and no serving container needs
+  a shell to build its command.
 - The default services run as local processes the way ``docker compose up`` starts them:
   in ``depends_on`` order, each condition waited for by running the service's own
   healthcheck; then one completion goes through the router, the KV hand-off uses shared
@@ -37,8 +40,11 @@ import httpx
 import pytest
 import yaml
 
-from kvrelay.cli import build_parser
+from kvrelay import envs
+from kvrelay.cli import parse_args
 from kvrelay.cluster.launcher import free_port
+from kvrelay.cluster.messages import Role
+from kvrelay.cluster.worker_config import WorkerConfig, resolve_identity
 from kvrelay.transport.shm_pool import cleanup_segments
 from tests.cluster_harness import metric_value
 
@@ -128,12 +134,23 @@ def kvrelay_words(argv: list[str], bin_dir: Path, hostname: str) -> list[str] | 
     return json.loads(proc.stdout) if proc.stdout else None
 
 
-def parse_kvrelay(words: list[str], service: str) -> argparse.Namespace:
-    """kvrelay's own argparse over ``words``; a rejected flag fails with argparse's message."""
+def container_env(svc: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """The service's ``environment``, interpolated, as the container sees it."""
+    environment = interpolate(svc.get("environment", {}), env)
+    if isinstance(environment, list):
+        environment = dict(item.split("=", 1) for item in environment)
+    return {k: str(v) for k, v in environment.items() if v is not None}
+
+
+def parse_kvrelay(
+    words: list[str], service: str, environ: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """kvrelay's own argparse over ``words`` with the container's environment ``environ``;
+    a rejected flag or variable fails with argparse's message."""
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            return build_parser().parse_args(words)
+            return parse_args(words, environ={} if environ is None else environ)
     except SystemExit:
         pytest.fail(f"service {service!r}: kvrelay rejects {words}:\n{captured.getvalue()}")
 
@@ -211,7 +228,24 @@ def test_every_kvrelay_command_parses(tmp_path: Path, fake_kvrelay: Path) -> Non
         argv = mount_paths(service_argv(svc, {}), svc, tmp_path)
         words = kvrelay_words(argv, fake_kvrelay, hostname="0123456789ab")
         assert words, f"service {name!r} does not run kvrelay: {argv}"
-        parse_kvrelay(words, name)
+        parse_kvrelay(words, name, container_env(svc, {}))
+
+
+def test_containers_get_only_kvrelay_variables_kvrelay_knows() -> None:
+    seen = set()
+    for name, svc in kvrelay_services(load_compose()).items():
+        for var in container_env(svc, {}):
+            if var.startswith("KVRELAY_"):
+                assert var in envs.BY_NAME, f"service {name!r}: kvrelay does not read {var}"
+                seen.add(var)
+    assert {"KVRELAY_MODEL", "KVRELAY_CONTROL_ADDR", "KVRELAY_ADMIN_TOKEN"} <= seen
+
+
+def test_serving_services_need_no_shell() -> None:
+    for name, svc in kvrelay_services(load_compose()).items():
+        if svc.get("restart") != "no":  # the one-shot model-init tests for its model first
+            assert "entrypoint" not in svc, f"service {name!r} replaces the kvrelay entrypoint"
+            assert service_argv(svc, {})[:2] == [*IMAGE_ENTRYPOINT, "serve"], name
 
 
 def test_workers_share_memory_and_stay_unique_when_scaled(fake_kvrelay: Path) -> None:
@@ -224,17 +258,39 @@ def test_workers_share_memory_and_stay_unique_when_scaled(fake_kvrelay: Path) ->
         owner = svc["ipc"].removeprefix("service:")
         assert compose["services"][owner].get("ipc") == "shareable", owner
         assert "shm_size" in compose["services"][owner], owner
+        environ = container_env(svc, {})
         replicas = [
-            parse_kvrelay(kvrelay_words(service_argv(svc, {}), fake_kvrelay, host) or [], name)
+            worker_identity(
+                parse_kvrelay(
+                    kvrelay_words(service_argv(svc, {}), fake_kvrelay, host) or [], name, environ
+                ),
+                host,
+            )
             for host in ("aaaaaaaaaaaa", "bbbbbbbbbbbb")
         ]
-        assert replicas[0].role in ("prefill", "decode")
+        assert replicas[0].role.value in ("prefill", "decode")
         assert_shell_execs_kvrelay(service_argv(svc, {}), name)
         assert replicas[0].instance_id != replicas[1].instance_id, name
         assert replicas[0].advertise_host != replicas[1].advertise_host, name
         assert replicas[0].transport != "tcp", name
         host_ids |= {r.host_id for r in replicas}
     assert len(host_ids) == 1 and "" not in host_ids, f"workers need one --host-id: {host_ids}"
+
+
+def worker_identity(args: argparse.Namespace, hostname: str) -> WorkerConfig:
+    """The worker's settings with the id and address it derives in a container named
+    ``hostname`` (pid 1, as under ``init: true`` every container's first process)."""
+    config = WorkerConfig(
+        role=Role(args.role),
+        model=args.model,
+        router_addr=args.control_addr,
+        instance_id=args.instance_id,
+        host=args.host,
+        advertise_host=args.advertise_host,
+        host_id=args.host_id,
+        transport=args.transport,
+    )
+    return resolve_identity(config, hostname, pid=1)
 
 
 def assert_shell_execs_kvrelay(argv: list[str], service: str) -> None:
@@ -280,18 +336,21 @@ class ComposeRun:
         """Container addresses to 127.0.0.1, ports to free ones, a cluster id of its own."""
         out = [part for word in words for part in _split_option(word)]
         for i, flag in enumerate(out[:-1]):
-            value = out[i + 1]
-            if flag in ("--host", "--advertise-host"):
-                out[i + 1] = "127.0.0.1"
-            elif flag in ("--port", "--status-port", "--peer-port") and value != "0":
-                out[i + 1] = str(self.port(name, int(value)))
-            elif flag == "--control-addr":
-                host, _, port = value.removeprefix("tcp://").rpartition(":")
-                owner = name if host in ("0.0.0.0", "*") else host
-                out[i + 1] = f"tcp://127.0.0.1:{self.port(owner, int(port))}"
-            elif flag == "--cluster-id":
-                out[i + 1] = self.cluster_id
+            out[i + 1] = self._localize_value(name, flag, out[i + 1])
         return out
+
+    def _localize_value(self, name: str, flag: str, value: str) -> str:
+        if flag in ("--host", "--advertise-host"):
+            return "127.0.0.1"
+        if flag in ("--port", "--status-port", "--peer-port") and value != "0":
+            return str(self.port(name, int(value)))
+        if flag == "--control-addr":
+            host, _, port = value.removeprefix("tcp://").rpartition(":")
+            owner = name if host in ("0.0.0.0", "*") else host
+            return f"tcp://127.0.0.1:{self.port(owner, int(port))}"
+        if flag == "--cluster-id":
+            return self.cluster_id
+        return value
 
     def healthcheck_argv(self, name: str) -> list[str]:
         test = self.services[name]["healthcheck"]["test"]
@@ -313,11 +372,16 @@ class ComposeRun:
             )
 
     def env(self, name: str) -> dict[str, str]:
-        """The service's ``environment`` (interpolated) over this process's."""
-        environment = interpolate(self.services[name].get("environment", {}), {})
-        if isinstance(environment, list):
-            environment = dict(item.split("=", 1) for item in environment)
-        return {**os.environ, **{k: str(v) for k, v in environment.items() if v is not None}}
+        """The service's ``environment`` (interpolated, its ``KVRELAY_*`` settings localized
+        like the flags) over this process's, less any ``KVRELAY_*`` of the test's own."""
+        svc = self.services[name]
+        environment = container_env(svc, {})
+        for var, value in environment.items():
+            if var in envs.BY_NAME and envs.BY_NAME[var].flag:
+                (local,) = mount_paths([value], svc, self.root)
+                environment[var] = self._localize_value(name, envs.BY_NAME[var].flag, local)
+        outer = {k: v for k, v in os.environ.items() if not k.startswith("KVRELAY_")}
+        return {**outer, **environment}
 
     def wait_healthy(self, name: str, timeout: float = 60.0) -> None:
         argv = self.healthcheck_argv(name)

@@ -4,8 +4,9 @@
   ``kubernetes-validate`` ships (strict: an unknown field fails). Skips, naming how to
   install it, where it is missing; CI installs it through the ``test`` extra.
 - Every kvrelay command in a pod parses with kvrelay's own argument parser, after
-  Kubernetes' ``$(VAR)`` expansion with sample values, and every ``$(VAR)`` is defined in
-  the container's env.
+  Kubernetes' ``$(VAR)`` expansion with sample values, and with the container's environment
+  (``env`` and ``envFrom``, the downward API given sample values); every ``$(VAR)`` is
+  defined in the container's env, and every ``KVRELAY_*`` variable is one kvrelay reads.
 - The router runs the autoscaler with the kubernetes hook, and the hook's namespace and
   Deployment names agree with the manifests and with what the autoscaler's Role may patch.
 """
@@ -25,19 +26,15 @@ from typing import Any
 import pytest
 import yaml
 
-from kvrelay.cli import build_parser
+from kvrelay import envs
+from kvrelay.cli import parse_args
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
 K8S_VERSION = "1.30"
 NAMESPACE = "kvrelay"
-# Sample values for the downward API and the ConfigMap, as the kubelet would expand them.
-SAMPLE_ENV = {
-    "POD_IP": "10.0.0.7",
-    "POD_NAME": "kvrelay-decode-5d9c7b-x2x9q",
-    "KVRELAY_MODEL": "/models/tiny",
-    "KVRELAY_CLUSTER_ID": "k8s",
-    "KVRELAY_KV_CACHE_GIB": "1",
-}
+# Sample values for the downward API, as the kubelet would fill them in.
+SAMPLE_FIELDS = {"status.podIP": "10.0.0.7", "metadata.name": "kvrelay-decode-5d9c7b-x2x9q"}
+SAMPLE_SECRET = "sample-secret"
 _VAR = re.compile(r"\$\((\w+)\)")
 _SHELL_OPERATORS = {"||", "&&", ";", "|", "&"}
 
@@ -73,6 +70,29 @@ def containers() -> list[tuple[str, dict[str, Any]]]:
         if (spec := pod_spec(o)) is not None
         for c in spec.get("containers", [])
     ]
+
+
+def container_env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: ``envFrom`` ConfigMaps, then
+    ``env`` (literal values, the ConfigMap, the downward API, a sample Secret)."""
+    configmaps = {name: o.get("data", {}) for name, o in objects_of_kind("ConfigMap").items()}
+    out: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        out.update(configmaps[source["configMapRef"]["name"]])
+    for item in container.get("env", []):
+        ref = item.get("valueFrom", {})
+        if "value" in item:
+            out[item["name"]] = expand(item["value"], out)
+        elif "fieldRef" in ref:
+            out[item["name"]] = SAMPLE_FIELDS[ref["fieldRef"]["fieldPath"]]
+        elif "configMapKeyRef" in ref:
+            key = ref["configMapKeyRef"]
+            out[item["name"]] = configmaps[key["name"]][key["key"]]
+        elif "secretKeyRef" in ref:
+            out[item["name"]] = SAMPLE_SECRET
+        else:
+            pytest.fail(f"env {item['name']}: unexpected source {ref}")
+    return out
 
 
 def expand(word: str, env: dict[str, str]) -> str:
@@ -133,15 +153,17 @@ def test_every_namespaced_object_is_in_the_kvrelay_namespace() -> None:
 )
 def test_kvrelay_command_parses(where: str, container: dict[str, Any]) -> None:
     argv = [*container.get("command", []), *container.get("args", [])]
-    defined = {e["name"] for e in container.get("env", [])}
+    env = container_env(container)
     used = {m for word in argv for m in _VAR.findall(word)}
-    assert used <= defined, f"{where}: $({sorted(used - defined)}) not in the container's env"
-    words = kvrelay_words([expand(word, SAMPLE_ENV) for word in argv])
+    assert used <= env.keys(), f"{where}: $({sorted(used - env.keys())}) not in the env"
+    unknown = {k for k in env if k.startswith("KVRELAY_") and k not in envs.BY_NAME}
+    assert not unknown, f"{where}: kvrelay does not read {sorted(unknown)}"
+    words = kvrelay_words([expand(word, env) for word in argv])
     assert words is not None, f"{where} runs no kvrelay command: {argv}"
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            build_parser().parse_args(words)
+            parse_args(words, environ=env)
     except SystemExit:
         pytest.fail(f"{where}: kvrelay rejects {words}:\n{captured.getvalue()}")
 
@@ -150,14 +172,16 @@ def serve_args(deployment: str) -> Any:
     (container,) = objects_of_kind("Deployment")[deployment]["spec"]["template"]["spec"][
         "containers"
     ]
-    words = kvrelay_words([expand(w, SAMPLE_ENV) for w in container["command"]])
+    env = container_env(container)
+    words = kvrelay_words([expand(w, env) for w in container["command"]])
     assert words is not None
-    return build_parser().parse_args(words)
+    return parse_args(words, environ=env)
 
 
 def test_workers_reach_the_router_through_its_service() -> None:
     router = serve_args("kvrelay-router")
     assert (router.role, router.control_addr, router.port) == ("router", "tcp://0.0.0.0:5557", 8000)
+    assert (router.admin_token, router.host) == (SAMPLE_SECRET, "0.0.0.0")
     service = objects_of_kind("Service")["kvrelay-router"]
     assert service["spec"]["publishNotReadyAddresses"] is True
     assert {p["port"] for p in service["spec"]["ports"]} == {8000, 5557}
@@ -165,7 +189,9 @@ def test_workers_reach_the_router_through_its_service() -> None:
         args = serve_args(f"kvrelay-{role}")
         assert args.role == role
         assert args.control_addr == "tcp://kvrelay-router:5557"
-        assert (args.advertise_host, args.instance_id) == ("10.0.0.7", SAMPLE_ENV["POD_NAME"])
+        pod_name = SAMPLE_FIELDS["metadata.name"]
+        assert (args.advertise_host, args.instance_id) == ("10.0.0.7", pod_name)
+        assert args.model == "/models/tiny"
         assert (args.status_port, args.peer_port) == (8001, 8002)
 
 
@@ -235,6 +261,6 @@ def test_workers_mount_memory_shm_and_the_models_read_only(deployment: str) -> N
 def test_workers_keep_their_kv_hand_off_and_weights_pod_local() -> None:
     for role in ("prefill", "decode"):
         args = serve_args(f"kvrelay-{role}")
-        assert args.host_id == SAMPLE_ENV["POD_NAME"]  # one /dev/shm per pod
+        assert args.host_id == SAMPLE_FIELDS["metadata.name"]  # one /dev/shm per pod
         assert args.transport == "tcp"
         assert args.no_param_pool is True

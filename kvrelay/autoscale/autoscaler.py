@@ -11,6 +11,11 @@ Every ``interval_s``::
                   still held elsewhere, so requests move instead of failing), then the hook
               scale-up: the hook; the role is held until the new instances have joined the
                   registry (workers register only once ready) or join_timeout_s passed
+    settle    after a scale-down the role is held until the registry counts no more than
+              the new number (or settle_timeout_s passed); then every drained instance still
+              registered is undrained. The local hook removes exactly the drained ones, so
+              none is left; compose and Kubernetes pick a replica themselves, and the drained
+              instance may be the one that stays. A hook that fails undrains them at once.
 
 One operation at a time: the loop waits for it, so decisions never overlap. The hook runs in
 one dedicated thread (the contract of ``ScalingHook``), never on the event loop. Operators
@@ -73,6 +78,7 @@ class AutoscalerSettings:
     interval_s: float = 2.0  # seconds between evaluations
     drain_timeout_s: float = 120.0  # longest wait for a drained instance to go idle
     join_timeout_s: float = 180.0  # longest hold of a role while its new instances join
+    settle_timeout_s: float = 60.0  # longest hold of a role while the platform removes some
     startup_grace_s: float = 120.0  # a role is left alone until it first has min instances
     num_decisions: int = 50  # decisions kept for GET /admin/autoscaler
     num_errors: int = 20  # errors kept
@@ -86,6 +92,15 @@ class AutoscalerSettings:
 @dataclasses.dataclass(slots=True)
 class _Joining:
     count: int  # instances the role should reach
+    deadline: float  # monotonic
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Settling:
+    """A scale-down the platform is carrying out."""
+
+    count: int  # registered instances the role should come down to
+    drained: tuple[str, ...]  # what the autoscaler drained for it
     deadline: float  # monotonic
 
 
@@ -104,6 +119,7 @@ class Autoscaler:
         self.enabled = True
         self.forced: dict[ScaledRole, int] = {}
         self._joining: dict[ScaledRole, _Joining] = {}
+        self._settling: dict[ScaledRole, _Settling] = {}
         self._first_seen: dict[str, float] = {}
         self._decisions: collections.deque[dict[str, Any]] = collections.deque(
             maxlen=self.settings.num_decisions
@@ -227,10 +243,35 @@ class Autoscaler:
                 )
             else:
                 holds[role] = f"waiting for {joining.count - num_live} instance(s) to join"
+        for role in list(self._settling):
+            num_left = self._settle(role, now)
+            if num_left:
+                holds[role] = f"waiting for the platform to remove {num_left} instance(s)"
         if not self.enabled:
             for role in ROLES:
                 holds.setdefault(role, "autoscaling disabled")
         return holds
+
+    def _settle(self, role: ScaledRole, now: float) -> int:
+        """How many instances the platform has still to remove; at 0 (or the deadline)
+        undrains what was drained for the scale-down and is still registered."""
+        settling = self._settling[role]
+        num_left = len(self.backend.registry.instances(Role(role))) - settling.count
+        if num_left > 0 and now < settling.deadline:
+            return num_left
+        if num_left > 0:
+            self._error(
+                f"{role}: {num_left} instance(s) more than {settling.count} still registered "
+                f"{self.settings.settle_timeout_s:g}s after the scale-down"
+            )
+        del self._settling[role]
+        self._undrain(settling.drained)
+        return 0
+
+    def _undrain(self, instance_ids: tuple[str, ...]) -> None:
+        for instance_id in instance_ids:
+            if self.backend.undrain(instance_id):
+                logger.info("autoscaler: %s stayed; taking requests again", instance_id)
 
     # ------------------------------------------------------------------ applying
     async def _execute(self, decision: ScaleDecision) -> None:
@@ -248,6 +289,7 @@ class Autoscaler:
         except HookError as e:
             record.update(status="failed", error=str(e))
             self._error(f"{self.hook.name} hook: {e}")
+            self._undrain(decision.drain)  # nothing was removed
             return
         finally:
             record["duration_s"] = round(time.monotonic() - started, 3)
@@ -258,6 +300,13 @@ class Autoscaler:
                 self.policy.settled(role, now)  # cooldowns count from the change, not the decision
             if desired > current:
                 self._joining[role] = _Joining(desired, now + self.settings.join_timeout_s)
+            elif desired < current:
+                drained = tuple(
+                    i for i in decision.drain if (inst := self.backend.registry.get(i)) is not None
+                    and inst.role is Role(role)
+                )  # fmt: skip
+                deadline = now + self.settings.settle_timeout_s
+                self._settling[role] = _Settling(desired, drained, deadline)
 
     async def _wait_drained(self, instance_id: str) -> None:
         """Returns once nothing depends on the instance, it is gone, or the timeout passed."""
@@ -325,6 +374,7 @@ class Autoscaler:
             "targets": {r: dataclasses.asdict(self.policy.config.target(r)) for r in ROLES},
             "forced": dict(self.forced),
             "joining": {r: j.count for r, j in self._joining.items()},
+            "settling": {r: s.count for r, s in self._settling.items()},
             "current": current,
             "last_evaluation": list(self._last_reasons),
             "recent_decisions": list(self._decisions),

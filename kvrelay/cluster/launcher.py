@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from kvrelay import envs
+
 logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "colocated")
@@ -53,8 +55,11 @@ class ClusterSpec:
     worker_args: tuple[str, ...] = ()  # extra `kvrelay serve` flags for every worker
     router_args: tuple[str, ...] = ()  # extra flags for the router
     log_dir: str | None = None  # one log file per process; None = inherit stderr
+    num_routers: int = 1  # routers side by side; every worker reports to all of them
 
     def __post_init__(self) -> None:
+        if self.num_routers < 1:
+            raise ValueError(f"need at least one router, got {self.num_routers}")
         counts = (self.num_prefill, self.num_decode, self.num_colocated)
         if min(counts) < 0:
             raise ValueError(f"instance counts must be >= 0, got {counts}")
@@ -76,6 +81,11 @@ class Launcher:
         self.cluster_id = spec.cluster_id or f"up{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.port = spec.port or free_port(spec.host)
         self.control_addr = f"tcp://{spec.host}:{free_port(spec.host)}"
+        # routers after the first: (HTTP port, control address) each
+        self.more_routers = [
+            (free_port(spec.host), f"tcp://{spec.host}:{free_port(spec.host)}")
+            for _ in range(spec.num_routers - 1)
+        ]
         self.procs: dict[str, Proc] = {}
         self._counts = dict.fromkeys(ROLES, 0)
 
@@ -88,10 +98,18 @@ class Launcher:
     def url(self) -> str:
         return f"http://{self.spec.host}:{self.port}"
 
+    @property
+    def router_urls(self) -> list[str]:
+        """Every router's URL, the first's (``url``) first."""
+        return [self.url, *(f"http://{self.spec.host}:{p}" for p, _ in self.more_routers)]
+
     # ------------------------------------------------------------------ start
     def start(self, timeout: float = 120.0) -> None:
-        """Starts the router and the workers; returns when all are ready."""
+        """Starts the routers and the workers; returns when all are ready."""
         self.start_router()
+        for i, (port, addr) in enumerate(self.more_routers, start=1):
+            args = ["--port", str(port), *self.spec.router_args]
+            self._spawn(f"router-{i}", "router", args, control_addr=addr)
         for role, count in zip(
             ROLES, (self.spec.num_prefill, self.spec.num_decode, self.spec.num_colocated)
         ):
@@ -123,13 +141,21 @@ class Launcher:
         self._spawn(name, role, args)
         return name
 
-    def _spawn(self, name: str, role: str, args: list[str]) -> None:
+    def _spawn(
+        self, name: str, role: str, args: list[str], control_addr: str | None = None
+    ) -> None:
+        """Starts one process; a worker reports to every router, a router binds its own
+        ``control_addr`` (default: the first router's)."""
+        if control_addr is None and role == "router":
+            control_addr = self.control_addr
+        elif control_addr is None:
+            control_addr = ",".join([self.control_addr, *(a for _, a in self.more_routers)])
         cmd = [
             sys.executable, "-m", "kvrelay", "serve",
             "--role", role,
             "--model", self.spec.model,
             "--host", self.spec.host,
-            "--control-addr", self.control_addr,
+            "--control-addr", control_addr,
             *args,
         ]  # fmt: skip
         log = None
@@ -137,7 +163,11 @@ class Launcher:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
             log = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115 - kept open
         popen = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT if log else None,
+            start_new_session=True,
+            env=envs.inheritable(os.environ),
         )
         self.procs[name] = Proc(name, role, popen, log)
         logger.debug("started %s (pid %d): %s", name, popen.pid, " ".join(cmd))
@@ -148,8 +178,8 @@ class Launcher:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive()
-            joined = self.joined_instances()
-            if joined is not None and wanted <= joined:
+            joined = [self.joined_instances(url) for url in self.router_urls]
+            if all(j is not None and wanted <= j for j in joined):
                 return
             time.sleep(0.2)
         raise LaunchError(f"cluster not ready after {timeout:.0f}s; logs: {self.spec.log_dir}")
@@ -157,17 +187,18 @@ class Launcher:
     def worker_names(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.role != "router"]
 
-    def joined_instances(self) -> set[str] | None:
-        """Instance ids the router knows; None while the router does not answer."""
-        data = self.get_json("/admin/instances")
+    def joined_instances(self, url: str | None = None) -> set[str] | None:
+        """Instance ids the router at ``url`` (default: the first) knows; None while it
+        does not answer."""
+        data = self.get_json("/admin/instances", base=url)
         return None if data is None else {d["instance_id"] for d in data["data"]}
 
-    def get_json(self, path: str, timeout: float = 2.0) -> Any:
+    def get_json(self, path: str, timeout: float = 2.0, base: str | None = None) -> Any:
         headers = {}
-        token = os.environ.get("KVRELAY_ADMIN_TOKEN")
+        token = envs.get("KVRELAY_ADMIN_TOKEN")
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        request = urllib.request.Request(self.url + path, headers=headers)
+        request = urllib.request.Request((base or self.url) + path, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=timeout) as resp:
                 return json.loads(resp.read())

@@ -13,6 +13,11 @@ Request path (disaggregated)::
     D pulls the blocks through transport/ when it has room, verifies, then
     D --KvAck(ok)--> P                              (P releases; a NACK too)
     D --TokenEvent(...)--> router                   (every later token, then finished)
+
+With several routers every worker registers with each. ``RegisterAck.router_id`` tells a
+worker which link leads to which router; a request carries its router's id (``origin``)
+from ``GenerateRequest`` through ``KvReady``, and each worker sends the request's events
+to that router only (to every router when the origin is unknown: an older sender).
     router --Abort--> P and D                       (client gone, stop string)
 
 Colocated workers get ``GenerateRequest(decode=None)`` and stream every token themselves.
@@ -87,6 +92,7 @@ class RegisterAck:
 
     instance_id: str
     known: bool
+    router_id: str = ""  # the router's id, as requests carry it in ``origin``
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -118,6 +124,7 @@ class GenerateRequest:
     params: SamplingParams
     output_token_ids: list[int] = dataclasses.field(default_factory=list)  # already streamed
     decode: PeerInfo | None = None  # where the KV goes; None: generate here (colocated)
+    origin: str = ""  # id of the router that sent it ("": unknown, answer every router)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -149,6 +156,7 @@ class KvReady:
     lease_deadline: float  # wall-clock time after which prefill may reuse the blocks
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
+    origin: str = ""  # the request's router (GenerateRequest.origin)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,6 +196,13 @@ class Drain:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Undrain:
+    """Take new requests again (the autoscaler drained it, and the platform removed another)."""
+
+    instance_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Shutdown:
     reason: str = ""
 
@@ -209,9 +224,18 @@ WIRE_TYPES: tuple[type, ...] = (
     Drain,
     Shutdown,
     SamplingParams,
+    Undrain,  # new types go last: the tags of the others stay what older processes send
 )
 _TAG = {cls: i for i, cls in enumerate(WIRE_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in WIRE_TYPES}
+# Fields without a default: a message from an older process may lack the trailing others.
+_NUM_REQUIRED = {
+    cls: sum(
+        f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        for f in dataclasses.fields(cls)
+    )
+    for cls in WIRE_TYPES
+}
 
 T = TypeVar("T")
 
@@ -240,7 +264,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
         raise ProtocolError(f"unknown message tag {tag!r}")
     cls = WIRE_TYPES[tag]
     names = _FIELDS[cls]
-    if len(values) != len(names):
+    if not _NUM_REQUIRED[cls] <= len(values) <= len(names):
         raise ProtocolError(f"{cls.__name__}: expected {len(names)} fields, got {len(values)}")
     kwargs = dict(zip(names, values))
     try:

@@ -43,6 +43,7 @@ class PrefillWorker(Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._targets: dict[str, PeerInfo] = {}
+        self._origin_ids: dict[str, str] = {}  # request id -> its router (GenerateRequest.origin)
         self.leases: dict[str, Lease] = {}
         self._source: Any = None  # tcp KvSource, made on the first pull
 
@@ -52,15 +53,19 @@ class PrefillWorker(Worker):
             super().on_generate(msg)  # run it here end to end (a retry with no decode left)
             return
         self._targets[msg.request_id] = msg.decode
+        self._origin_ids[msg.request_id] = msg.origin
         super().on_generate(msg)
 
     def on_abort(self, request_id: str) -> None:
         self._targets.pop(request_id, None)
+        self._origin_ids.pop(request_id, None)
+        self._origin.pop(request_id, None)
         self.engine.abort_request(request_id)
         self._release(request_id)
 
     def on_output(self, out: RequestOutput) -> None:
         target = self._targets.pop(out.request_id, None)
+        origin = self._origin_ids.pop(out.request_id, "")
         if target is None or out.finished:
             self.send_event(token_event(self.instance_id, out))
             return
@@ -82,6 +87,7 @@ class PrefillWorker(Worker):
             lease_deadline=deadline,
             num_cached_tokens=seq.num_cached_tokens,
             cached_tokens_by_tier=seq.cached_tokens_by_tier,
+            origin=origin,
         )
         self.send_event(token_event(self.instance_id, out, handed_off_to=target.instance_id))
         self.send_peer(target.peer_addr, ready)

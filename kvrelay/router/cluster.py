@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, NamedTuple, cast
 
@@ -38,6 +39,7 @@ from kvrelay.cluster.messages import (
     Register,
     RegisterAck,
     TokenEvent,
+    Undrain,
     decode,
     encode,
 )
@@ -110,6 +112,7 @@ class ClusterBackend(Backend):
         self.model_name = model_name
         self._max_model_len = max_model_len
         self.settings = settings
+        self.router_id = f"router-{uuid.uuid4().hex[:12]}"  # what requests carry as origin
         self.registry = Registry(settings.dead_after, settings.cache_weight)
         self.prefix_index = PrefixIndex()
         self.metrics = metrics or RouterMetrics()
@@ -220,6 +223,7 @@ class ClusterBackend(Backend):
             worker_params,
             list(tr.tokens),
             decode_info,
+            origin=self.router_id,
         )
         self._send(placement.prefill, msg)
 
@@ -261,6 +265,15 @@ class ClusterBackend(Backend):
         self._send(inst, Drain(instance_id))
         return True
 
+    def undrain(self, instance_id: str) -> bool:
+        """Places requests on a drained instance again and tells it so; False if unknown."""
+        inst = self.registry.get(instance_id)
+        if inst is None:
+            return False
+        inst.draining = False
+        self._send(inst, Undrain(instance_id))
+        return True
+
     # ------------------------------------------------------------------ events
     async def _recv_loop(self) -> None:
         while True:
@@ -277,22 +290,26 @@ class ClusterBackend(Backend):
                     logger.info(
                         "heartbeat from unregistered %s; asking it to register", msg.instance_id
                     )
-                    self._reply(identity, RegisterAck(msg.instance_id, known=False))
+                    ack = RegisterAck(msg.instance_id, known=False, router_id=self.router_id)
+                    self._reply(identity, ack)
             elif isinstance(msg, CacheEvent):
                 if self.registry.get(msg.instance_id) is not None:
                     self.prefix_index.apply(msg)
             elif isinstance(msg, Register):
                 inst = self.registry.register(msg)
                 self.prefix_index.remove_instance(inst.instance_id)
-                self._reply(identity, RegisterAck(inst.instance_id, known=True))
+                ack = RegisterAck(inst.instance_id, known=True, router_id=self.router_id)
+                self._reply(identity, ack)
                 logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
             else:
                 logger.warning("unexpected %s from %r", type(msg).__name__, identity)
 
     def _on_tokens(self, event: TokenEvent) -> None:
         tr = self._tracked.get(event.request_id)
-        if tr is None or tr.done:
-            return  # aborted, or a late event of a finished request
+        if tr is None or tr.done:  # another router's, or a late event of a finished request
+            reason = "unknown_request" if tr is None else "finished_request"
+            self.metrics.dropped_events.labels(reason).inc()
+            return
         if event.error is not None:
             tr.done = True
             tr.queue.put_nowait(GenerationFailed(f"worker {event.instance_id}: {event.error}"))

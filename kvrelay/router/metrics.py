@@ -47,6 +47,13 @@ class RouterMetrics:
             "kvrelay_request_retries", "Requests re-run after a worker died", registry=r
         )
         self.inflight = Gauge("kvrelay_requests_inflight", "Requests in flight", registry=r)
+        self.dropped_events = Counter(
+            "kvrelay_token_events_dropped",
+            "Token events dropped: for a request this router does not know (another router's, "
+            "or one it forgot) or one that already finished",
+            ["reason"],
+            registry=r,
+        )
 
     def watch_registry(self, registry: Registry) -> None:
         """Exports every instance's last load report (labels: instance, role)."""

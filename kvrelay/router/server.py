@@ -112,6 +112,12 @@ def add_operations_routes(app: FastAPI, backend: ClusterBackend, settings: ApiSe
             raise ApiError(404, f"no instance {instance_id!r}", code="not_found")
         return {"instance_id": instance_id, "draining": True}
 
+    @app.post("/admin/instances/{instance_id}/undrain", dependencies=admin)
+    async def undrain(instance_id: str) -> dict[str, Any]:
+        if not backend.undrain(instance_id):
+            raise ApiError(404, f"no instance {instance_id!r}", code="not_found")
+        return {"instance_id": instance_id, "draining": False}
+
     @app.get("/admin/instances", dependencies=admin)
     async def instances() -> dict[str, Any]:
         return {

@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from kvrelay import envs
 from kvrelay.autoscale.base import HookError, ScaleDecision, ScalingHook
 from kvrelay.autoscale.standby import Activation
 from kvrelay.cluster.launcher import free_port
@@ -229,6 +230,7 @@ class LocalHook(ScalingHook):
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
             start_new_session=True,  # signals to the router's group do not skip the drain
+            env=envs.inheritable(os.environ),
         )
         return _Proc(popen, log, time.monotonic())
 

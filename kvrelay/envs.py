@@ -1,0 +1,173 @@
+"""Every environment variable kvrelay reads, in one typed table.
+
+Each ``KVRELAY_*`` variable has a type, a default and a line of help. Most stand in for a
+``kvrelay serve`` option (``flag``), so a container can be configured with environment
+variables instead of a shell wrapper that expands them into the command. Precedence is
+**flag > environment variable > default**: a flag given on the command line always wins.
+
+Values are parsed when they are read, never at import time, and a bad value is an error
+naming the variable and the value (``EnvError``), not a silent fallback to the default.
+An empty value counts as unset.
+
+    from kvrelay import envs
+    token = envs.get("KVRELAY_ADMIN_TOKEN")        # None when unset
+
+``python -m kvrelay.envs`` prints the table as Markdown (README.md holds that output; a test
+checks they agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+TRANSPORTS = ("auto", "shm", "tcp", "cuda_ipc")
+
+
+class EnvError(ValueError):
+    """An environment variable holds a value of the wrong type or outside its choices."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EnvVar:
+    """One variable: its type, its default, and the option it stands in for."""
+
+    name: str
+    type: type  # str | int | float
+    default: Any  # used when neither the flag nor the variable is set; None: unset
+    help: str  # one line, shown in README and in ``--help``
+    flag: str = ""  # the command-line option it supplies, "" for none
+    commands: tuple[str, ...] = ("serve",)  # the commands whose option it supplies
+    choices: tuple[str, ...] = ()  # the valid values, when there is a fixed set
+    required: bool = False  # the command needs a value from the flag or the variable
+    per_process: bool = False  # names one process: never passed on to processes it starts
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute of ``flag``."""
+        return self.flag.removeprefix("--").replace("-", "_")
+
+    def parse(self, text: str) -> Any:
+        """``text`` as this variable's type; raises EnvError naming the variable."""
+        try:
+            value = self.type(text)
+        except ValueError:
+            raise EnvError(f"{self.name}={text!r}: expected {_TYPE_NAMES[self.type]}") from None
+        if self.choices and value not in self.choices:
+            raise EnvError(f"{self.name}={text!r}: expected one of {', '.join(self.choices)}")
+        if self.type in (int, float) and value < 0:
+            raise EnvError(f"{self.name}={text!r}: expected a value >= 0")
+        return value
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number"}
+
+
+def _var(name: str, type_: type, default: Any, help_: str, flag: str = "", **kw: Any) -> EnvVar:
+    return EnvVar(name, type_, default, help_, flag, **kw)
+
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    _var("KVRELAY_MODEL", str, None, "checkpoint directory (Hugging Face format)", "--model",
+         required=True),
+    _var("KVRELAY_CONTROL_ADDR", str, None,
+         "ZMQ address of the router's control socket: the router binds it, workers connect "
+         "(comma-separated for several routers)", "--control-addr", required=True),
+    _var("KVRELAY_HOST", str, "127.0.0.1", "address to bind", "--host"),
+    _var("KVRELAY_ADVERTISE_HOST", str, "",
+         "worker: address peers and the router use (default: --host, or the host name when "
+         "binding a wildcard)", "--advertise-host", per_process=True),
+    _var("KVRELAY_PORT", int, 8000, "router: HTTP port", "--port", per_process=True),
+    _var("KVRELAY_STATUS_PORT", int, 0, "worker: port of /health /ready /metrics (0: any free)",
+         "--status-port", per_process=True),
+    _var("KVRELAY_PEER_PORT", int, 0, "worker: KV hand-off port (0: any free)", "--peer-port",
+         per_process=True),
+    _var("KVRELAY_CLUSTER_ID", str, "default", "namespaces the shared-memory segment names",
+         "--cluster-id"),
+    _var("KVRELAY_INSTANCE_ID", str, "",
+         "worker: unique name (default: ROLE-HOSTNAME-PID)", "--instance-id",
+         per_process=True),
+    _var("KVRELAY_HOST_ID", str, "",
+         "worker: equal ids share memory (default: this machine's id)", "--host-id"),
+    _var("KVRELAY_TRANSPORT", str, "auto",
+         "KV transport between prefill and decode (auto: shm on one host, else tcp)",
+         "--transport", choices=TRANSPORTS),
+    _var("KVRELAY_KV_CACHE_GIB", float, 1.0, "GiB for the KV pool when --num-blocks is unset",
+         "--kv-cache-memory"),
+    _var("KVRELAY_REDIS_URL", str, "",
+         "worker: L2 global KV tier, e.g. redis://host:6379/0 (empty: off)", "--redis-url"),
+    _var("KVRELAY_SERVED_MODEL_NAME", str, "",
+         "the model name clients use (default: the checkpoint directory's name)",
+         "--served-model-name"),
+    _var("KVRELAY_ADMIN_TOKEN", str, None,
+         "router: bearer token for /admin/* (unset: open); also sent by `kvrelay up`",
+         "--admin-token"),
+    _var("KVRELAY_LOG_LEVEL", str, "info", "log level of every command (-v: debug)",
+         "--log-level", commands=(), choices=LOG_LEVELS),
+)  # fmt: skip
+BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of ``name``, or its default when unset or empty."""
+    var = BY_NAME[name]  # a KeyError here is our bug: every variable is in the table
+    text = (os.environ if environ is None else environ).get(name, "")
+    return var.parse(text) if text else var.default
+
+
+def inheritable(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without the variables that name one process (its ports, instance id,
+    address): what a launcher passes to the workers it starts, so that two of them never
+    take the same port or name from their parent's environment."""
+    own = {v.name for v in ENV_VARS if v.per_process}
+    return {k: v for k, v in environ.items() if k not in own}
+
+
+def add_option(parser: argparse.ArgumentParser, name: str, **kwargs: Any) -> None:
+    """Adds ``name``'s flag to ``parser``; ``apply`` fills it in when it is not given."""
+    var = BY_NAME[name]
+    default = "unset" if var.default in (None, "") else var.default
+    parser.add_argument(
+        var.flag,
+        default=None,
+        type=var.type,
+        choices=var.choices or None,
+        help=f"{var.help} [env {var.name}; default {default}]".replace("%", "%%"),
+        **kwargs,
+    )
+
+
+def apply(args: argparse.Namespace, command: str, environ: Mapping[str, str] | None = None) -> None:
+    """Fills every option of ``command`` that was not given on the command line from the
+    environment, else from the table's default. Raises EnvError for a bad value or a
+    required option set nowhere."""
+    for var in ENV_VARS:
+        if var.commands and command not in var.commands:
+            continue
+        if not hasattr(args, var.dest) or getattr(args, var.dest) is not None:
+            continue
+        value = get(var.name, environ)
+        if value is None and var.required:
+            raise EnvError(f"{var.flag} is required (or set {var.name})")
+        setattr(args, var.dest, value)
+
+
+def markdown_table() -> str:
+    """The table as Markdown, for README.md."""
+    rows = ["| variable | type | default | option | meaning |", "|---|---|---|---|---|"]
+    for var in ENV_VARS:
+        default = "unset" if var.default in (None, "") else f"`{var.default}`"
+        flag = f"`{var.flag}`" if var.flag else ""
+        if var.commands:
+            flag = f"{flag} of `kvrelay {'/'.join(var.commands)}`"
+        kind = "\\|".join(var.choices) if var.choices else var.type.__name__
+        rows.append(f"| `{var.name}` | {kind} | {default} | {flag} | {var.help} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

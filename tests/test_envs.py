@@ -1,0 +1,114 @@
+"""The environment-variable table: types, precedence, errors, and the README's copy."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrelay import envs
+from kvrelay.cli import build_parser, parse_args
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = ["serve", "--role", "decode"]
+REQUIRED = {"KVRELAY_MODEL": "/m", "KVRELAY_CONTROL_ADDR": "tcp://r:5557"}
+
+
+def test_defaults_when_neither_flag_nor_variable_is_set() -> None:
+    args = parse_args(WORKER, environ=REQUIRED)
+    assert (args.model, args.control_addr) == ("/m", "tcp://r:5557")
+    assert (args.host, args.port, args.status_port, args.peer_port) == ("127.0.0.1", 8000, 0, 0)
+    assert (args.cluster_id, args.instance_id, args.transport) == ("default", "", "auto")
+    assert (args.kv_cache_memory, args.admin_token, args.log_level) == (1.0, None, "info")
+
+
+def test_flag_beats_variable_beats_default() -> None:
+    environ = {**REQUIRED, "KVRELAY_STATUS_PORT": "8001", "KVRELAY_KV_CACHE_GIB": "0.5"}
+    args = parse_args([*WORKER, "--status-port", "9"], environ=environ)
+    assert (args.status_port, args.kv_cache_memory, args.peer_port) == (9, 0.5, 0)
+    args = parse_args(
+        ["--log-level", "error", *WORKER], environ={**REQUIRED, "KVRELAY_LOG_LEVEL": "debug"}
+    )
+    assert args.log_level == "error"
+
+
+def test_empty_variable_counts_as_unset() -> None:
+    args = parse_args(WORKER, environ={**REQUIRED, "KVRELAY_ADMIN_TOKEN": "", "KVRELAY_PORT": ""})
+    assert (args.admin_token, args.port) == (None, 8000)
+
+
+@pytest.mark.parametrize(
+    "name,value,message",
+    [
+        ("KVRELAY_PORT", "eighty", "KVRELAY_PORT='eighty': expected an integer"),
+        ("KVRELAY_KV_CACHE_GIB", "1GiB", "KVRELAY_KV_CACHE_GIB='1GiB': expected a number"),
+        ("KVRELAY_STATUS_PORT", "-1", "KVRELAY_STATUS_PORT='-1': expected a value >= 0"),
+        ("KVRELAY_TRANSPORT", "rdma", "expected one of auto, shm, tcp, cuda_ipc"),
+        ("KVRELAY_LOG_LEVEL", "loud", "expected one of debug, info, warning, error"),
+    ],
+)
+def test_bad_value_is_an_error_naming_the_variable(name: str, value: str, message: str) -> None:
+    with pytest.raises(envs.EnvError, match=re.escape(message)):
+        envs.get(name, {name: value})
+
+
+def test_a_bad_variable_stops_the_command_with_exit_2() -> None:
+    env = {**os.environ, **REQUIRED, "KVRELAY_PEER_PORT": "x"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrelay", *WORKER], env=env, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "KVRELAY_PEER_PORT='x': expected an integer" in proc.stderr
+
+
+def test_required_option_missing_everywhere_names_flag_and_variable(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        parse_args(WORKER, environ={"KVRELAY_CONTROL_ADDR": "tcp://r:5557"})
+    assert e.value.code == 2
+    assert "--model is required (or set KVRELAY_MODEL)" in capsys.readouterr().err
+
+
+def test_variables_apply_only_to_their_commands() -> None:
+    args = parse_args(["generate", "--model", "/g"], environ={"KVRELAY_KV_CACHE_GIB": "x"})
+    assert args.kv_cache_memory == 1.0  # generate's own option, not the serve variable
+
+
+def test_every_variable_names_an_option_the_parser_has() -> None:
+    parser = build_parser()
+    subparsers = parser._subparsers._group_actions[0].choices
+    for var in envs.ENV_VARS:
+        assert var.name.startswith("KVRELAY_") and var.help
+        for command in var.commands:
+            flags = {f for a in subparsers[command]._actions for f in a.option_strings}
+            assert var.flag in flags, (var.name, command)
+        if not var.commands:
+            assert var.flag in {f for a in parser._actions for f in a.option_strings}
+
+
+def test_serve_help_states_the_precedence_and_the_variables() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvrelay", "serve", "--help"], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    text = " ".join(proc.stdout.split())
+    assert "flag > environment variable > default" in text
+    for var in envs.ENV_VARS:
+        if var.commands:
+            assert f"env {var.name}" in text, var.name
+
+
+def test_launchers_do_not_pass_on_one_process_settings() -> None:
+    environ = {"KVRELAY_STATUS_PORT": "8001", "KVRELAY_INSTANCE_ID": "x", "KVRELAY_MODEL": "/m"}
+    assert envs.inheritable(environ) == {"KVRELAY_MODEL": "/m"}
+
+
+def test_readme_lists_the_table() -> None:
+    text = (ROOT / "README.md").read_text()
+    match = re.search(r"<!-- envs:begin -->\n(.*?)\n<!-- envs:end -->", text, re.S)
+    assert match, "README.md has no environment-variable table"
+    assert match.group(1) == envs.markdown_table(), "run: python -m kvrelay.envs"
