@@ -60,10 +60,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32, as the reference implementation does."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """RMSNorm computed in float32, then scaled in ``x``'s dtype, as the reference does.
+
+    One fused op for float32 (the same bits as the unfused ``x * rsqrt(mean(x^2) + eps)``).
+    """
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,6 +85,7 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
+        self._qk_heads = config.num_heads + config.num_kv_heads
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[T, 1, head_dim / 2]`` for the given positions."""
@@ -108,10 +112,11 @@ class LlamaModel:
             p = f"layers.{i}."
             h = rms_norm(x, w[p + "in_norm"], cfg.rms_norm_eps)
             qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))
-            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-            q = apply_rope(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+            qk_size = self._q_size + self._kv_size
+            # q and k rotate in one call: their columns are adjacent in the fused projection
+            qk = apply_rope(qkv[:, :qk_size].view(-1, self._qk_heads, cfg.head_dim), cos, sin)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            v = qkv[:, qk_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, kv_cache[i], meta, self.scale)
             x = x + linear(attn.reshape(-1, self._q_size), w[p + "o"])
             h = rms_norm(x, w[p + "post_norm"], cfg.rms_norm_eps)
