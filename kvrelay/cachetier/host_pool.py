@@ -46,7 +46,8 @@ Victims: a way holding the key's bytes but not VALID, else the first EMPTY or de
 way, else the smallest tick (the first on ties).
 
 Lifetime: the segment is never registered with Python's resource tracker; it outlives every
-process until ``unlink_pool`` (an operator step, for when no process uses it). Every opener
+process until an operator frees it (``kvrelay cache rm``: ``remove_host_pool``, which refuses
+while a live process maps it; ``unlink_pool`` unconditionally). Every opener
 must pass the same ``capacity_bytes`` and ``BlockFormat`` (checked against the header; the
 creator also checks that ``/dev/shm`` has room, as touching a page past it is SIGBUS); a
 different model must use another name (``default_pool_name`` derives one from the block
