@@ -29,6 +29,10 @@ Part 3: chain multicast of the largest pool whose copies fit in memory, from the
 its own scope that forwards while it fills (``plan_chain`` order). Receivers start, import
 and fingerprint the model, then all start fetching at one signal; the time is from the
 signal to the last receiver's pool ready (goal: 4 receivers under 1.5x the time of 1).
+Two conditions, each with its own origin: unlimited (loopback TCP as fast as the CPUs go:
+every "host" shares this machine's cores, so the run is CPU-bound) and link-limited
+(``--link-mbps``: the origin and every forwarding receiver send at most that rate, a token
+bucket per server as one NIC per host; ``--link-mbps 0`` leaves this condition out).
 
 Checkpoints: make_tiny ``small`` / ``medium`` (float32), and a random Llama of 1.0B
 parameters (TinyLlama's shape, the small tokenizer's vocabulary, bfloat16) written once into
@@ -38,6 +42,7 @@ Before each timed start or chain, the script waits up to ``--quiet-wait`` s for 
 
     python benchmarks/scale_up.py               # small, medium, 1b; writes BENCHMARKS.md
     python benchmarks/scale_up.py --quick --no-write
+    python benchmarks/scale_up.py --chain-only --no-write --json out.json   # part 3 alone
     python benchmarks/scale_up.py --render out.json    # report a saved --json again
 """
 
@@ -79,6 +84,7 @@ from common import (
 )
 
 from kvrelay.cluster.launcher import ClusterSpec, Launcher, free_port
+from kvrelay.transport.rate_limit import mbps_to_bytes_per_s
 
 SECTION_TITLE = "Scale-up: start to first token (disk vs host pool vs peer) and chain multicast"
 SERVED_NAME = "bench"
@@ -88,6 +94,7 @@ MODE_FLAGS = {"disk": ("--no-param-pool",), "build": (), "pool": (), "peer": ("-
 GOAL_ATTACH_MS = 100.0
 GOAL_FLAT = 2.0  # "flat": the slowest model's attach within this factor of the fastest's
 GOAL_CHAIN_RATIO = 1.5
+DEFAULT_LINK_MBPS = 400.0  # the modelled link: well below this machine's aggregate / 4
 ONE_B_SHAPE = {  # TinyLlama-1.1B's shape; with the small tokenizer's 8,192 rows: 1.00B params
     "hidden_size": 2048,
     "num_hidden_layers": 22,
@@ -105,13 +112,13 @@ RECEIVER_CODE = """\
 import json, sys, time
 from kvrelay.cachetier.param_transfer import fetch_pool
 from kvrelay.engine.loader import model_fingerprint
-model, dtype, scope, bind, sources = sys.argv[1:6]
+model, dtype, scope, bind, sources, link = sys.argv[1:7]
 fingerprint = model_fingerprint(model)
 print("ready", flush=True)
 sys.stdin.readline()
 start = time.time()
 got = fetch_pool(fingerprint, dtype, sources.split(","), scope=scope, forward_bind=bind,
-                 timeout=60.0)
+                 timeout=60.0, link_bytes_per_s=float(link))
 print(json.dumps({"start": start, "end": time.time(), "seconds": got.seconds,
                   "sources": list(got.sources_used)}), flush=True)
 sys.stdin.readline()  # forward until the benchmark closes stdin
@@ -288,15 +295,19 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def pool_server(ckpt: Checkpoint, scope: str, log_dir: Path) -> Iterator[Callable[[], str]]:
-    """Starts ``kvrelay pool serve`` of ``ckpt`` under ``scope``; yields a function that
-    waits for it and returns its address. Stops it and removes its pool at exit."""
+def pool_server(
+    ckpt: Checkpoint, scope: str, log_dir: Path, link_mbps: float = 0.0
+) -> Iterator[Callable[[], str]]:
+    """Starts ``kvrelay pool serve`` of ``ckpt`` under ``scope`` (sending at most
+    ``link_mbps``, 0: unlimited); yields a function that waits for it and returns its
+    address. Stops it and removes its pool at exit."""
     from kvrelay.cachetier import param_pool
 
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable, "-m", "kvrelay", "pool", "serve", "--model", str(ckpt.path),
         "--dtype", ckpt.dtype, "--bind", "tcp://127.0.0.1:0", "--scope", scope,
+        "--link-mbps", str(link_mbps),
     ]  # fmt: skip
     with open(log_dir / f"pool-serve-{scope}.log", "ab") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log)
@@ -551,6 +562,7 @@ class ChainRun:
     fetch_s: tuple[float, ...]  # each receiver's own fetch_pool seconds, in chain order
     sources: tuple[tuple[str, ...], ...]  # each receiver's sources used
     is_chain: bool  # every receiver pulled from its predecessor alone
+    link_mbps: float = 0.0  # each server's send limit (origin and forwarding receivers); 0: none
 
 
 def pick_chain_model(ckpts: Sequence[Checkpoint], max_receivers: int) -> Checkpoint:
@@ -576,11 +588,14 @@ def run_chain(
     repeat: int,
     args: argparse.Namespace,
     log_dir: Path,
+    link_mbps: float = 0.0,
 ) -> ChainRun:
-    """One chain multicast from ``origin`` to ``num_receivers`` new receiver processes."""
+    """One chain multicast from ``origin`` to ``num_receivers`` new receiver processes, each
+    forwarding at most ``link_mbps`` (0: unlimited)."""
     from kvrelay.cachetier import param_pool
     from kvrelay.transport.chain import plan_chain
 
+    link = mbps_to_bytes_per_s(link_mbps)
     tag = f"c{os.getpid()}n{num_receivers}{uuid.uuid4().hex[:6]}"
     addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(num_receivers)]
     plan = plan_chain(origin, addrs)
@@ -588,7 +603,7 @@ def run_chain(
     try:
         with open(log_dir / f"{tag}.log", "ab") as log:
             for k, addr in enumerate(addrs):
-                argv = [ckpt.path, ckpt.dtype, f"{tag}k{k}", addr, ",".join(plan[addr])]
+                argv = [ckpt.path, ckpt.dtype, f"{tag}k{k}", addr, ",".join(plan[addr]), link]
                 cmd = [sys.executable, "-c", RECEIVER_CODE, *map(str, argv)]
                 pipe = subprocess.PIPE
                 procs.append(subprocess.Popen(cmd, stdin=pipe, stdout=pipe, stderr=log))
@@ -617,24 +632,32 @@ def run_chain(
     return ChainRun(
         num_receivers, repeat, max(d["end"] for d in done) - go,
         tuple(d["seconds"] for d in done), sources,
-        all(s == (plan[a][0],) for s, a in zip(sources, addrs)),
+        all(s == (plan[a][0],) for s, a in zip(sources, addrs)), link_mbps,
     )  # fmt: skip
 
 
-def run_chains(
-    ckpt: Checkpoint, origin: str, args: argparse.Namespace, log_dir: Path
-) -> list[ChainRun]:
+def link_conditions(args: argparse.Namespace) -> list[float]:
+    """The chain's conditions in Mbps: unlimited (0) first, then ``--link-mbps`` if set."""
+    return [0.0] + ([args.link_mbps] if args.link_mbps > 0 else [])
+
+
+def run_chains(ckpt: Checkpoint, args: argparse.Namespace, log_dir: Path) -> list[ChainRun]:
+    """Every chain size ``args.repeats`` times per link condition, each condition from its
+    own origin (``kvrelay pool serve --link-mbps``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     runs = []
-    for repeat in range(args.repeats):
-        for n in args.receivers:
-            run = run_chain(ckpt, origin, n, repeat, args, log_dir)
-            runs.append(run)
-            print(
-                f"chain {ckpt.name} to {n} #{repeat + 1}: {run.last_done_s:.2f} s "
-                f"({'chain' if run.is_chain else 'FAILOVER'})",
-                flush=True,
-            )
+    for link_mbps in link_conditions(args):
+        scope = f"origin{os.getpid()}l{link_mbps:g}".replace(".", "_")
+        with pool_server(ckpt, scope, log_dir, link_mbps) as origin:
+            for repeat in range(args.repeats):
+                for n in args.receivers:
+                    run = run_chain(ckpt, origin(), n, repeat, args, log_dir, link_mbps)
+                    runs.append(run)
+                    print(
+                        f"chain {ckpt.name} to {n} ({_link(link_mbps)}) #{repeat + 1}: "
+                        f"{run.last_done_s:.2f} s ({'chain' if run.is_chain else 'FAILOVER'})",
+                        flush=True,
+                    )
     return runs
 
 
@@ -719,21 +742,39 @@ def attach_rows(results: Sequence[AttachResult]) -> list[list[Any]]:
 
 
 CHAIN_HEADERS = (
-    "receivers", "start -> last done p50 (s)", "min (s)", "max (s)", "vs 1 receiver",
+    "link", "receivers", "start -> last done p50 (s)", "min (s)", "max (s)", "vs 1 receiver",
     "per-receiver fetch p50 (s)", "pool GB/s delivered", "chain order kept",
 )  # fmt: skip
 
 
-def chain_rows(ckpt: Checkpoint, runs: Sequence[ChainRun]) -> list[list[Any]]:
+def _link(link_mbps: float) -> str:
+    return f"{link_mbps:g} Mbps per server" if link_mbps > 0 else "unlimited (loopback)"
+
+
+def by_link(runs: Sequence[ChainRun]) -> dict[float, list[ChainRun]]:
+    """Chain runs per link condition, unlimited (0) first."""
+    return {m: [r for r in runs if r.link_mbps == m] for m in sorted({r.link_mbps for r in runs})}
+
+
+def chain_p50(runs: Sequence[ChainRun]) -> dict[int, float]:
+    """Median start -> last done per receiver count, of one link condition's runs."""
     counts = sorted({r.num_receivers for r in runs})
-    base = _med([r.last_done_s for r in runs if r.num_receivers == 1])
+    return {n: median([r.last_done_s for r in runs if r.num_receivers == n]) for n in counts}
+
+
+def chain_rows(ckpt: Checkpoint, runs: Sequence[ChainRun]) -> list[list[Any]]:
+    return [row for group in by_link(runs).values() for row in _chain_rows(ckpt, group)]
+
+
+def _chain_rows(ckpt: Checkpoint, runs: Sequence[ChainRun]) -> list[list[Any]]:
+    p50s = chain_p50(runs)
+    base = p50s.get(1)
     rows = []
-    for n in counts:
+    for n, p50 in p50s.items():
         mine = [r for r in runs if r.num_receivers == n]
-        p50 = median([r.last_done_s for r in mine])
         each = [median([r.fetch_s[k] for r in mine]) for k in range(n)]
         rows.append([
-            n, _s(p50), _s(min(r.last_done_s for r in mine)),
+            _link(mine[0].link_mbps), n, _s(p50), _s(min(r.last_done_s for r in mine)),
             _s(max(r.last_done_s for r in mine)),
             "-" if base is None else f"{p50 / base:.2f}x", " / ".join(_s(v) for v in each),
             _s(n * ckpt.num_bytes / p50 / 1e9), f"{sum(r.is_chain for r in mine)}/{len(mine)}",
@@ -742,13 +783,17 @@ def chain_rows(ckpt: Checkpoint, runs: Sequence[ChainRun]) -> list[list[Any]]:
 
 
 def verdicts(
-    attach: Sequence[AttachResult], starts: Sequence[StartRun], chain: Sequence[ChainRun]
+    attach: Sequence[AttachResult],
+    starts: Sequence[StartRun],
+    chain: Sequence[ChainRun],
+    chain_bytes: int = 0,
 ) -> list[str]:
     lines = [attach_verdict(attach)] if attach else []
     lines += [start_verdict(model, starts) for model in dict.fromkeys(r.model for r in starts)]
-    sizes = {r.num_receivers for r in chain}
-    if 1 in sizes and len(sizes) > 1:
-        lines.append(chain_verdict(chain))
+    for group in by_link(chain).values():
+        sizes = {r.num_receivers for r in group}
+        if 1 in sizes and len(sizes) > 1:
+            lines.append(chain_verdict(group, chain, chain_bytes))
     return lines
 
 
@@ -779,17 +824,48 @@ def start_verdict(model: str, starts: Sequence[StartRun]) -> str:
     return f"- {model}, start to first token: {parts}{gain}."
 
 
-def chain_verdict(chain: Sequence[ChainRun]) -> str:
-    by_n = {
-        n: median([r.last_done_s for r in chain if r.num_receivers == n])
-        for n in sorted({r.num_receivers for r in chain})
-    }
-    most = max(by_n)
-    ratio = by_n[most] / by_n[1]
-    return (
-        f"- Chain: {most} receivers in {by_n[most]:.2f} s vs 1 in {by_n[1]:.2f} s = "
-        f"{ratio:.2f}x (goal < {GOAL_CHAIN_RATIO}x): "
-        f"{'met' if ratio < GOAL_CHAIN_RATIO else 'MISSED'}."
+def chain_verdict(group: Sequence[ChainRun], chain: Sequence[ChainRun], num_bytes: int) -> str:
+    """The goal's verdict for one link condition (``group``) and why, from the numbers: the
+    pool bytes delivered per second summed over receivers, against the link and against the
+    unlimited runs (``chain``) of the same ``num_bytes`` pool."""
+    p50s = chain_p50(group)
+    most, link_mbps = max(p50s), group[0].link_mbps
+    ratio = p50s[most] / p50s[1]
+    rate = {n: n * num_bytes / t / 1e9 for n, t in p50s.items()}  # GB/s, all receivers
+    text = (
+        f"- Chain, {_link(link_mbps)}: {most} receivers in {p50s[most]:.2f} s vs 1 in "
+        f"{p50s[1]:.2f} s = {ratio:.2f}x (goal < {GOAL_CHAIN_RATIO}x): "
+        f"{'met' if ratio < GOAL_CHAIN_RATIO else 'MISSED'}"
+    )
+    if link_mbps == 0:
+        if rate[most] < 0.75 * most * rate[1]:
+            return text + (
+                f". CPU-bound: {most} receivers together take in {rate[most]:.2f} GB/s, one "
+                f"alone {rate[1]:.2f} GB/s, so every hop's receive, checksum and write queues "
+                "on the same cores (see the notes)."
+            )
+        return text + ". The hops overlap: the CPUs did not set the time at this size."
+    link_gbs = mbps_to_bytes_per_s(link_mbps) / 1e9
+    text += (
+        f". One transfer at the link is {num_bytes / 1e9 / link_gbs:.2f} s; {most} receivers "
+        f"take in {rate[most]:.2f} GB/s together ({most} x {link_gbs:.3f} GB/s links = "
+        f"{most * link_gbs:.2f} GB/s)"
+    )
+    unlimited = chain_p50([r for r in chain if r.link_mbps == 0])
+    cpu_gbs = most * num_bytes / unlimited[most] / 1e9 if most in unlimited else None
+    if cpu_gbs is not None:
+        text += f", against the {cpu_gbs:.2f} GB/s the CPUs reached unlimited"
+    if ratio < GOAL_CHAIN_RATIO:
+        return text + (
+            ": the link, not the CPUs, sets the time, and the chain adds "
+            f"{p50s[most] - p50s[1]:.2f} s for {most - 1} more hop(s), forwarding chunks as "
+            "they arrive."
+        )
+    if cpu_gbs is not None and rate[most] > 0.75 * cpu_gbs:
+        return text + ": still CPU-bound, the link rate is too close to this machine's limit."
+    return text + (
+        f": neither the link nor the CPUs explain the {p50s[most] - p50s[1]:.2f} s the extra "
+        "hops add; see the per-receiver times."
     )
 
 
@@ -839,13 +915,16 @@ def describe(
         text += (
             f"\n\n**Chain multicast** of the largest pool whose copies fit in memory, "
             f"`{chain_ckpt.name}` ({_mib(chain_ckpt.num_bytes)} MiB, {chain_ckpt.dtype}), "
-            "from the same `kvrelay pool serve` to N receivers, each a process with its own "
+            "from a `kvrelay pool serve` to N receivers, each a process with its own "
             "pool scope that serves what it has received onward (`fetch_pool(..., "
             "forward_bind=...)`, sources in `plan_chain` order). The receivers start, import "
             "and fingerprint the model first; then all begin at one signal, and the time is "
             "from the signal to the last receiver's pool ready (every 4 MiB chunk "
             "checksummed). 'chain order kept': every receiver pulled from its predecessor "
-            "alone (no failover to an earlier hop)."
+            "alone (no failover to an earlier hop). Two conditions, each from its own origin: "
+            "**unlimited** (loopback as fast as the CPUs go) and **link-limited** "
+            f"(`--link-mbps {settings.get('link_mbps', 0):g}`: the origin and every forwarding "
+            "receiver send at most that rate)."
         )
     return text
 
@@ -873,12 +952,16 @@ def parse_results(result: dict[str, Any]) -> Results:
     )
 
 
-def time_notes(r: Results, import_s: float) -> str:
+def _chain_bytes(r: Results) -> int:
+    return r.chain_ckpt.num_bytes if r.chain_ckpt is not None else 0
+
+
+def time_notes(r: Results, import_s: float | None) -> str:
     """Where a start's time goes, with this run's numbers for its largest model."""
     big = max(r.ckpts, key=lambda c: c.num_bytes)
     runs = [s for s in r.starts if s.model == big.name]
     attach = next((a for a in r.attach if a.model == big.name), None)
-    if not runs or attach is None:
+    if not runs or attach is None or import_s is None:
         return ""
     after = median([s.first_token_s - s.joined_s for s in runs])
     logged = {m: _med([s.weights_logged_s for s in runs if s.mode == m]) for m in ("build", "peer")}
@@ -917,24 +1000,46 @@ def time_notes(r: Results, import_s: float) -> str:
 
 
 def chain_notes(r: Results) -> str:
+    """What the two chain conditions mean, with this run's rates and how the link was chosen."""
     assert r.chain_ckpt is not None
-    rates = []
-    for n in sorted({c.num_receivers for c in r.chain}):
-        p50 = median([c.last_done_s for c in r.chain if c.num_receivers == n])
-        rates.append(f"{n * r.chain_ckpt.num_bytes / p50 / 1e9:.2f}")
-    return (
-        "What the chain numbers mean on this machine: the origin, every receiver and this "
-        "script share 2 CPUs, and each hop costs CPU for a loopback TCP send and receive, an "
-        "xxh3 check and first-touch page faults into a new shared-memory segment, so each "
-        "receiver adds a whole transfer's worth of work to the same two cores. The bytes "
-        f"delivered per second, summed over receivers, stay flat ({' / '.join(rates)} GB/s "
-        "for the rows above): the cores, not the chain's serial hops, set the time, and it "
-        "grows with N. Between hosts each hop has its own CPUs and NIC, the transfer is "
-        "link-bound, and N receivers take about one transfer plus (N - 1) chunk times "
-        "(4 MiB chunks) plus a connect per hop (a receiver can connect only once its "
-        "predecessor has the header and binds; ZMQ retries every 100 ms), which is what the "
-        "goal assumes and what one 2-CPU host cannot show."
+    num_bytes = r.chain_ckpt.num_bytes
+    groups = by_link(r.chain)
+    unlimited = chain_p50(groups.get(0.0, []))
+    rates = {n: n * num_bytes / t / 1e9 for n, t in unlimited.items()}  # GB/s, all receivers
+    text = (
+        "What the chain numbers mean on this machine. Unlimited: the origin, every receiver "
+        "and this script share 2 CPUs, and each hop costs CPU for a loopback TCP send and "
+        "receive, an xxh3 check and first-touch page faults into a new shared-memory segment, "
+        "so each receiver adds a whole transfer's worth of work to the same two cores. The "
+        "bytes delivered per second, summed over receivers, stay flat "
+        f"({' / '.join(f'{v:.2f}' for v in rates.values())} GB/s for 1 / 2 / 4 receivers): "
+        "the cores, not the chain's serial hops, set the time, and it grows with N. Between "
+        "hosts each hop has its own CPUs and NIC and the transfer is link-bound: N receivers "
+        "take about one transfer plus (N - 1) chunk times (4 MiB chunks) plus a connect per "
+        "hop (a receiver can connect only once its predecessor has the header and binds; ZMQ "
+        "retries every 100 ms)."
     )
+    for link_mbps in (m for m in groups if m > 0):
+        link = mbps_to_bytes_per_s(link_mbps)
+        most = max(rates, default=None)
+        text += (
+            f" Link-limited ({link_mbps:g} Mbps = {link / 1e6:.0f} MB/s) models that: the "
+            "origin and every forwarding receiver pace their chunk data with a token bucket "
+            "(no burst: a chunk leaves only once the previous one's bytes have had their "
+            f"time on the link, {1e3 * (4 << 20) / link:.0f} ms per 4 MiB chunk), one "
+            "NIC per host; loopback adds no propagation delay, so only serialisation is "
+            "modelled. "
+        )
+        if most is not None:
+            share = link / (rates[most] * 1e9 / most)
+            below = "well below" if share <= 0.35 else "below" if share < 1 else "NOT below"
+            text += (
+                f"The link rate is {below} this machine's limit in this run: unlimited, {most} "
+                f"receivers took in {rates[most]:.2f} GB/s together, {rates[most] / most:.3f} "
+                f"GB/s each, and the link is {share:.0%} of that, so {most} hops receiving at "
+                "the link rate leave the cores spare when it is well below."
+            )
+    return text
 
 
 def markdown_body(result: dict[str, Any]) -> str:
@@ -942,15 +1047,17 @@ def markdown_body(result: dict[str, Any]) -> str:
     by_model = {a.model: a for a in r.attach}
     resident = [s.resident_bytes for s in r.starts if s.resident_bytes is not None]
     parts = [describe(result["settings"], r.ckpts, r.chain_ckpt)]
-    parts.append(markdown_table(START_HEADERS, start_rows(r.ckpts, r.starts, by_model)))
-    parts.append(
-        "Checkpoint bytes resident in the page cache when a worker started: at most "
-        f"{max(resident, default=0):,}."
-    )
-    parts.append(markdown_table(ATTACH_HEADERS, attach_rows(r.attach)))
+    if r.starts:
+        parts.append(markdown_table(START_HEADERS, start_rows(r.ckpts, r.starts, by_model)))
+        parts.append(
+            "Checkpoint bytes resident in the page cache when a worker started: at most "
+            f"{max(resident, default=0):,}."
+        )
+    if r.attach:
+        parts.append(markdown_table(ATTACH_HEADERS, attach_rows(r.attach)))
     if r.chain_ckpt is not None:
         parts.append(markdown_table(CHAIN_HEADERS, chain_rows(r.chain_ckpt, r.chain)))
-    parts.append("\n".join(verdicts(r.attach, r.starts, r.chain)))
+    parts.append("\n".join(verdicts(r.attach, r.starts, r.chain, _chain_bytes(r))))
     parts.append(time_notes(r, result["import_s"]))
     if r.chain_ckpt is not None and r.chain:
         parts.append(chain_notes(r))
@@ -986,6 +1093,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=Path(tempfile.gettempdir()),
         help="where the 1B checkpoint is written once and kept (default: the temp dir)",
     )
+    p.add_argument(
+        "--link-mbps",
+        type=float,
+        default=DEFAULT_LINK_MBPS,
+        help="chain: also run every chain with each server sending at most this many "
+        f"megabits/s, one modelled NIC per host (default {DEFAULT_LINK_MBPS:g}; 0: only the "
+        "unlimited loopback condition)",
+    )
+    p.add_argument(
+        "--chain-only", action="store_true", help="measure part 3 (chain multicast) alone"
+    )
     p.add_argument("--quick", action="store_true", help="tiny model, 1 repeat, chain 1 and 2")
     p.add_argument("--log-dir", type=Path, default=None, help="default: a temporary dir")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -1010,6 +1128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown models or modes {bad}; models: {MODELS}, modes: {MODES}")
     if min(args.repeats, args.attach_repeats, *args.receivers, 1) < 1:
         p.error("--repeats, --attach-repeats and --receivers must be >= 1")
+    if args.link_mbps < 0:
+        p.error("--link-mbps must be >= 0 (0: no link-limited condition)")
+    if args.chain_only and not args.receivers:
+        p.error("--chain-only needs --receivers")
     args.modes = [m for m in MODES if m in args.modes]
     return args
 
@@ -1019,16 +1141,18 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     log_dir = args.log_dir or work / "logs"
     load_start = os.getloadavg()[0]
     chain_ckpt = pick_chain_model(ckpts, max(args.receivers)) if args.receivers else None
-    import_s = measure_import(args.repeats)
-    attach = [measure_attach(c, args) for c in ckpts]
+    import_s = None if args.chain_only else measure_import(args.repeats)
+    attach = [] if args.chain_only else [measure_attach(c, args) for c in ckpts]
     starts: list[StartRun] = []
     chain: list[ChainRun] = []
-    for c in ckpts:  # one pool server per model: the peer of its starts, then the chain's origin
-        with pool_server(c, f"peer{os.getpid()}", log_dir / c.name) as server:
-            starts += run_starts(c, server, args, log_dir / c.name)
-            if c is chain_ckpt:
-                chain = run_chains(c, server(), args, log_dir / "chain")
-    settings = {k: getattr(args, k) for k in ("repeats", "attach_repeats", "num_blocks")}
+    for c in ckpts:
+        if not args.chain_only:  # the pool server is the peer of the starts
+            with pool_server(c, f"peer{os.getpid()}", log_dir / c.name) as server:
+                starts += run_starts(c, server, args, log_dir / c.name)
+        if c is chain_ckpt:
+            chain = run_chains(c, args, log_dir / "chain")
+    keys = ("repeats", "attach_repeats", "num_blocks", "link_mbps", "chain_only")
+    settings = {k: getattr(args, k) for k in keys}
     return {
         "command": command_line(),
         "settings": {**settings, "cache_dir": str(args.cache_dir)},
@@ -1046,15 +1170,20 @@ def run_all(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 def report(result: dict[str, Any], json_path: Path | None, write_md: bool) -> None:
     r = parse_results(result)
     by_model = {a.model: a for a in r.attach}
-    print()
-    print(text_table(START_HEADERS, start_rows(r.ckpts, r.starts, by_model)))
-    print()
-    print(text_table(ATTACH_HEADERS, attach_rows(r.attach)))
+    if r.starts:
+        print()
+        print(text_table(START_HEADERS, start_rows(r.ckpts, r.starts, by_model)))
+    if r.attach:
+        print()
+        print(text_table(ATTACH_HEADERS, attach_rows(r.attach)))
     if r.chain_ckpt is not None:
         print(f"\nchain: {r.chain_ckpt.name}, {_mib(r.chain_ckpt.num_bytes)} MiB")
         print(text_table(CHAIN_HEADERS, chain_rows(r.chain_ckpt, r.chain)))
     print()
-    print("\n".join(verdicts(r.attach, r.starts, r.chain)))
+    print("\n".join(verdicts(r.attach, r.starts, r.chain, _chain_bytes(r))))
+    if r.chain_ckpt is not None and r.chain:
+        print()
+        print(chain_notes(r))
     if json_path is not None:
         write_json(json_path, result)
     if write_md:

@@ -31,6 +31,7 @@ from kvrelay.transport.chain import (
     fetch,
     plan_chain,
 )
+from kvrelay.transport.rate_limit import TokenBucket, mbps_to_bytes_per_s
 
 SPAWN = mp.get_context("spawn")
 TOTAL_BYTES = 64 << 20
@@ -295,3 +296,109 @@ def test_no_source_reachable_raises_within_timeout(meta) -> None:
 def test_malformed_source_address_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="bad source address"):
         fetch(["tcp://127.0.0.1:notaport"], lambda m: bytearray(m.total_bytes), timeout=1.0)
+
+
+# -- link pacing (a ChainServer sending at most link_bytes_per_s) --------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_token_bucket_without_burst_is_a_serial_link() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(1000.0, clock=clock)  # 1000 B/s, no burst
+    assert bucket.reserve(500) == 100.5  # an idle link: the bytes take 0.5 s to go out
+    assert bucket.reserve(1000) == 101.5  # queued behind the first
+    clock.now = 101.0
+    assert bucket.reserve(250) == 101.75
+    clock.now = 110.0  # idle for 8 s: no credit is saved (no burst)
+    assert bucket.reserve(100) == 110.1
+    assert bucket.reserve(0) == 110.1
+
+
+def test_token_bucket_burst_is_the_most_an_idle_link_saves() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(1000.0, burst_bytes=300, clock=clock)  # starts full
+    assert bucket.reserve(200) == 100.0
+    assert bucket.reserve(200) == 100.1  # 100 B of credit left, 100 B of debt
+    clock.now = 200.0  # a long idle: the balance is capped at the burst
+    assert bucket.reserve(300) == 200.0
+    assert bucket.reserve(1000) == 201.0
+    with pytest.raises(ValueError):
+        TokenBucket(0.0)
+    with pytest.raises(ValueError):
+        TokenBucket(10.0, burst_bytes=-1)
+    assert mbps_to_bytes_per_s(800) == 100e6
+    with pytest.raises(ValueError):
+        mbps_to_bytes_per_s(-1)
+
+
+def test_token_bucket_never_exceeds_its_rate_over_any_window() -> None:
+    """A sender that takes the next send's tokens after each send (as ChainServer does),
+    with sends that run late by random amounts: in every window the bytes sent are at most
+    rate * window + the first send in it."""
+    rng = np.random.default_rng(1)
+    clock, rate = FakeClock(), 5000.0
+    bucket = TokenBucket(rate, clock=clock)
+    sent: list[tuple[float, int]] = []
+    for size in rng.integers(1, 4000, 200):
+        ready = bucket.reserve(int(size))
+        clock.now = ready + float(rng.choice([0.0, rng.exponential(0.5)]))  # the thread is late
+        sent.append((clock.now, int(size)))
+        clock.now += float(rng.choice([0.0, rng.exponential(0.2)]))  # idle before the next
+    for i in range(len(sent)):
+        for j in range(i, len(sent)):
+            num_bytes = sum(size for _, size in sent[i : j + 1])
+            assert num_bytes <= rate * (sent[j][0] - sent[i][0]) + sent[i][1] + 1e-6
+
+
+class RecordingServer(ChainServer):
+    """Records when each chunk was handed to the socket (the server thread's clock)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.sends: list[tuple[float, int]] = []
+        super().__init__(*args, **kwargs)
+
+    def _put_chunk(self, identity: bytes, index: int, payload: memoryview) -> None:
+        self.sends.append((time.monotonic(), len(payload)))
+        super()._put_chunk(identity, index, payload)
+
+
+def test_paced_server_never_sends_faster_than_its_link(data, meta) -> None:
+    """Two receivers share the server's link: chunk k leaves at least bytes(k) / rate after
+    chunk k - 1, whatever the machine's load (only lower bounds on time are asserted)."""
+    rate = 512 * 2**20  # bytes/s: 2 x 64 MiB take at least 0.25 s minus one chunk
+    buffers = [bytearray(TOTAL_BYTES) for _ in range(2)]
+    results: list[Any] = []
+    with RecordingServer(data, meta, complete=True, link_bytes_per_s=rate) as origin:
+        start = time.monotonic()
+        threads = [
+            threading.Thread(
+                target=lambda b=b: results.append(
+                    fetch([origin.addr], lambda m: b, forward=False, timeout=TIMEOUT)
+                )
+            )
+            for b in buffers
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        elapsed = time.monotonic() - start
+        stats = origin.stats()
+    assert len(results) == 2 and all(r.num_retries == 0 for r in results)
+    assert all(bytes(b) == data.tobytes() for b in buffers)
+    assert stats.num_bytes_served == 2 * TOTAL_BYTES == sum(n for _, n in origin.sends)
+    for (before, _), (after, size) in zip(origin.sends, origin.sends[1:]):
+        assert after - before >= size / rate - 1e-9
+    assert elapsed >= (2 * TOTAL_BYTES - CHUNK_BYTES) / rate
+
+
+def test_link_rate_must_not_be_negative(data, meta) -> None:
+    with pytest.raises(ValueError, match="link_bytes_per_s"):
+        ChainServer(data, meta, complete=True, link_bytes_per_s=-1.0)

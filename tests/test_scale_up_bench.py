@@ -53,10 +53,17 @@ def test_scale_up_bench_quick(tmp_path: Path) -> None:
 
     assert data["chain_model"] == "tiny"
     chain = data["chain"]
-    assert [c["num_receivers"] for c in chain] == [1, 2]
+    link_mbps = data["settings"]["link_mbps"]
+    assert link_mbps > 0  # by default both conditions run: unlimited, then link-limited
+    conditions = [(c["link_mbps"], c["num_receivers"]) for c in chain]
+    assert conditions == [(0, 1), (0, 2), (link_mbps, 1), (link_mbps, 2)]
     assert all(c["is_chain"] and len(c["fetch_s"]) == c["num_receivers"] for c in chain)
-    second = chain[1]["sources"]
-    assert second[0] != second[1]  # the second receiver pulled from the first, not the origin
+    for c in chain[1], chain[3]:
+        second = c["sources"]
+        assert second[0] != second[1]  # the second receiver pulled from the first
+    link_bytes_per_s = link_mbps * 1e6 / 8  # pacing only delays: a lower bound cannot flake
+    assert chain[2]["last_done_s"] >= (ckpt["num_bytes"] - (4 << 20)) / link_bytes_per_s
+    assert "Chain, unlimited (loopback)" in proc.stdout and "Mbps per server" in proc.stdout
 
     # nothing left behind: no pool of this run's model, no process using its files
     assert not [p.name for p in SHM.glob(f"kvrelay-params-*{ckpt['fingerprint'][:16]}*")]

@@ -34,9 +34,14 @@ def chain_meta(pool: ParamPool) -> ChainMeta:
     )
 
 
-def serve_pool(pool: ParamPool, bind: str = "tcp://127.0.0.1:0") -> ChainServer:
-    """Serves a ready pool's data to peers until the server is closed."""
-    return ChainServer(pool.buffer, chain_meta(pool), bind, complete=True)
+def serve_pool(
+    pool: ParamPool, bind: str = "tcp://127.0.0.1:0", *, link_bytes_per_s: float = 0.0
+) -> ChainServer:
+    """Serves a ready pool's data to peers until the server is closed, at most
+    ``link_bytes_per_s`` (0: unlimited)."""
+    return ChainServer(
+        pool.buffer, chain_meta(pool), bind, complete=True, link_bytes_per_s=link_bytes_per_s
+    )
 
 
 def fetch_pool(
@@ -47,10 +52,12 @@ def fetch_pool(
     scope: str = "",
     forward_bind: str | None = None,
     timeout: float = 10.0,
+    link_bytes_per_s: float = 0.0,
 ) -> PoolFetch:
     """Fills this host's pool for ``fingerprint``/``dtype`` from ``sources`` (nearest first).
 
-    With ``forward_bind``, the pool is served onward while it fills. Raises ``ChainError``
+    With ``forward_bind``, the pool is served onward while it fills, at most
+    ``link_bytes_per_s`` (0: unlimited). Raises ``ChainError``
     when no source delivers (the half-filled pool is removed) and ``ValueError`` when a
     source holds another model.
     """
@@ -69,6 +76,7 @@ def fetch_pool(
             forward=forward_bind is not None,
             bind=forward_bind or "tcp://127.0.0.1:0",
             timeout=timeout,
+            link_bytes_per_s=link_bytes_per_s,
         )
     except ChainError:
         for pool in filling:

@@ -23,15 +23,23 @@ seconds, or gets bad chunks from the same source ``MAX_BAD_CHUNKS`` times, moves
 source in its list and resumes from its first missing chunk; so does one that delivers no new
 chunk for ``STALL_TIMEOUTS`` timeouts, heartbeats or not, so no wait is unbounded. When no
 source is left it raises ``ChainError``; the caller then loads from disk.
+
+A server may pace its chunks to a link rate (``link_bytes_per_s``, a ``TokenBucket`` shared
+by all its receivers, as one NIC is): chunks wait in a FIFO, and the next one's tokens are
+taken only once the previous one went out, so however late the server thread runs, chunk
+``k`` leaves at least ``bytes(k) / rate`` after chunk ``k - 1``. Paced chunks count as held
+for heartbeats. This is how one machine models hosts whose links, not CPUs, are the limit.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import heapq
 import itertools
 import logging
+import math
 import os
 import struct
 import threading
@@ -44,6 +52,7 @@ import xxhash
 import zmq
 
 from kvrelay.transport.base import TransferError
+from kvrelay.transport.rate_limit import TokenBucket
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -162,7 +171,8 @@ class ChainServer:
 
     ``buffer`` (``total_bytes`` contiguous bytes) is read, never written, and must stay
     mapped until ``close()`` returns: chunks are sent zero-copy. A chunk is served only once
-    it is marked available; chunks ``< num_available`` must not change after that.
+    it is marked available; chunks ``< num_available`` must not change after that. With
+    ``link_bytes_per_s > 0`` chunk data leaves at most that fast (0: as fast as it can).
     ``mark_available`` may be called from any one thread; everything else is internal to
     the server thread. ``addr`` is the bound endpoint with the real port.
     """
@@ -174,7 +184,10 @@ class ChainServer:
         bind: str = "tcp://127.0.0.1:0",
         *,
         complete: bool = False,
+        link_bytes_per_s: float = 0.0,
     ) -> None:
+        if link_bytes_per_s < 0:
+            raise ValueError(f"link_bytes_per_s must be >= 0 (0: off), got {link_bytes_per_s}")
         self.meta = meta
         self._view = _byte_view(buffer, meta.total_bytes, writable=False)
         self._meta_reply = msgpack.packb(
@@ -184,6 +197,9 @@ class ChainServer:
         self._held: list[tuple[int, int, bytes]] = []  # heap of (chunk, arrival, identity)
         self._arrivals = itertools.count()  # tie-break: same chunk, first asked first served
         self._num_served = self._bytes_served = 0
+        self._link = TokenBucket(link_bytes_per_s) if link_bytes_per_s else None
+        self._paced: collections.deque[tuple[bytes, int, memoryview]] = collections.deque()
+        self._paced_ready: float | None = None  # when the head of _paced may go (tokens taken)
         self._available_at_first_serve: int | None = None
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -249,13 +265,15 @@ class ChainServer:
         next_beat = time.monotonic() + HEARTBEAT_S
         try:
             while not self._is_closing:
-                wait_ms = max(0, int((next_beat - time.monotonic()) * 1000))
+                deadline = next_beat if self._paced_ready is None else self._paced_ready
+                wait_ms = max(0, math.ceil((min(next_beat, deadline) - time.monotonic()) * 1000))
                 events = dict(poller.poll(wait_ms))
                 if self._wake_r in events:
                     os.read(self._wake_r, 4096)
                 if self._socket in events:
                     self._drain_requests()
                 self._serve_held()
+                self._release_paced()
                 if time.monotonic() >= next_beat:
                     self._heartbeat()
                     next_beat = time.monotonic() + HEARTBEAT_S
@@ -291,13 +309,32 @@ class ChainServer:
 
     def _heartbeat(self) -> None:
         have = _U64.pack(self._num_available)
-        for identity in {identity for _, _, identity in self._held}:
+        waiting = {identity for _, _, identity in self._held}
+        for identity in waiting | {identity for identity, _, _ in self._paced}:
             self._send([identity, _WAIT, have])
 
     def _send_chunk(self, identity: bytes, index: int) -> None:
         if self._available_at_first_serve is None:
             self._available_at_first_serve = self._num_available
         payload = self._payload(index)
+        if self._link is None:
+            self._put_chunk(identity, index, payload)
+        else:
+            self._paced.append((identity, index, payload))
+            self._release_paced()
+
+    def _release_paced(self) -> None:
+        """Sends paced chunks whose time has come; takes the next one's tokens after each."""
+        while self._paced:
+            if self._paced_ready is None:
+                assert self._link is not None
+                self._paced_ready = self._link.reserve(len(self._paced[0][2]))
+            if time.monotonic() < self._paced_ready:
+                return
+            self._paced_ready = None
+            self._put_chunk(*self._paced.popleft())
+
+    def _put_chunk(self, identity: bytes, index: int, payload: memoryview) -> None:
         self._send([identity, _CHUNK, _U64.pack(index), payload])
         self._num_served += 1
         self._bytes_served += len(payload)
@@ -322,6 +359,7 @@ def fetch(
     window: int = 4,
     bind: str = "tcp://127.0.0.1:0",
     on_serving: Callable[[ChainServer], None] | None = None,
+    link_bytes_per_s: float = 0.0,
 ) -> FetchResult:
     """Pulls one object from the first source that answers, failing over down ``sources``.
 
@@ -336,6 +374,7 @@ def fetch(
         window: chunk requests in flight at once.
         on_serving: called with the new server before the first chunk is requested, e.g. to
             publish its ``addr`` to the next hop.
+        link_bytes_per_s: the forwarding server's link rate (``ChainServer``; 0: unlimited).
 
     Raises:
         ValueError: a malformed address, or a buffer of the wrong size.
@@ -347,7 +386,7 @@ def fetch(
     context = zmq.Context()
     try:
         return _Fetch(list(sources), context, timeout, window).run(
-            make_buffer, bind if forward else None, on_serving
+            make_buffer, bind if forward else None, on_serving, link_bytes_per_s
         )
     finally:
         context.term()
@@ -370,6 +409,7 @@ class _Fetch:
         make_buffer: Callable[[ChainMeta], BufferLike],
         bind: str | None,
         on_serving: Callable[[ChainServer], None] | None,
+        link_bytes_per_s: float,
     ) -> FetchResult:
         start = time.perf_counter()
         found = _probe(self._context, self._sources, self._timeout, None)
@@ -381,7 +421,9 @@ class _Fetch:
         self._num_complete = 0  # leading chunks landed and verified
         try:
             if bind is not None:
-                self._server = ChainServer(self._view, self._meta, bind)
+                self._server = ChainServer(
+                    self._view, self._meta, bind, link_bytes_per_s=link_bytes_per_s
+                )
                 if on_serving is not None:
                     on_serving(self._server)
             self._pull_all(position, socket)
