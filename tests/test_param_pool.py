@@ -415,3 +415,65 @@ def test_gc_frees_unwritten_segments_and_leaves_other_formats(scope):
         param_pool.remove(foreign)
     assert param_pool.remove(foreign, force=True)
     assert _segments(scope) == []
+
+
+# -- the GPU path: pinned segment -> device copy -------------------------------------------------
+
+NO_CUDA = "needs a CUDA device: the pinned pool -> device copy runs where one is present"
+
+
+def test_a_cpu_engine_gets_the_pools_own_views(tiny_model_dir, scope):
+    from kvrelay.cachetier.param_device import copy_to_device
+    from kvrelay.cluster.worker_config import pool_weights
+
+    with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope) as pool:
+        assert pool_weights(pool, torch.device("cpu")) is pool.weights  # zero-copy, unchanged
+        assert not pool.is_pinned
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            copy_to_device(pool, "cpu")
+    assert not pool.is_pinned
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_pool_weights_reach_the_gpu_from_the_pinned_segment(tiny_model_dir, scope, caplog):
+    from kvrelay.cachetier.param_device import copy_to_device
+    from kvrelay.cluster.worker_config import pool_weights
+
+    pool = ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope)
+    try:
+        copied = copy_to_device(pool, "cuda")
+        assert copied.is_pinned == pool.is_pinned
+        if not copied.is_pinned:  # allowed (e.g. memlock limit), but it must say why
+            assert "from pageable memory" in caplog.text
+        for name, t in pool.weights.items():
+            assert copied.weights[name].device.type == "cuda"
+            assert torch.equal(copied.weights[name].cpu(), t)
+        again = pool_weights(pool, torch.device("cuda"))  # the worker's path; pin is idempotent
+        assert all(torch.equal(again[n], copied.weights[n]) for n in again)
+        torch.ones(4, device="cuda").add_(1).sum().item()  # no CUDA error was left behind
+    finally:
+        pool.close()
+    assert not pool.is_pinned
+    torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+def test_refused_registration_falls_back_to_a_plain_copy(
+    tiny_model_dir, scope, caplog, monkeypatch
+):
+    """A real refusal (a range far past any mapping) leaves no CUDA error behind, and a pool
+    whose registration is refused is copied plainly."""
+    from kvrelay.cachetier import param_device
+
+    with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope) as pool:
+        address = next(iter(pool.weights.values())).untyped_storage().data_ptr()
+        with pytest.raises(param_device.PinError, match="cudaHostRegister"):
+            param_device.register_host_memory(address, 1 << 50)
+        torch.ones(4, device="cuda").add_(1).sum().item()  # the refusal left no CUDA error
+        real = param_device.register_host_memory
+        monkeypatch.setattr(param_device, "register_host_memory", lambda a, n: real(a, 1 << 50))
+        copied = param_device.copy_to_device(pool, "cuda")
+        assert not copied.is_pinned and not pool.is_pinned
+        assert "from pageable memory" in caplog.text
+        for name, t in pool.weights.items():
+            assert torch.equal(copied.weights[name].cpu(), t)

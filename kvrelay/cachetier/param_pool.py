@@ -298,6 +298,7 @@ class ParamPool:
         self._pid = os.getpid()
         self._is_closed = False
         self._weights = None if fill_locks else _tensors(mapping, header.data_off, manifest)
+        self._pinned_at: int | None = None  # address registered with CUDA (``pin``)
 
     @classmethod
     def attach_or_create(
@@ -394,6 +395,24 @@ class ParamPool:
         return self._weights
 
     @property
+    def is_pinned(self) -> bool:
+        return self._pinned_at is not None
+
+    def pin(self) -> None:
+        """Registers the data region with CUDA as pinned (page-locked) host memory, so copies
+        of ``weights`` to a GPU are DMA straight from the segment (``param_device``).
+        Idempotent; ``close()`` unregisters. Raises ``param_device.PinError`` if CUDA
+        refuses (the pool stays usable, unpinned)."""
+        weights = self.weights
+        if self._pinned_at is not None or self.total_bytes == 0:
+            return
+        from kvrelay.cachetier.param_device import register_host_memory
+
+        address = next(iter(weights.values())).untyped_storage().data_ptr()  # the data region
+        register_host_memory(address, self.total_bytes)
+        self._pinned_at = address
+
+    @property
     def buffer(self) -> memoryview:
         """The data region (``total_bytes``); writable only while filling."""
         off = self._header.data_off
@@ -475,6 +494,12 @@ class ParamPool:
             if is_owner:
                 _deregister(self._fd, self.name, slot)
             user_locks.close()
+        if self._pinned_at is not None:
+            if is_owner:  # a forked child did not register it
+                from kvrelay.cachetier.param_device import unregister_host_memory
+
+                unregister_host_memory(self._pinned_at)
+            self._pinned_at = None
         os.close(self._fd)
         _close_mapping(self._mapping, self.name)
 
