@@ -3,30 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from kvrelay import envs
 
 logger = logging.getLogger("kvrelay")
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face format)")
+def _add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
+    """The engine options; with ``from_env`` the deployment ones also read the environment."""
+    if from_env:
+        envs.add_option(p, "KVRELAY_MODEL")
+    else:
+        p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face format)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
-    p.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=1.0,
-        help="GiB for the KV pool when --num-blocks is unset",
-    )
+    if from_env:
+        envs.add_option(p, "KVRELAY_KV_CACHE_GIB")
+    else:
+        p.add_argument(
+            "--kv-cache-memory",
+            type=float,
+            default=1.0,
+            help="GiB for the KV pool when --num-blocks is unset",
+        )
     p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
     p.add_argument(
         "--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)"
@@ -66,6 +76,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    envs.add_option(parser, "KVRELAY_LOG_LEVEL")
     sub = parser.add_subparsers(dest="command", required=True)
 
     model = sub.add_parser("model", help="checkpoint utilities")
@@ -108,11 +119,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_autoscale_args(up)
 
-    serve = sub.add_parser("serve", help="run one cluster process (router or worker)")
+    serve = sub.add_parser(
+        "serve",
+        help="run one cluster process (router or worker)",
+        epilog="Options marked [env KVRELAY_...] may come from that environment variable "
+        "instead. Precedence: flag > environment variable > default. README.md lists every "
+        "variable.",
+    )
     serve.add_argument(
         "--role", required=True, choices=["router", "prefill", "decode", "colocated"]
     )
-    _add_engine_args(serve)
+    _add_engine_args(serve, from_env=True)
     _add_serve_args(serve)
     from kvrelay.autoscale.registry import HOOK_NAMES
 
@@ -123,42 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_autoscale_args(serve)
     _add_bench_parser(sub)
     _add_pool_parser(sub)
+    _add_cache_parser(sub)
     return parser
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument(
-        "--advertise-host", default="", help="worker: address peers use (default: --host)"
-    )
-    p.add_argument("--port", type=int, default=8000, help="router: HTTP port")
-    p.add_argument(
-        "--control-addr",
-        required=True,
-        help="ZMQ address of the router's control socket (the router binds it, workers connect)",
-    )
-    p.add_argument(
-        "--status-port", type=int, default=0, help="worker: /health /ready /metrics port"
-    )
-    p.add_argument("--peer-port", type=int, default=0, help="worker: KV hand-off port (0: any)")
-    p.add_argument("--cluster-id", default="default", help="namespaces shared-memory names")
-    p.add_argument("--instance-id", default="", help="worker: unique name (default role-pid)")
-    p.add_argument(
-        "--transport",
-        default="auto",
-        choices=["auto", "shm", "tcp", "cuda_ipc"],
-        help="KV transport between prefill and decode (auto: shm on one host, else tcp)",
-    )
-    p.add_argument(
-        "--host-id",
-        default="",
-        help="worker: equal ids share memory (default: this machine's id; set one value for "
-        "containers that share an IPC namespace)",
-    )
-    p.add_argument("--served-model-name", default="", help="model name clients use")
-    p.add_argument(
-        "--admin-token", default=None, help="bearer token for /admin/* (env KVRELAY_ADMIN_TOKEN)"
-    )
+    for name in (
+        "KVRELAY_HOST", "KVRELAY_ADVERTISE_HOST", "KVRELAY_PORT", "KVRELAY_CONTROL_ADDR",
+        "KVRELAY_STATUS_PORT", "KVRELAY_PEER_PORT", "KVRELAY_CLUSTER_ID", "KVRELAY_INSTANCE_ID",
+        "KVRELAY_TRANSPORT", "KVRELAY_HOST_ID", "KVRELAY_SERVED_MODEL_NAME",
+        "KVRELAY_ADMIN_TOKEN",
+    ):  # fmt: skip
+        envs.add_option(p, name)
     p.add_argument("--dead-after", type=float, default=2.0, help="router: heartbeat timeout (s)")
     p.add_argument("--lease-ttl", type=float, default=30.0, help="prefill: KV lease (s)")
     p.add_argument(
@@ -170,9 +163,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host-pool-memory", type=float, default=0.25, help="worker: L1 pool size in GiB"
     )
-    p.add_argument(
-        "--redis-url", default="", help="worker: L2 global KV tier, e.g. redis://host:6379/0"
-    )
+    envs.add_option(p, "KVRELAY_REDIS_URL")
     p.add_argument(
         "--param-peers",
         default="",
@@ -312,7 +303,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 host=args.host,
                 port=args.port,
                 served_model_name=args.served_model_name,
-                admin_token=args.admin_token or os.environ.get("KVRELAY_ADMIN_TOKEN") or None,
+                admin_token=args.admin_token or None,
                 max_model_len=args.max_model_len,
                 dead_after=args.dead_after,
                 cluster_id=args.cluster_id,
@@ -410,6 +401,41 @@ def _add_pool_parser(sub: Any) -> None:
     gc.add_argument("--grace", type=float, default=300.0, help="seconds unused before freeing")
     for p in (ls, gc):
         p.add_argument("--scope", default="", help="only the pools of this scope (tests)")
+
+
+def _add_cache_parser(sub: Any) -> None:
+    cache = sub.add_parser("cache", help="the host's L1 KV block pools (shared memory)")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    cache_sub.add_parser("ls", help="list L1 pools: size, block format, blocks held, users")
+    rm = cache_sub.add_parser(
+        "rm", help="free an L1 pool (refused while processes map it); its blocks are lost"
+    )
+    rm.add_argument("name", help="pool name, as `kvrelay cache ls` shows it")
+    rm.add_argument("--force", action="store_true", help="free it even while processes map it")
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    from kvrelay.cachetier import host_pool
+
+    if args.cache_command == "ls":
+        row = "{:<44} {:>9} {:<34} {:>15} {}"
+        print(row.format("NAME", "MIB", "FORMAT (L,BS,KVH,D,DTYPE)", "BLOCKS", "PIDS"))
+        for p in host_pool.list_host_pools():
+            fmt = "?" if p.fmt is None else dataclasses.astuple(p.fmt)
+            fmt_text = "unknown layout" if fmt == "?" else ",".join(map(str, fmt))
+            blocks = f"{p.valid_slots}/{p.num_slots}"
+            pids = ",".join(map(str, p.pids)) or "-"
+            print(row.format(p.name, f"{p.total_bytes / 2**20:.1f}", fmt_text, blocks, pids))
+        return 0
+    try:
+        if not host_pool.remove_host_pool(args.name, force=args.force):
+            print(f"kvrelay cache rm: error: no pool named {args.name}", file=sys.stderr)
+            return 1
+    except (host_pool.PoolInUse, ValueError) as e:
+        print(f"kvrelay cache rm: error: {e}", file=sys.stderr)
+        return 1
+    print(args.name)
+    return 0
 
 
 def _link_mbps(text: str) -> float:
@@ -558,13 +584,28 @@ COMMANDS = {
     "up": cmd_up,
     "bench": cmd_bench,
     "pool": cmd_pool,
+    "cache": cmd_cache,
 }
 
 
+def parse_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """The command line with options left unset filled from ``environ`` (default: this
+    process's environment), then from the defaults in ``kvrelay.envs``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        envs.apply(args, args.command, environ)
+    except envs.EnvError as e:
+        parser.error(str(e))
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:

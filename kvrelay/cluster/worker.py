@@ -3,7 +3,7 @@
 One thread runs everything that touches the engine::
 
     loop:  poll sockets (0 ms when the engine has work, else up to 20 ms)
-           handle messages      GenerateRequest / Abort / Drain / Shutdown from the router,
+           handle messages      GenerateRequest / Abort / (Un)Drain / Shutdown from the router,
                                 KvReady / KvAck / KvPull from peers (role hooks)
            engine.step()        -> TokenEvents to the router (role hook: prefill hands off)
            housekeeping         heartbeat LoadReport, lease expiry, pending imports (roles)
@@ -14,7 +14,6 @@ add the KV hand-off.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -42,6 +41,7 @@ from kvrelay.cluster.messages import (
     RegisterAck,
     Shutdown,
     TokenEvent,
+    Undrain,
     decode,
     encode,
 )
@@ -53,6 +53,7 @@ from kvrelay.cluster.worker_config import (
     layout_from_shape,
     open_param_pool,
     pool_weights,
+    resolve_identity,
 )
 from kvrelay.cluster.worker_metrics import WorkerMetrics
 from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput, build_engine_config
@@ -66,10 +67,7 @@ class Worker:
     role_name = "colocated"
 
     def __init__(self, config: WorkerConfig) -> None:
-        if not config.instance_id:
-            # the hostname keeps ids unique across containers, where every pid is 1
-            default_id = f"{config.role.value}-{socket.gethostname()}-{os.getpid()}"
-            config = dataclasses.replace(config, instance_id=default_id)
+        config = resolve_identity(config, socket.gethostname(), os.getpid())
         self.config = config
         self.instance_id = config.instance_id
         self.ctx = zmq.Context()
@@ -104,9 +102,7 @@ class Worker:
         port = self.peer.bind_to_random_port(addr) if not config.peer_port else config.peer_port
         if config.peer_port:
             self.peer.bind(f"{addr}:{port}")
-        public = config.advertise_host or config.host
-        if public in ("0.0.0.0", "::", ""):
-            public = socket.gethostname()  # a wildcard bind is no address for peers
+        public = config.advertise_host
         self.metrics.watch_tiers(self.tier_stats)
         self.status = StatusServer(
             config.host, config.status_port, self.metrics.registry, self.is_ready, self.stats
@@ -127,6 +123,7 @@ class Worker:
             self._poller.register(ctrl, zmq.POLLIN)
         self._poller.register(self.peer, zmq.POLLIN)
         self._origin: dict[str, zmq.Socket] = {}  # request id -> the router that sent it
+        self._router_links: dict[str, zmq.Socket] = {}  # router id (RegisterAck) -> its link
         self._cache_stored: list[bytes] = []
         self._cache_evicted: list[bytes] = []
         self._peer_links: dict[str, zmq.Socket] = {}
@@ -300,6 +297,8 @@ class Worker:
             self.on_abort(msg.request_id)
         elif isinstance(msg, Drain):
             self.draining = True
+        elif isinstance(msg, Undrain):
+            self.draining = False
         elif isinstance(msg, Shutdown):
             logger.info("%s: shutdown requested (%s)", self.instance_id, msg.reason)
             self.stop()
@@ -309,6 +308,8 @@ class Worker:
             )
 
     def _on_register_ack(self, msg: RegisterAck, link: zmq.Socket) -> None:
+        if msg.router_id:
+            self._router_links[msg.router_id] = link
         if msg.known:
             self.registered = True
         else:
@@ -342,7 +343,15 @@ class Worker:
             )
 
     def on_abort(self, request_id: str) -> None:
+        self._origin.pop(request_id, None)
         self.engine.abort_request(request_id)
+
+    def adopt_origin(self, request_id: str, router_id: str) -> None:
+        """Events of ``request_id`` (handed over by a peer) go to router ``router_id`` only;
+        to every router while that id is unknown."""
+        link = self._router_links.get(router_id)
+        if link is not None:
+            self._origin[request_id] = link
 
     def _step(self) -> None:
         started = time.perf_counter()

@@ -54,6 +54,20 @@ class WorkerConfig:
             )
 
 
+def resolve_identity(config: WorkerConfig, hostname: str, pid: int) -> WorkerConfig:
+    """``config`` with its instance id and advertised address filled in when unset.
+
+    The id defaults to ``ROLE-HOSTNAME-PID`` (the hostname keeps ids unique across
+    containers, where pids repeat); the address to ``host``, or to the hostname when ``host``
+    is a wildcard, which is no address for peers.
+    """
+    instance_id = config.instance_id or f"{config.role.value}-{hostname}-{pid}"
+    public = config.advertise_host or config.host
+    if public in ("0.0.0.0", "::", ""):
+        public = hostname
+    return dataclasses.replace(config, instance_id=instance_id, advertise_host=public)
+
+
 def default_host_id() -> str:
     """Same value for every process on one machine (and one IPC namespace)."""
     for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
@@ -111,6 +125,7 @@ def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
             except (ChainError, FileExistsError) as e:  # no peer, or another process fills it
                 logger.warning("weights from peers failed (%s); using the host pool or disk", e)
     return ParamPool.attach_or_create(config.model, dtype)
+
 
 def pool_weights(pool: ParamPool, device: torch.device) -> Mapping[str, torch.Tensor]:
     """The weights an engine on ``device`` gets from the pool: on CPU the pool's zero-copy
