@@ -455,7 +455,8 @@ def cmd_pool(args: argparse.Namespace) -> int:
             idle = p.idle_s()
             users = ",".join(map(str, p.user_pids)) or "-"
             size, idle_s = f"{p.num_bytes / 2**20:.1f}", "-" if idle is None else f"{idle:.0f}"
-            print(row.format(p.name, p.fingerprint, p.dtype, size, p.state, users, idle_s))
+            fingerprint, dtype = p.fingerprint or "-", p.dtype or "-"  # "": unknown
+            print(row.format(p.name, fingerprint, dtype, size, p.state, users, idle_s))
         return 0
     if args.pool_command in ("serve", "fetch"):
         return _pool_transfer(args)

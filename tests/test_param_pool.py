@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import multiprocessing as mp
 import os
 import re
@@ -414,6 +415,40 @@ def test_gc_frees_unwritten_segments_and_leaves_other_formats(scope):
     with pytest.raises(CorruptPool, match="another format"):
         param_pool.remove(foreign)
     assert param_pool.remove(foreign, force=True)
+    assert _segments(scope) == []
+
+
+def _make_outdated(name: str, version: int = 1) -> None:
+    """Rewrites the format version in a pool's header, as an older kvrelay would have left it."""
+    with (SHM_DIR / name).open("r+b") as f:
+        f.seek(len(param_pool._MAGIC))
+        f.write(version.to_bytes(4, "little"))
+
+
+def test_a_pool_of_another_version_is_replaced_listed_and_collected(tiny_model_dir, scope):
+    """After an upgrade that changes the layout, an old pool must not stop any worker."""
+    with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope) as first:
+        name = first.name
+    _make_outdated(name)
+    [info] = param_pool.list_pools(scope)
+    assert (info.name, info.state, info.user_pids) == (name, "outdated", ())
+    with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope, grace_s=1e9) as pool:
+        assert pool.name == name  # rebuilt in place of the outdated one
+        _assert_bitwise_equal(dict(pool.weights), _reference(tiny_model_dir))
+    assert [p.state for p in param_pool.list_pools(scope)] == ["ready"]
+
+    _make_outdated(name)
+    with (SHM_DIR / name).open("rb") as f:  # a process of the old version still maps it
+        held = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        [info] = param_pool.list_pools(scope)
+        assert info.state == "outdated" and os.getpid() in info.user_pids
+        assert param_pool.gc(grace_s=0, scope=scope) == []
+        with pytest.raises(PoolBusy, match=str(os.getpid())):
+            param_pool.remove(name)
+    finally:
+        held.close()
+    assert param_pool.gc(grace_s=300, scope=scope) == [name]  # unmapped: freed, no grace
     assert _segments(scope) == []
 
 

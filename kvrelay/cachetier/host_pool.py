@@ -84,6 +84,7 @@ from kvrelay.cachetier.base import (
     pack_header,
 )
 from kvrelay.cachetier.block_hash import HASH_BYTES, BlockHash
+from kvrelay.cachetier.segments import segment_mappers
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def list_host_pools() -> list[HostPoolInfo]:
     A pool is recognised by its magic, whatever its name; ``pids`` come from
     ``/proc/*/maps`` (processes of other users may be invisible without privileges).
     """
-    mappers = _segment_mappers()
+    mappers = segment_mappers()
     out = []
     for path in sorted(SHM_DIR.iterdir()):
         if path.suffix == ".lock" or not path.is_file() or not _NAME.fullmatch(path.name):
@@ -217,7 +218,7 @@ def remove_host_pool(name: str, force: bool = False) -> bool:
         PoolInUse: (unless ``force``) processes map it; their pids are in the message.
     """
     _check_name(name)
-    pids = _segment_mappers().get(name, ())
+    pids = segment_mappers().get(name, ())
     if pids and not force:
         pid_list = ", ".join(map(str, pids))
         raise PoolInUse(f"pool {name} is mapped by live processes {pid_list} (--force frees it)")
@@ -246,25 +247,6 @@ def _describe(path: Path, pids: tuple[int, ...]) -> HostPoolInfo | None:
         return HostPoolInfo(path.name, size, fmt, geo.num_slots, valid, pids)
     finally:
         os.close(fd)
-
-
-def _segment_mappers() -> dict[str, tuple[int, ...]]:
-    """``{segment name: pids}`` of the live processes that map a file of ``/dev/shm``."""
-    found: dict[str, set[int]] = {}
-    prefix = f"{SHM_DIR}/"
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            maps = (proc / "maps").read_text()
-        except OSError:  # exited, or another user's
-            continue
-        for line in maps.splitlines():
-            at = line.find(prefix)
-            if at >= 0:
-                name = line[at + len(prefix) :].removesuffix(" (deleted)")
-                found.setdefault(name, set()).add(int(proc.name))
-    return {name: tuple(sorted(pids)) for name, pids in found.items()}
 
 
 class HostPool(KvTier):

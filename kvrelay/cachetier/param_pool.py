@@ -72,6 +72,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgpack
 import xxhash
 
+from kvrelay.cachetier.segments import segment_mappers
+
 if TYPE_CHECKING:
     import torch
 
@@ -86,7 +88,7 @@ MAX_USERS = 256
 TENSOR_ALIGN = 64
 
 EMPTY, BUILDING, READY = 0, 1, 2
-PoolState = Literal["building", "ready", "stale"]
+PoolState = Literal["building", "ready", "stale", "outdated"]  # outdated: another version's
 ITEM_SIZES = {
     "float32": 4, "float16": 2, "bfloat16": 2, "float64": 8,
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
@@ -114,6 +116,18 @@ class PoolBusy(RuntimeError):
 
 class CorruptPool(ValueError):
     """A manifest, header or chunk that fails its checks."""
+
+
+class OutdatedPool(CorruptPool):
+    """A pool written by another version of this format (say, before a weight-layout change).
+
+    Never attached. ``attach_or_create`` replaces it (processes that map it keep their
+    mapping); ``gc`` and ``remove`` free it once no live process maps it.
+    """
+
+    def __init__(self, version: int) -> None:
+        super().__init__(f"pool of format version {version}, this is version {_VERSION}")
+        self.version = version
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -258,7 +272,9 @@ class _Header:
         if len(raw) < _FIXED.size or raw[: len(_MAGIC)] == bytes(len(_MAGIC)):
             return None
         magic, version, state, fp, dtype, *rest = _FIXED.unpack(raw)
-        if magic != _MAGIC or version != _VERSION:
+        if magic == _MAGIC and version != _VERSION:
+            raise OutdatedPool(version)
+        if magic != _MAGIC:
             raise CorruptPool(f"segment of another format: {magic!r} version {version}")
         return cls(state, fp, dtype.rstrip(b"\0").decode(), *rest)
 
@@ -526,7 +542,11 @@ class ParamPool:
         user = None
         try:
             with locks.held(_table_pos(name)):
-                header = _Header.read(fd)
+                try:
+                    header = _Header.read(fd)
+                except OutdatedPool as exc:
+                    logger.warning("pool %s: %s; replacing it", name, exc)
+                    header = None
                 if header is None or header.state != READY or not _is_linked(fd, name):
                     os.close(fd)
                     return None
@@ -611,6 +631,10 @@ def list_pools(scope: str = "") -> list[PoolInfo]:
                     header = _Header.read(fd)
                     users = _live_users(fd, name, locks, prune=False)
                 size = os.fstat(fd).st_size
+            except OutdatedPool:
+                pids = segment_mappers().get(name, ())
+                out.append(PoolInfo(name, "", "", os.fstat(fd).st_size, "outdated", pids, 0.0))
+                continue
             except CorruptPool as exc:
                 logger.warning("skipping %s: %s", name, exc)
                 continue
@@ -667,6 +691,8 @@ def remove(name: str, force: bool = False) -> bool:
                 try:
                     header = _Header.read(fd)  # another format's: CorruptPool unless forced
                     users = _live_users(fd, name, locks, prune=True)
+                except OutdatedPool:  # its user table is not ours to read: ask the kernel
+                    header, users = None, list(segment_mappers().get(name, ()))
                 except CorruptPool:
                     if not force:
                         raise
@@ -742,6 +768,8 @@ def _is_collectable(name: str, grace_s: float, now: float, locks: _LockFile) -> 
             return True
         users = _live_users(fd, name, locks, prune=True)
         last_used = _LAST_USED.unpack(os.pread(fd, _LAST_USED.size, _LAST_USED_POS))[0]
+    except OutdatedPool:
+        return not segment_mappers().get(name)  # no process of any version maps it
     except CorruptPool:
         return False  # another format's segment: not ours to judge
     finally:
