@@ -13,7 +13,13 @@ import pytest
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.cachetier.block_hash import hash_blocks
-from tests.cluster_harness import metric_value, read_text, running_cluster, worker_stats
+from tests.cluster_harness import (
+    metric_value,
+    read_text,
+    running_cluster,
+    wait_idle,
+    worker_stats,
+)
 from tests.redis_server import redis_server  # noqa: F401 - fixture
 
 BS = 16
@@ -103,6 +109,67 @@ def test_host_pool_hit_on_another_instance(tiny_model_dir, tmp_path, prompts):
         metrics = read_text(inst[other]["status_url"] + "/metrics")
         hits = metric_value(metrics, "kvrelay_prefix_cache_hits_total", tier="host")
         assert hits == _full_blocks(ids)
+
+
+def _undrain(launcher, instance_id: str) -> None:
+    import urllib.request
+
+    req = urllib.request.Request(
+        launcher.url + f"/admin/instances/{instance_id}/undrain", method="POST"
+    )
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        assert resp.status == 200
+
+
+def _instance(launcher, instance_id: str) -> dict:
+    data = launcher.get_json("/admin/instances")["data"]
+    return next(d for d in data if d["instance_id"] == instance_id)
+
+
+def test_placement_follows_the_prefix_into_the_host_pool(tiny_model_dir, tmp_path, prompts):
+    """Host A computes a prompt; small device pools then force it out of A's device cache,
+    but it stays in A's L1. The same prompt then goes to A (not to idle B, which a tie on
+    load would pick: B registered first) and is read from A's L1, with the same output."""
+    text, ids, expected = prompts[0]
+    num_blocks = 24  # the prompt and its reply take 15; the filler prompts push it out
+    cluster_id = f"tp{time.monotonic_ns()}"  # both pools under it: swept and leak-checked
+    host_b = ("--host-id", "hostB", "--host-pool", f"kvrelay-{cluster_id}-hostB")
+    host_a = ("--host-id", "hostA", "--host-pool", f"kvrelay-{cluster_id}-hostA")
+    with running_cluster(
+        tiny_model_dir,
+        tmp_path,
+        cluster_id=cluster_id,
+        worker_args=("--num-blocks", str(num_blocks), "--threads", "1", *host_b),
+    ) as launcher:
+        added = [launcher.add_worker(role, host_a) for role in ("prefill", "decode")]
+        launcher.wait_ready(names=added)
+        a, b = added[0], "prefill-0"
+        for instance_id in (b, "decode-0"):  # warm-up on host A alone
+            _drain(launcher, instance_id)
+        assert _complete(launcher, text).choices[0].text == expected
+        for i in range(4):  # 4 x 10 blocks through A's 24: the prompt's blocks are evicted
+            filler = f"Filler {i}: " + "the quick brown fox jumps over the lazy dog. " * 6
+            _complete(launcher, filler)
+        wait_idle(launcher)
+        time.sleep(1.0)  # heartbeats carry A's device evictions and L1 writes to the router
+        index = launcher.get_json("/admin/cache/stats")["placement_index"]
+        assert index["host"]["hosts"]["hostA"] >= len(ids) // BS
+        assert "hostB" not in index["host"]["hosts"]  # decode-0 was drained: B wrote nothing
+        _undrain(launcher, b)
+        _wait_for(lambda: not _instance(launcher, b)["draining"])  # its report says so too
+
+        second = _complete(launcher, text)
+        assert second.choices[0].text == expected
+        assert _by_tier(second) == {"device": 0, "host": _full_blocks(ids)}
+        stats = worker_stats(launcher)
+        assert stats[a]["tiers"]["host"]["hit_tokens"] == _full_blocks(ids)
+        assert stats[b]["tiers"]["device"]["query_tokens"] == 0  # B never got a request
+        metrics = read_text(launcher.url + "/metrics")
+        hits = "kvrelay_placement_prefix_hits_total"
+        assert metric_value(metrics, hits, tier="host") == 1
+        assert metric_value(metrics, hits, tier="device") == 0
+        blocks = metric_value(metrics, "kvrelay_placement_prefix_blocks_total", tier="host")
+        assert blocks == len(ids) // BS
 
 
 def test_redis_hit_from_a_cold_host(tiny_model_dir, tmp_path, prompts, redis_server):  # noqa: F811

@@ -135,6 +135,46 @@ def test_lru_evicts_the_least_recently_used_way_of_the_set(pool_name: str) -> No
         assert pool.check_integrity() == 1 + NUM_WAYS
 
 
+def test_change_log_names_what_this_writer_stored_and_evicted(pool_name: str) -> None:
+    """The placement feed: each put's new key and its victim, the later change of a key
+    winning; another writer's changes are its own to report; off unless asked for."""
+    with (
+        HostPool.open(pool_name, FOUR_SETS, FMT, record_changes=True) as pool,
+        HostPool.open(pool_name, FOUR_SETS, FMT, record_changes=True) as other,
+        HostPool.open(pool_name, FOUR_SETS, FMT) as silent,
+    ):
+        keys = keys_in_set(pool, 1, NUM_WAYS + 2)
+
+        def changes(writer: HostPool, stored: list[int], evicted: list[int]) -> None:
+            taken = writer.take_changes()
+            assert taken is not None
+            got = (
+                {keys.index(BlockHash(k)) for k in taken.stored},
+                {keys.index(BlockHash(k)) for k in taken.evicted},
+            )
+            assert got == (set(stored), set(evicted))
+
+        changes(pool, [], [])
+        pool.put(items(keys[:NUM_WAYS]))
+        pool.put(items(keys[6:NUM_WAYS]))  # present: no change (a use: k6, k7 most recent)
+        changes(pool, list(range(NUM_WAYS)), [])
+        changes(pool, [], [])  # taken: forgotten
+
+        other.put(items(keys[8:9]))  # evicts k0, the least recent
+        changes(other, [8], [0])
+        changes(pool, [], [])  # not this writer's change
+
+        pool.put(items(keys[:1]))  # k0 back (evicts k1), then k9 evicts k2
+        pool.put(items(keys[9:]))
+        changes(pool, [0, 9], [1, 2])
+        pool.put(items([keys[1]]))  # k1 back, evicting k3; then k3 back, evicting k4
+        pool.put(items([keys[3]]))
+        changes(pool, [1, 3], [4])  # k3's later change wins
+        silent.put(items(keys[4:5]))
+        assert silent.take_changes() is None
+        assert present(pool, keys) == [True, True, False, True, True, False] + [True] * 4
+
+
 def test_capacity_is_respected(pool_name: str) -> None:
     with pytest.raises(ValueError, match="holds no set"):
         HostPool.open(pool_name, NUM_WAYS * SLOT - 1, FMT)

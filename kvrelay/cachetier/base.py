@@ -27,7 +27,7 @@ import dataclasses
 import struct
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import xxhash
@@ -168,6 +168,15 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
 
 
+class TierChanges(NamedTuple):
+    """Keys one process wrote into and evicted from a tier since it last asked (the feed of
+    the router's placement index). A key in neither list is unchanged as far as this
+    process knows; one key is never in both (the later of its changes wins)."""
+
+    stored: list[bytes]
+    evicted: list[bytes]
+
+
 class KvTier(abc.ABC):
     """A store of whole KV blocks keyed by block hash, shared beyond one instance.
 
@@ -204,6 +213,15 @@ class KvTier(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Releases the tier's resources in this process (never the shared data)."""
+
+    def take_changes(self) -> TierChanges | None:
+        """What this process stored and evicted since the last call, then forgets it.
+
+        None: the tier does not report its contents (the default; Redis is global, so it
+        tells placement nothing). A reporting tier says only what *this* process did;
+        another writer reports its own changes.
+        """
+        return None
 
 
 def key_bytes(key: BlockHash) -> bytes:

@@ -45,6 +45,16 @@ between readers can lose a step (ties) — an approximation that never breaks co
 Victims: a way holding the key's bytes but not VALID, else the first EMPTY or dead WRITING
 way, else the smallest tick (the first on ties).
 
+Change log (``record_changes``, the placement feed): a writer knows at ``put`` time which
+key it wrote and, when it took an occupied way, which key it evicted; it notes both in a
+per-process dict (key -> stored or evicted, the later change wins) while it holds the set
+lock anyway, and ``take_changes`` hands them over. The cost is one dict entry per newly
+written key, plus reading the victim's 16-byte key when a way is evicted; a put of a present
+key notes nothing, and a pool opened without the flag does no more than before. Each
+writer reports only its own changes; the log is capped at ``_MAX_CHANGES`` keys between two
+``take_changes`` (beyond it changes are not noted): the router's index of this pool is a
+hint, and a stale entry costs a miss there, never a wrong block.
+
 Lifetime: the segment is never registered with Python's resource tracker; it outlives every
 process until an operator frees it (``kvrelay cache rm``: ``remove_host_pool``, which refuses
 while a live process maps it; ``unlink_pool`` unconditionally). Every opener
@@ -79,6 +89,7 @@ from kvrelay.cachetier.base import (
     BlockFormat,
     CorruptBlock,
     KvTier,
+    TierChanges,
     TierStats,
     check_value,
     pack_header,
@@ -107,6 +118,7 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
 _SCOPE = re.compile(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*")
 _STATE_MASK, _EMPTY, _WRITING, _VALID = 3, 0, 1, 2
 _PRESENT, _FREE, _EVICT = 0, 1, 2  # what _claim found
+_MAX_CHANGES = 1 << 16  # keys noted between two take_changes (the worker takes every 0.2 s)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -261,7 +273,13 @@ class HostPool(KvTier):
     name = "host"
 
     def __init__(
-        self, pool_name: str, geo: _Geometry, mapping: mmap.mmap, lock_fd: int, timeout_s: float
+        self,
+        pool_name: str,
+        geo: _Geometry,
+        mapping: mmap.mmap,
+        lock_fd: int,
+        timeout_s: float,
+        record_changes: bool = False,
     ) -> None:
         """Use ``open``."""
         self.pool_name = pool_name
@@ -276,6 +294,8 @@ class HostPool(KvTier):
         self._payload_bytes = geo.fmt.payload_bytes
         self._value_bytes = geo.fmt.value_bytes
         self._is_closed = False
+        # key -> True (stored) / False (evicted) by this process; None: not recorded
+        self._changes: dict[bytes, bool] | None = {} if record_changes else None
         n = geo.num_slots
         self._seq = np.frombuffer(mapping, np.uint64, n, geo.seq_off)
         self._tick = np.frombuffer(mapping, np.uint64, n, geo.tick_off)
@@ -291,8 +311,12 @@ class HostPool(KvTier):
         fmt: BlockFormat,
         create: bool = True,
         lock_timeout_s: float = 0.1,
+        record_changes: bool = False,
     ) -> HostPool:
         """Attaches to the pool ``name``, creating it first if absent and ``create``.
+
+        ``record_changes``: note the keys this process stores and evicts for
+        ``take_changes`` (a worker does, for the router's placement index).
 
         Raises:
             ValueError: the pool exists with another format or capacity, or does not fit.
@@ -313,7 +337,7 @@ class HostPool(KvTier):
         except BaseException:
             os.close(lock_fd)
             raise
-        return cls(name, geo, mapping, lock_fd, lock_timeout_s)
+        return cls(name, geo, mapping, lock_fd, lock_timeout_s, record_changes)
 
     def set_index(self, key: BlockHash | bytes) -> int:
         """The set ``key`` lives in."""
@@ -369,6 +393,8 @@ class HostPool(KvTier):
                 if found == _PRESENT:
                     self._touch(i, s)
                     continue
+                if self._changes is not None:
+                    self._note(self._key_at(i) if found == _EVICT else None, kb)
                 self._begin_write(i, kb)
                 self._fill(i, header, payload)
                 self._end_write(i, s)
@@ -383,6 +409,16 @@ class HostPool(KvTier):
             dropped_puts=num_dropped,
         )
         return num_new
+
+    def take_changes(self) -> TierChanges | None:
+        """The keys this process stored and evicted since the last call (see the module
+        docstring); None unless opened with ``record_changes``."""
+        if self._changes is None:
+            return None
+        with self._thread_lock:  # put notes changes under it
+            changes, self._changes = self._changes, {}
+        stored = [key for key, is_stored in changes.items() if is_stored]
+        return TierChanges(stored, [key for key, is_stored in changes.items() if not is_stored])
 
     def stats(self) -> dict[str, Any]:
         self._check_open()
@@ -477,6 +513,8 @@ class HostPool(KvTier):
                 check_value(self.fmt, BlockHash(key), self._data[i, : self._value_bytes])
             except CorruptBlock:
                 self._seq[i] = ((seq >> 2) + 1) << 2 | _EMPTY
+                if self._changes is not None:
+                    self._note(key, None)
                 self._stats.add(errors=1)
                 logger.warning("pool %s: corrupt block %s: %s", self.pool_name, key.hex(), exc)
         finally:
@@ -528,6 +566,16 @@ class HostPool(KvTier):
         return len(keys)
 
     # -- writes (caller holds the set lock) ----------------------------------------------------
+
+    def _note(self, evicted: bytes | None, stored: bytes | None) -> None:
+        changes = self._changes
+        assert changes is not None
+        if len(changes) >= _MAX_CHANGES:
+            return
+        if evicted is not None:
+            changes[evicted] = False
+        if stored is not None:
+            changes[stored] = True
 
     def _begin_write(self, i: int, key: bytes) -> None:
         self._seq[i] = ((int(self._seq[i]) >> 2) + 1) << 2 | _WRITING

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvrelay.cachetier.base import KvTier
+from kvrelay.cachetier.base import KvTier, TierChanges
 from kvrelay.cachetier.block_hash import BlockHash
 
 
@@ -53,6 +53,16 @@ class TieredCache:
         if items:
             for tier in self.tiers:
                 tier.put(items)
+
+    def take_changes(self) -> dict[str, TierChanges]:
+        """Per reporting tier, what this process stored and evicted since the last call
+        (tiers that report nothing, or had no change, are left out)."""
+        out = {}
+        for tier in self.tiers:
+            changes = tier.take_changes()
+            if changes is not None and (changes.stored or changes.evicted):
+                out[tier.name] = changes
+        return out
 
     def stats(self) -> dict[str, Any]:
         return {tier.name: tier.stats() for tier in self.tiers}

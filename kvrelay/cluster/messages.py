@@ -30,13 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgpack
 
 from kvrelay.engine.sampling_params import SamplingParams
 
 _EXT_CODE = 1
+
+CacheTier = Literal["device", "host"]  # the tiers whose contents placement tracks
 
 
 class Role(str, enum.Enum):
@@ -109,12 +111,23 @@ class LoadReport:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CacheEvent:
-    """Device-cache changes of one instance: the full set once (``reset``), deltas after."""
+    """Cache changes one instance made, in one tier (the feed of the router's prefix index).
+
+    ``tier="device"``: the instance's own KV pool; the full set once on registration
+    (``reset``), deltas after. ``tier="host"``: the L1 pool of host ``host_id``, shared by
+    every instance there; deltas only (the keys this instance wrote and the ones its writes
+    evicted; another writer reports its own), never a full set: an L1 pool can hold 256 MiB
+    and more, so a router learns a host's L1 from the events after it started. Both are
+    hints: an index that is briefly stale costs a cache miss, never a wrong block. A message
+    from an older worker lacks the last two fields and decodes as a device event.
+    """
 
     instance_id: str
     stored: list[bytes]  # block hashes newly cached
     evicted: list[bytes]  # block hashes dropped
     reset: bool = False  # ``stored`` is the whole cache; forget what was known before
+    tier: CacheTier = "device"
+    host_id: str = ""  # tier "host": the host whose L1 pool changed (PeerInfo.host_id)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

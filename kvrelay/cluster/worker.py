@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import zmq
@@ -31,6 +31,7 @@ from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.cluster.messages import (
     Abort,
     CacheEvent,
+    CacheTier,
     Drain,
     GenerateRequest,
     KvLayout,
@@ -371,11 +372,24 @@ class Worker:
         if now - self._last_report >= self.config.heartbeat_interval:
             self._last_report = now
             self._snapshot = self.load_report()  # the heartbeat thread sends it
-            if self._cache_stored or self._cache_evicted:
-                event = CacheEvent(self.instance_id, self._cache_stored, self._cache_evicted)
-                self._send_ctrl(event)
-                self._cache_stored, self._cache_evicted = [], []
+            self._send_cache_events()
             self.metrics.update_load(self.engine)
+
+    def _send_cache_events(self) -> None:
+        """The device cache's changes since the last heartbeat, then the host pool's
+        (the L1 keys this instance wrote or evicted, tagged with this host's id)."""
+        if self._cache_stored or self._cache_evicted:
+            event = CacheEvent(self.instance_id, self._cache_stored, self._cache_evicted)
+            self._send_ctrl(event)
+            self._cache_stored, self._cache_evicted = [], []
+        if self.tiers is None:
+            return
+        host_id = self.info.host_id
+        for name, changes in self.tiers.take_changes().items():
+            tier = cast("CacheTier", name)  # only per-host tiers report (KvTier.take_changes)
+            stored, evicted = changes
+            event = CacheEvent(self.instance_id, stored, evicted, tier=tier, host_id=host_id)
+            self._send_ctrl(event)
 
     def has_role_work(self) -> bool:
         return False

@@ -94,7 +94,7 @@ def create_tiers(config: WorkerConfig, engine_config: EngineConfig) -> TieredCac
         name = config.host_pool
         if name == "auto":
             name = default_pool_name(fmt, model_fingerprint(config.model))
-        tiers.append(HostPool.open(name, config.host_pool_bytes, fmt))
+        tiers.append(HostPool.open(name, config.host_pool_bytes, fmt, record_changes=True))
     if config.redis_url:
         from kvrelay.cachetier.redis_tier import RedisTier
 

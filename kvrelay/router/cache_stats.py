@@ -6,7 +6,13 @@ Shape (documented in the README)::
      "tiers": {"device": {...}, "host": {..., "pools": [...]}, "redis": {...}},
      "instances": {"<id>": {"role": ..., "tiers": {"device": {...}, ...}}},
      "unreachable": ["<id>", ...],
-     "param_pool": null}
+     "param_pool": null,
+     "placement_index": {"device": {"num_blocks": N, "instances": {"<id>": n}},
+                         "host": {"num_blocks": N, "hosts": {"<host id>": n}}}}
+
+``placement_index`` is the router's own view (``prefix_index.CacheIndex``): the blocks it
+believes each instance's device cache and each host's L1 pool hold, from the workers'
+cache events; ``num_blocks`` sums the holders.
 
 Counters (queries, hits, bytes, evictions, errors) are summed over instances; capacity and
 use are summed per distinct pool (a host pool is shared by the instances of one host, so it
@@ -102,8 +108,13 @@ def _worst(total: dict[str, Any], figures: dict[str, Any], names: Iterable[str])
 
 
 def build_report(
-    per_instance: dict[str, Any], unreachable: list[str], host_ids: dict[str, str]
+    per_instance: dict[str, Any],
+    unreachable: list[str],
+    host_ids: dict[str, str],
+    index_sizes: dict[str, dict[str, int]] | None = None,
 ) -> dict[str, Any]:
+    sizes = index_sizes or {}
+    device, host = sizes.get("device", {}), sizes.get("host", {})
     return {
         "object": "cache_stats",
         "tiers": aggregate(per_instance, host_ids),
@@ -113,4 +124,8 @@ def build_report(
         },
         "unreachable": unreachable,
         "param_pool": None,
+        "placement_index": {
+            "device": {"num_blocks": sum(device.values()), "instances": device},
+            "host": {"num_blocks": sum(host.values()), "hosts": host},
+        },
     }

@@ -55,7 +55,7 @@ from kvrelay.router.backend import (
     Unavailable,
 )
 from kvrelay.router.metrics import RouterMetrics
-from kvrelay.router.prefix_index import PrefixIndex
+from kvrelay.router.prefix_index import CacheIndex, PrefixMatch
 from kvrelay.router.registry import Instance, Placement, Registry
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class ClusterBackend(Backend):
         self.settings = settings
         self.router_id = f"router-{uuid.uuid4().hex[:12]}"  # what requests carry as origin
         self.registry = Registry(settings.dead_after, settings.cache_weight)
-        self.prefix_index = PrefixIndex()
+        self.cache_index = CacheIndex()
         self.metrics = metrics or RouterMetrics()
         self.metrics.watch_registry(self.registry)
         self._ctx = zmq.asyncio.Context()
@@ -170,7 +170,7 @@ class ClusterBackend(Backend):
             raise Overloaded("too many requests in flight", self.settings.retry_after)
         if request.request_id in self._tracked:
             raise GenerationFailed(f"duplicate request id {request.request_id}")
-        placement = self.registry.place(matched=self._matched(request.prompt_token_ids))
+        placement = self._place(request.prompt_token_ids)
         if placement is None:
             raise Unavailable("no worker instance is ready", self.settings.retry_after)
         tr = _Tracked(
@@ -198,14 +198,24 @@ class ClusterBackend(Backend):
             self._tracked.pop(request.request_id, None)
             self.metrics.inflight.dec()
 
-    def _matched(self, token_ids: list[int]) -> dict[str, int]:
-        """Per instance, leading prompt blocks in its device cache (cache-aware placement)."""
+    def _place(self, token_ids: list[int]) -> Placement | None:
+        """Cache-aware placement; counts the chosen prefill instance's expected hits."""
+        matched = self._matched(token_ids)
+        placement = self.registry.place(matched=matched)
+        if placement is not None:
+            match = matched.get(placement.prefill.instance_id)
+            if match is not None:
+                self.metrics.observe_placement(match.device_blocks, match.host_blocks)
+        return placement
+
+    def _matched(self, token_ids: list[int]) -> dict[str, PrefixMatch]:
+        """Per instance, the prompt blocks in its device cache and its host's L1 pool."""
         instances = self.registry.instances()
         if not instances:
             return {}
         info = instances[0].info
         keys: list[BlockHash] = hash_blocks(token_ids, info.layout.block_size, info.fingerprint)
-        return self.prefix_index.matched_blocks(keys)
+        return self.cache_index.match(keys)
 
     def _submit(self, tr: _Tracked, placement: Placement) -> None:
         tr.placement = placement
@@ -294,10 +304,10 @@ class ClusterBackend(Backend):
                     self._reply(identity, ack)
             elif isinstance(msg, CacheEvent):
                 if self.registry.get(msg.instance_id) is not None:
-                    self.prefix_index.apply(msg)
+                    self.cache_index.apply(msg)
             elif isinstance(msg, Register):
                 inst = self.registry.register(msg)
-                self.prefix_index.remove_instance(inst.instance_id)
+                self.cache_index.add_instance(inst.instance_id, inst.info.host_id)
                 ack = RegisterAck(inst.instance_id, known=True, router_id=self.router_id)
                 self._reply(identity, ack)
                 logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
@@ -391,7 +401,7 @@ class ClusterBackend(Backend):
             if not dead:
                 continue
             for instance_id in dead:
-                self.prefix_index.remove_instance(instance_id)
+                self.cache_index.remove_instance(instance_id)
             logger.warning("instances gone silent: %s", ", ".join(sorted(dead)))
             for tr in list(self._tracked.values()):
                 if not tr.done and tr.watch & dead:
@@ -403,7 +413,7 @@ class ClusterBackend(Backend):
             if inst is not None:
                 self._send(inst, Abort(tr.request.request_id))
         tr.early.clear()
-        placement = self.registry.place(matched=self._matched(tr.request.prompt_token_ids))
+        placement = self._place(tr.request.prompt_token_ids)
         if placement is None or tr.num_retries >= self.settings.max_retries:
             tr.done = True
             why = "no worker instance left" if placement is None else "too many retries"

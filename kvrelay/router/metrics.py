@@ -54,10 +54,32 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.placement_hits = Counter(
+            "kvrelay_placement_prefix_hits",
+            "Requests placed on a prefill instance expected to hold a prefix of the prompt, "
+            "by tier (device: its own cache; host: its host's L1 pool, after the device part)",
+            ["tier"],
+            registry=r,
+        )
+        self.placement_blocks = Counter(
+            "kvrelay_placement_prefix_blocks",
+            "Prompt blocks the chosen prefill instance was expected to hold, by tier",
+            ["tier"],
+            registry=r,
+        )
+        for tier in ("device", "host"):  # exported at 0 before the first hit
+            self.placement_hits.labels(tier)
+            self.placement_blocks.labels(tier)
 
     def watch_registry(self, registry: Registry) -> None:
         """Exports every instance's last load report (labels: instance, role)."""
         self.registry.register(_LoadCollector(registry))
+
+    def observe_placement(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        for tier, num_blocks in (("device", num_device_blocks), ("host", num_host_blocks)):
+            if num_blocks:
+                self.placement_hits.labels(tier).inc()
+                self.placement_blocks.labels(tier).inc(num_blocks)
 
     def observe_finish(self, started: float, reason: str) -> None:
         self.e2e.observe(time.monotonic() - started)

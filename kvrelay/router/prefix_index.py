@@ -1,49 +1,91 @@
-"""Which instance holds which prefix blocks in its device cache (for cache-aware placement).
+"""Which prefix blocks sit where, per cache tier (for cache-aware placement).
 
-Fed by ``CacheEvent``s (a full set on registration, deltas after). The router hashes each
-request's prompt the same way the workers do (chained block hash over the model
-fingerprint) and asks how many leading blocks each instance holds.
+Fed by ``CacheEvent``s. Two tiers are tracked, each a ``PrefixIndex`` of holders:
+
+    tier     holder         events                                      on a fresh router
+    device   instance id    full set on registration, deltas after      complete at once
+    host     host id        deltas from every writer on that host       empty; fills from
+             (its L1 pool)  (stored / evicted by that writer's puts)     the events after start
+
+The router hashes each request's prompt the same way the workers do (chained block hash over
+the model fingerprint). A candidate's match is its leading device blocks, then the blocks
+right after them in its host's L1 pool: what its engine would copy in at admission
+(``engine/offload.py``) instead of computing. Redis (L2) is global, the same for every
+candidate, so it is not tracked.
+
+Both tiers are hints. The L1 pool is a best-effort, set-associative LRU shared by every
+instance of a host; each writer reports its own stores and evictions a heartbeat late, and
+a router that started after a block was written never hears of it. A stale entry costs a
+miss (the engine computes what it did not find), never a wrong block. A host's L1 index is
+dropped with the last instance of that host the router knows.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvrelay.cachetier.block_hash import BlockHash
 from kvrelay.cluster.messages import CacheEvent
 
+logger = logging.getLogger(__name__)
+
+# Placement credit of one matched block, per tier, in device blocks (a device block is
+# worth ``cache_weight`` queued requests). A device hit costs nothing. An L1 hit costs a
+# copy out of shared memory and a checksum: small next to computing the block (reading a
+# 1,501-token prefix from Redis, network included, took a tenth of computing it; see
+# BENCHMARKS.md), so it saves nearly as much. But the L1 index is the staler one (another
+# writer's evictions arrive a heartbeat late; a router never hears of blocks written before
+# it started), so its blocks count half: a device hit beats an L1 hit of the same length,
+# and an L1 run more than twice as long as a device run beats it.
+TIER_WEIGHTS = {"device": 1.0, "host": 0.5}
+
+
+class PrefixMatch(NamedTuple):
+    """Blocks of one prompt a candidate instance would not compute."""
+
+    device_blocks: int  # leading blocks in its own device cache
+    host_blocks: int  # the blocks right after those, in its host's L1 pool
+
+    @property
+    def credit(self) -> float:
+        """Placement credit, in device blocks (``TIER_WEIGHTS``)."""
+        return TIER_WEIGHTS["device"] * self.device_blocks + TIER_WEIGHTS["host"] * self.host_blocks
+
 
 class PrefixIndex:
+    """Block hash -> holders and back, for one tier (holders: instance or host ids)."""
+
     def __init__(self) -> None:
         self._holders: dict[bytes, set[str]] = {}
         self._blocks: dict[str, set[bytes]] = {}
 
-    def apply(self, event: CacheEvent) -> None:
+    def apply(self, holder: str, event: CacheEvent) -> None:
         if event.reset:
-            self.remove_instance(event.instance_id)
-        held = self._blocks.setdefault(event.instance_id, set())
+            self.remove(holder)
+        held = self._blocks.setdefault(holder, set())
         for key in event.evicted:
             if key in held:
                 held.discard(key)
-                holders = self._holders.get(key)
-                if holders is not None:
-                    holders.discard(event.instance_id)
-                    if not holders:
-                        del self._holders[key]
+                self._drop_holder(key, holder)
         for key in event.stored:
             held.add(key)
-            self._holders.setdefault(key, set()).add(event.instance_id)
+            self._holders.setdefault(key, set()).add(holder)
 
-    def remove_instance(self, instance_id: str) -> None:
-        for key in self._blocks.pop(instance_id, set()):
-            holders = self._holders.get(key)
-            if holders is not None:
-                holders.discard(instance_id)
-                if not holders:
-                    del self._holders[key]
+    def remove(self, holder: str) -> None:
+        for key in self._blocks.pop(holder, set()):
+            self._drop_holder(key, holder)
+
+    def _drop_holder(self, key: bytes, holder: str) -> None:
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(holder)
+            if not holders:
+                del self._holders[key]
 
     def matched_blocks(self, keys: Sequence[BlockHash]) -> dict[str, int]:
-        """Per instance, how many leading ``keys`` it holds (instances holding none omitted)."""
+        """Per holder, how many leading ``keys`` it holds (holders of none omitted)."""
         matched: dict[str, int] = {}
         alive: set[str] | None = None
         for i, key in enumerate(keys):
@@ -53,9 +95,92 @@ class PrefixIndex:
             alive = set(holders) if alive is None else alive & holders
             if not alive:
                 break
-            for instance_id in alive:
-                matched[instance_id] = i + 1
+            for holder in alive:
+                matched[holder] = i + 1
         return matched
 
-    def num_blocks(self, instance_id: str) -> int:
-        return len(self._blocks.get(instance_id, ()))
+    def num_held_from(self, holder: str, keys: Sequence[BlockHash], start: int) -> int:
+        """How many of ``keys[start:]``, in a row from the first, ``holder`` holds."""
+        held = self._blocks.get(holder)
+        if not held:
+            return 0
+        count = 0
+        for key in keys[start:]:
+            if bytes(key) not in held:
+                break
+            count += 1
+        return count
+
+    def num_blocks(self, holder: str) -> int:
+        return len(self._blocks.get(holder, ()))
+
+    def sizes(self) -> dict[str, int]:
+        """Blocks known per holder."""
+        return {holder: len(blocks) for holder, blocks in self._blocks.items()}
+
+
+class CacheIndex:
+    """The router's view of the device and host (L1) tiers; owns both ``PrefixIndex``es
+    and which instance lives on which host (from ``Register``)."""
+
+    def __init__(self) -> None:
+        self.device = PrefixIndex()  # holders: instance ids
+        self.host = PrefixIndex()  # holders: host ids
+        self._host_of: dict[str, str] = {}  # instance id -> host id
+
+    def add_instance(self, instance_id: str, host_id: str) -> None:
+        """A (re)registered instance: its device index is rebuilt from its full-set event;
+        its host's L1 index is kept (the pool outlives instances)."""
+        self.device.remove(instance_id)
+        old = self._host_of.get(instance_id)
+        self._host_of[instance_id] = host_id
+        if old is not None and old != host_id:
+            self._forget_host_if_unused(old)
+
+    def remove_instance(self, instance_id: str) -> None:
+        """Forgets the instance's device blocks, and its host's L1 blocks when it was the
+        last instance of that host (no writer is left to report the pool's evictions)."""
+        self.device.remove(instance_id)
+        host_id = self._host_of.pop(instance_id, None)
+        if host_id is not None:
+            self._forget_host_if_unused(host_id)
+
+    def _forget_host_if_unused(self, host_id: str) -> None:
+        if host_id not in self._host_of.values():
+            self.host.remove(host_id)
+
+    def apply(self, event: CacheEvent) -> bool:
+        """Applies an event of a known instance; False (ignored) for an unknown instance,
+        an unknown tier, or a host event naming another host than the instance's."""
+        host_id = self._host_of.get(event.instance_id)
+        if host_id is None:
+            return False
+        if event.tier == "device":
+            self.device.apply(event.instance_id, event)
+            return True
+        if event.tier == "host" and event.host_id in ("", host_id):
+            self.host.apply(host_id, event)
+            return True
+        logger.warning(
+            "ignoring a %r cache event of %s for host %r (registered on %r)",
+            event.tier,
+            event.instance_id,
+            event.host_id,
+            host_id,
+        )
+        return False
+
+    def match(self, keys: Sequence[BlockHash]) -> dict[str, PrefixMatch]:
+        """Per known instance, the blocks of ``keys`` it would not compute (none omitted)."""
+        device = self.device.matched_blocks(keys)
+        out = {}
+        for instance_id, host_id in self._host_of.items():
+            num_device = device.get(instance_id, 0)
+            num_host = self.host.num_held_from(host_id, keys, num_device)
+            if num_device or num_host:
+                out[instance_id] = PrefixMatch(num_device, num_host)
+        return out
+
+    def sizes(self) -> dict[str, dict[str, int]]:
+        """Blocks known per tier and holder (``/admin/cache/stats``)."""
+        return {"device": self.device.sizes(), "host": self.host.sizes()}

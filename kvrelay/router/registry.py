@@ -4,10 +4,12 @@ The registry owns worker membership. Instances join with ``Register``, stay aliv
 a ``LoadReport`` every heartbeat, and are dropped when silent for ``dead_after`` seconds.
 
 Placement (DistServe-style, decode pulls):
-- prefill: the live, non-draining prefill instance with the best
-  ``cache_weight * matched_blocks - load`` (matched: leading prompt blocks in its device
-  cache, from the prefix index; load: waiting + running + pending hand-offs + KV usage);
-  with no match anywhere this is simply the least loaded one.
+- prefill: the live, non-draining prefill instance with the lowest
+  ``load - cache_weight * credit`` (load: waiting + running + pending hand-offs + KV usage;
+  credit: the prompt blocks it would not compute, device hits plus the L1 hits on its host
+  after them, weighted by tier: ``prefix_index.TIER_WEIGHTS``). The load term is not
+  capped, so an instance with more queued requests than its cache credit loses to an idle
+  one; with no match anywhere this is simply the least loaded one.
 - decode: most free KV blocks, then fewest running sequences.
 - no prefill/decode pair: a colocated instance, else any surviving worker, end to end.
 """
@@ -20,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from kvrelay.cluster.messages import LoadReport, PeerInfo, Register, Role
+from kvrelay.router.prefix_index import PrefixMatch
 
 
 @dataclasses.dataclass(slots=True)
@@ -124,17 +127,19 @@ class Registry:
         return self.place() is not None
 
     def place(
-        self, exclude: Iterable[str] = (), matched: Mapping[str, int] | None = None
+        self, exclude: Iterable[str] = (), matched: Mapping[str, PrefixMatch] | None = None
     ) -> Placement | None:
         """Chooses where a new request runs; None when no instance can take it.
 
-        ``matched``: per instance, the leading prompt blocks its device cache holds.
+        ``matched``: per instance, the prompt blocks it holds (``CacheIndex.match``).
         """
         exclude = list(exclude)
         matched = matched or {}
 
         def cost(inst: Instance) -> float:
-            return inst.load_score() - self.cache_weight * matched.get(inst.instance_id, 0)
+            match = matched.get(inst.instance_id)
+            credit = match.credit if match is not None else 0.0
+            return inst.load_score() - self.cache_weight * credit
 
         prefills = self._live(Role.PREFILL, exclude)
         decodes = self._live(Role.DECODE, exclude)

@@ -104,7 +104,7 @@ def add_operations_routes(app: FastAPI, backend: ClusterBackend, settings: ApiSe
         urls = {i.instance_id: i.info.status_url for i in instances}
         per_instance, unreachable = await fetch_worker_stats(urls)
         host_ids = {i.instance_id: i.info.host_id for i in instances}
-        return build_report(per_instance, unreachable, host_ids)
+        return build_report(per_instance, unreachable, host_ids, backend.cache_index.sizes())
 
     @app.post("/admin/instances/{instance_id}/drain", dependencies=admin)
     async def drain(instance_id: str) -> dict[str, Any]:
