@@ -10,7 +10,7 @@ import dataclasses
 import msgpack
 import pytest
 
-from kvrelay.cachetier.block_hash import BlockHash
+from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
 from kvrelay.cluster import messages
 from kvrelay.cluster.messages import (
     WIRE_TYPES,
@@ -25,7 +25,12 @@ from kvrelay.cluster.messages import (
 )
 from kvrelay.router.cache_stats import build_report
 from kvrelay.router.metrics import RouterMetrics
-from kvrelay.router.prefix_index import TIER_WEIGHTS, CacheIndex, PrefixMatch
+from kvrelay.router.prefix_index import (
+    TIER_WEIGHTS,
+    CacheIndex,
+    PrefixMatch,
+    reusable_block_keys,
+)
 from kvrelay.router.registry import Registry
 from tests.cluster_harness import metric_value
 
@@ -169,3 +174,13 @@ def metrics_text(metrics: RouterMetrics) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(metrics.registry).decode()
+
+
+@pytest.mark.parametrize(("num_tokens", "num_keys"), [(1, 0), (16, 0), (17, 1), (32, 1), (33, 2)])
+def test_the_block_holding_the_last_prompt_token_is_never_scored(
+    num_tokens: int, num_keys: int
+) -> None:
+    """The engine recomputes the last token, so at most (n - 1) // block_size blocks hit."""
+    tokens = list(range(100, 100 + num_tokens))
+    keys = reusable_block_keys(tokens, 16, b"f" * 16)
+    assert keys == hash_blocks(tokens, 16, b"f" * 16)[:num_keys]

@@ -28,7 +28,6 @@ from typing import Any, NamedTuple, cast
 import zmq
 import zmq.asyncio
 
-from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
 from kvrelay.cluster.messages import (
     Abort,
     CacheEvent,
@@ -55,7 +54,7 @@ from kvrelay.router.backend import (
     Unavailable,
 )
 from kvrelay.router.metrics import RouterMetrics
-from kvrelay.router.prefix_index import CacheIndex, PrefixMatch
+from kvrelay.router.prefix_index import CacheIndex, PrefixMatch, reusable_block_keys
 from kvrelay.router.registry import Instance, Placement, Registry
 
 logger = logging.getLogger(__name__)
@@ -214,7 +213,7 @@ class ClusterBackend(Backend):
         if not instances:
             return {}
         info = instances[0].info
-        keys: list[BlockHash] = hash_blocks(token_ids, info.layout.block_size, info.fingerprint)
+        keys = reusable_block_keys(token_ids, info.layout.block_size, info.fingerprint)
         return self.cache_index.match(keys)
 
     def _submit(self, tr: _Tracked, placement: Placement) -> None:

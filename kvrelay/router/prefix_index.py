@@ -26,7 +26,7 @@ import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvrelay.cachetier.block_hash import BlockHash
+from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
 from kvrelay.cluster.messages import CacheEvent
 
 logger = logging.getLogger(__name__)
@@ -117,6 +117,17 @@ class PrefixIndex:
     def sizes(self) -> dict[str, int]:
         """Blocks known per holder."""
         return {holder: len(blocks) for holder, blocks in self._blocks.items()}
+
+
+def reusable_block_keys(
+    token_ids: Sequence[int], block_size: int, fingerprint: bytes
+) -> list[BlockHash]:
+    """Hashes of the prompt blocks an engine could reuse: at most ``(n - 1) // block_size``.
+
+    The last token is always computed (its logits are sampled), so a block that ends with it
+    is never a hit, as in ``BlockManager``: scoring it would favour an instance for nothing.
+    """
+    return hash_blocks(token_ids[: len(token_ids) - 1], block_size, fingerprint)
 
 
 class CacheIndex:
