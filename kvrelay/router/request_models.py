@@ -1,0 +1,261 @@
+"""Requests of ``/v1/completions`` and ``/v1/chat/completions``: what a valid body is.
+
+Decides which request bodies are accepted and what they mean to the engine. Requests are
+pydantic models in strict mode: a known field with the wrong JSON type is a 400, unknown fields
+are ignored (OpenAI clients send ``metadata``, ``store``...), and ``null`` means "not set".
+``sampling_params`` and ``resolve_max_tokens`` turn a validated request into the
+``SamplingParams`` of one choice, naming the offending field in every 400.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, PlainValidator, model_validator
+from pydantic_core import PydanticCustomError
+
+from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.router.errors import ApiError, bad_request
+
+Prompt = list[str] | list[list[int]]  # one entry per prompt of a batch
+
+
+# ---- requests -----------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class TextPart(_Strict):
+    """A chat content part; only ``{"type": "text", "text": ...}`` is supported."""
+
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _only_text(self) -> TextPart:
+        if self.type != "text":
+            raise PydanticCustomError(
+                "unsupported_part",
+                "unsupported content part type '{kind}': only 'text' parts are supported",
+                {"kind": self.type},
+            )
+        if self.text is None:
+            raise PydanticCustomError("missing_text", "a 'text' part needs a string 'text'")
+        return self
+
+
+class ChatMessage(BaseModel):
+    """One chat message; extra keys (``tool_calls``, ``tool_call_id``...) go to the template."""
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_needed(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError(
+                "missing_content", "a {role} message needs 'content'", {"role": self.role}
+            )
+        return self
+
+    @property
+    def text(self) -> str:
+        """The content as the template sees it (text parts joined with newlines)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text or "" for part in self.content)
+        return self.content or ""
+
+    def to_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if self.role == "developer":  # OpenAI's newer name for the system role
+            message["role"] = "system"
+        return message
+
+
+def _check_prompt(value: object) -> Prompt:
+    """A string, token ids, or a batch of either -> a list of strings or of token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return list(value)
+        if all(_is_token_id(v) for v in value):
+            return [list(value)]
+        if all(isinstance(v, list) and all(_is_token_id(t) for t in v) for v in value):
+            return [list(v) for v in value]
+    if value == []:
+        return []
+    raise PydanticCustomError(
+        "prompt_type",
+        "must be a string, an array of token ids, or an array of strings or of token-id arrays",
+    )
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _GenerateRequest(_Strict):
+    """Fields both endpoints share; vLLM's extensions included."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    user: str | None = None  # accepted, ignored
+    return_tokens_as_token_ids: bool = False
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerateRequest):
+    prompt: Annotated[Prompt, PlainValidator(_check_prompt)]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(_GenerateRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+# ---- request -> SamplingParams ------------------------------------------------------------
+
+_PASSTHROUGH = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+_PARAM_NAME = re.compile(r"^SamplingParams\.(\w+) ")
+
+
+def sampling_params(
+    request: _GenerateRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    param_names: dict[str, str],
+    seed_offset: int = 0,
+) -> SamplingParams:
+    """The ``n == 1`` params of one choice.
+
+    Args:
+        request: the validated request.
+        max_tokens: the resolved length limit.
+        logprobs: ``SamplingParams.logprobs``.
+        param_names: SamplingParams field -> request field, where the names differ.
+        seed_offset: added to the request's seed (choice ``i`` of ``n`` gets ``seed + i``).
+
+    Raises:
+        ApiError: 400 naming the offending request field.
+    """
+    kwargs = {name: v for name in _PASSTHROUGH if (v := getattr(request, name)) is not None}
+    if request.seed is not None:
+        kwargs["seed"] = request.seed + seed_offset
+    try:
+        return SamplingParams(n=1, max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+    except ValueError as exc:
+        message = str(exc)
+        match = _PARAM_NAME.match(message)
+        name = match.group(1) if match else None
+        param = param_names.get(name, name) if name else None
+        raise bad_request(message.replace(f"SamplingParams.{name}", f"'{param}'"), param) from exc
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    param: str,
+    prompt_param: str,
+    prompt_len: int,
+    max_model_len: int,
+    default: int | None,
+) -> int:
+    """The max_tokens of a request, checked against the context window.
+
+    Args:
+        requested: what the client asked for, or None.
+        param: the request field it came from (for the error).
+        prompt_param: the request field of the prompt (``prompt`` or ``messages``).
+        prompt_len: prompt tokens.
+        max_model_len: the context window (prompt + output).
+        default: used when ``requested`` is None (clamped to the window); None = the window.
+
+    Raises:
+        ApiError: 400 ``context_length_exceeded`` when the prompt leaves no room, or when
+            ``prompt_len + requested`` passes the window; 400 when ``requested < 1``.
+    """
+    room = max_model_len - prompt_len
+    if room < 1:
+        raise context_length_error(prompt_len, max_model_len, None, prompt_param)
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested < 1:
+        raise bad_request(f"'{param}' must be at least 1, got {requested}", param)
+    if requested > room:
+        raise context_length_error(prompt_len, max_model_len, requested, param)
+    return requested
+
+
+def context_length_error(
+    prompt_len: int, max_model_len: int, requested: int | None, param: str
+) -> ApiError:
+    message = f"This model's maximum context length is {max_model_len} tokens. "
+    if requested is None:
+        message += f"However, your prompt has {prompt_len} tokens, leaving no room for output."
+    else:
+        message += (
+            f"However, you requested {prompt_len + requested} tokens ({prompt_len} in the "
+            f"prompt, {requested} for the completion). Please reduce the prompt or '{param}'."
+        )
+    return ApiError(400, message, param=param, code="context_length_exceeded")

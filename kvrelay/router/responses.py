@@ -1,0 +1,379 @@
+"""Response bodies of ``/v1/completions`` and ``/v1/chat/completions``: what the client sees.
+
+Decides how the ``Delta`` stream of every choice is shown: ``ResponseBuilder`` turns it into
+OpenAI response bodies, stream chunks, usage and logprobs; ``TokenStrings`` gives each token's
+text and bytes for logprobs, as vLLM reports them.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from kvrelay.engine.sampling_params import TokenLogprobs
+from kvrelay.engine.tokenizer import REPLACEMENT_CHAR, Tokenizer, TokenizerError
+from kvrelay.router.backend import Delta
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to this too
+
+
+# ---- token strings ------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE symbol char -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenStrings:
+    """Per-token text and bytes for logprobs, as vLLM reports them (cached per id).
+
+    ``text`` is the token decoded on its own. ``utf8`` is its UTF-8 bytes, except that a
+    byte-level BPE token holding part of a character (its text is U+FFFD) gives its true bytes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def text(self, token_id: int) -> str:
+        return self._lookup(token_id)[0]
+
+    def utf8(self, token_id: int) -> list[int]:
+        return self._lookup(token_id)[1]
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        entry = self._cache.get(token_id)
+        if entry is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            entry = (text, self._true_bytes(token_id, text))
+            if len(self._cache) < 1 << 16:
+                self._cache[token_id] = entry
+        return entry
+
+    def _true_bytes(self, token_id: int, text: str) -> list[int]:
+        if REPLACEMENT_CHAR in text:
+            try:
+                symbol = self._tokenizer.convert_ids_to_tokens(token_id)
+            except TokenizerError:
+                symbol = ""
+            decoder = _byte_decoder()
+            if symbol and all(c in decoder for c in symbol):
+                return [decoder[c] for c in symbol]
+        return list(text.encode("utf-8", errors="replace"))
+
+
+def _clamp(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # also maps NaN
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What one choice has produced so far."""
+
+    index: int
+    prompt_index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    text_offset: int = 0  # completions logprobs: characters of token text reported so far
+    started: bool = False  # a delta arrived (echo and role chunks are sent once)
+
+    def add(self, delta: Delta) -> None:
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs or ())
+        if delta.num_cached_tokens:
+            self.num_cached_tokens += delta.num_cached_tokens
+            for tier, count in delta.cached_tokens_by_tier.items():
+                self.cached_tokens_by_tier[tier] = self.cached_tokens_by_tier.get(tier, 0) + count
+        if delta.finished:
+            self.finish_reason = delta.finish_reason
+            self.stop_reason = delta.stop_reason
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseOptions:
+    """What a response carries besides text."""
+
+    include_usage: bool = False  # stream: a final chunk with usage and no choices
+    want_logprobs: bool = False  # logprobs of every output token
+    echo: bool = False  # completions: the prompt text (and its tokens) come first
+    tokens_as_ids: bool = False  # logprob tokens as "token_id:{id}" (vLLM's extension)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInfo:
+    token_ids: list[int]
+    text: str  # the prompt as given, or the decoded token ids (for echo)
+
+
+def make_usage(prompts: Sequence[PromptInfo], choices: Iterable[ChoiceState]) -> dict[str, Any]:
+    """OpenAI usage; a prompt's cached tokens are those of its best-cached choice."""
+    best: dict[int, ChoiceState] = {}
+    num_completion = 0
+    for choice in choices:
+        num_completion += len(choice.token_ids)
+        current = best.get(choice.prompt_index)
+        if current is None or choice.num_cached_tokens > current.num_cached_tokens:
+            best[choice.prompt_index] = choice
+    by_tier: dict[str, int] = {}
+    for choice in best.values():
+        for tier, count in choice.cached_tokens_by_tier.items():
+            by_tier[tier] = by_tier.get(tier, 0) + count
+    num_prompt = sum(len(p.token_ids) for p in prompts)
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in best.values())},
+        "kvrelay_cached_tokens_by_tier": by_tier,
+    }
+
+
+class ResponseBuilder(abc.ABC):
+    """Builds the bodies of one request: a full response, or its stream chunks.
+
+    Choice ``i`` of prompt ``p`` has index ``p * n + i`` (as OpenAI numbers a batch).
+    Subclasses say how a choice and its logprobs look; this class keeps per-choice state.
+    """
+
+    object_name: str
+    chunk_object_name: str
+    id_prefix: str
+
+    def __init__(
+        self,
+        model: str,
+        prompts: Sequence[PromptInfo],
+        n: int,
+        tokens: TokenStrings,
+        options: ResponseOptions,
+    ) -> None:
+        self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.prompts = list(prompts)
+        self.tokens = tokens
+        self.options = options
+        self.choices = [
+            ChoiceState(index=p * n + i, prompt_index=p)
+            for p in range(len(prompts))
+            for i in range(n)
+        ]
+
+    def request_id(self, index: int) -> str:
+        return f"{self.id}-{index}"
+
+    # ---- non-stream
+
+    def add(self, index: int, delta: Delta) -> None:
+        self.choices[index].add(delta)
+
+    def response(self) -> dict[str, Any]:
+        return {
+            **self._header(self.object_name),
+            "choices": [self._final_choice(c) for c in self.choices],
+            "usage": make_usage(self.prompts, self.choices),
+        }
+
+    # ---- stream
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        """Chunks sent before any delta (chat: the role of every choice)."""
+        return []
+
+    def delta_chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
+        """The chunk one delta turns into; None when it carries nothing to show yet."""
+        choice = self.choices[index]
+        first = not choice.started
+        choice.started = True
+        choice.add(delta)
+        if not self._has_news(delta, first):
+            return None
+        body = self._delta_choice(choice, delta, first)
+        if delta.finished:
+            body["finish_reason"] = delta.finish_reason
+            body["stop_reason"] = delta.stop_reason
+        return self.chunk([body])
+
+    def _has_news(self, delta: Delta, first: bool) -> bool:
+        """False for a delta whose text is held back (a possible stop string) and that
+        carries no logprobs, finish or echo to send."""
+        if delta.text or delta.finished or (first and self.options.echo):
+            return True
+        return bool(self.options.want_logprobs and delta.logprobs)
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {**self._header(self.chunk_object_name), "choices": choices}
+        if self.options.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self) -> dict[str, Any] | None:
+        if not self.options.include_usage:
+            return None
+        return {
+            **self._header(self.chunk_object_name),
+            "choices": [],
+            "usage": make_usage(self.prompts, self.choices),
+        }
+
+    # ---- per-endpoint shape
+
+    def _token_text(self, token_id: int) -> str:
+        if self.options.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self.tokens.text(token_id)
+
+    def _header(self, object_name: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
+
+    @abc.abstractmethod
+    def _final_choice(self, choice: ChoiceState) -> dict[str, Any]:
+        """A choice of the non-stream response."""
+
+    @abc.abstractmethod
+    def _delta_choice(self, choice: ChoiceState, delta: Delta, first: bool) -> dict[str, Any]:
+        """A choice of a stream chunk (``first``: the choice's first delta)."""
+
+
+class CompletionBuilder(ResponseBuilder):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+    id_prefix = "cmpl-"
+
+    def _final_choice(self, choice: ChoiceState) -> dict[str, Any]:
+        prompt = self.prompts[choice.prompt_index]
+        text = "".join(choice.text)
+        logprobs = None
+        if self.options.want_logprobs:
+            choice.text_offset = 0
+            logprobs = self._logprobs(
+                choice, prompt if self.options.echo else None, choice.logprobs
+            )
+        return {
+            "index": choice.index,
+            "text": prompt.text + text if self.options.echo else text,
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+
+    def _delta_choice(self, choice: ChoiceState, delta: Delta, first: bool) -> dict[str, Any]:
+        echo = self.prompts[choice.prompt_index] if self.options.echo and first else None
+        logprobs = None
+        if self.options.want_logprobs:
+            logprobs = self._logprobs(choice, echo, delta.logprobs or ())
+        text = echo.text + delta.text if echo else delta.text
+        return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": None}
+
+    def _logprobs(
+        self, choice: ChoiceState, echo: PromptInfo | None, entries: Iterable[TokenLogprobs]
+    ) -> dict[str, Any]:
+        out: dict[str, list[Any]] = {
+            "tokens": [],
+            "token_logprobs": [],
+            "top_logprobs": [],
+            "text_offset": [],
+        }
+        for token_id in echo.token_ids if echo else ():
+            self._append(out, choice, token_id, None, None)
+        for entry in entries:
+            top = {self._token_text(i): _clamp(lp) for i, lp in entry.top}
+            top[self._token_text(entry.token_id)] = _clamp(entry.logprob)
+            self._append(out, choice, entry.token_id, _clamp(entry.logprob), top)
+        return out
+
+    def _append(
+        self,
+        out: dict[str, list[Any]],
+        choice: ChoiceState,
+        token_id: int,
+        logprob: float | None,
+        top: dict[str, float] | None,
+    ) -> None:
+        out["tokens"].append(self._token_text(token_id))
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(choice.text_offset)
+        choice.text_offset += len(self.tokens.text(token_id))
+
+
+class ChatBuilder(ResponseBuilder):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+    id_prefix = "chatcmpl-"
+
+    def start_chunks(self) -> list[dict[str, Any]]:
+        role = {"role": "assistant", "content": ""}
+        return [
+            self.chunk([{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}])
+            for c in self.choices
+        ]
+
+    def _final_choice(self, choice: ChoiceState) -> dict[str, Any]:
+        return {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "logprobs": self._logprobs(choice.logprobs) if self.options.want_logprobs else None,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+
+    def _delta_choice(self, choice: ChoiceState, delta: Delta, first: bool) -> dict[str, Any]:
+        logprobs = None
+        if self.options.want_logprobs:
+            logprobs = self._logprobs(delta.logprobs or ())
+        return {
+            "index": choice.index,
+            "delta": {"content": delta.text} if delta.text else {},
+            "logprobs": logprobs,
+            "finish_reason": None,
+        }
+
+    def _logprobs(self, entries: Iterable[TokenLogprobs]) -> dict[str, Any]:
+        return {
+            "content": [
+                {
+                    **self._token(entry.token_id, entry.logprob),
+                    "top_logprobs": [self._token(i, lp) for i, lp in entry.top],
+                }
+                for entry in entries
+            ],
+            "refusal": None,
+        }
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": self._token_text(token_id),
+            "logprob": _clamp(logprob),
+            "bytes": self.tokens.utf8(token_id),
+        }
