@@ -1,0 +1,119 @@
+"""The ``kvrelay`` command: one parser over every subcommand, and the dispatch to them.
+
+Decides which subcommands exist and how one runs: options left unset are filled from the
+environment (``kvrelay.envs``), and a ``ValueError`` is a one-line error with exit status 2.
+Each command group lives in its own module: ``offline`` (model make-tiny, generate, chat),
+``cluster`` (up, serve), ``host_admin`` (pool, cache); ``engine_args`` holds the engine flags
+they share. ``kvrelay = kvrelay.cli:main`` is the console script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvrelay import envs
+from kvrelay.cli.cluster import (
+    add_cluster_parsers,
+    autoscale_policy,
+    autoscale_router_args,
+    cmd_serve,
+    cmd_up,
+)
+from kvrelay.cli.engine_args import engine_cli_args, engine_kwargs
+from kvrelay.cli.host_admin import add_cache_parser, add_pool_parser, cmd_cache, cmd_pool
+from kvrelay.cli.offline import add_offline_parsers, cmd_chat, cmd_generate, cmd_make_tiny
+
+__all__ = [
+    "COMMANDS",
+    "autoscale_policy",
+    "autoscale_router_args",
+    "build_parser",
+    "cmd_bench",
+    "cmd_cache",
+    "cmd_chat",
+    "cmd_generate",
+    "cmd_make_tiny",
+    "cmd_pool",
+    "cmd_serve",
+    "cmd_up",
+    "engine_cli_args",
+    "engine_kwargs",
+    "main",
+    "parse_args",
+]
+
+DESCRIPTION = "kvrelay: a disaggregated LLM serving cluster (router, prefill and decode workers)."
+
+logger = logging.getLogger("kvrelay")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvrelay", description=DESCRIPTION)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    envs.add_option(parser, "KVRELAY_LOG_LEVEL")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_offline_parsers(sub)
+    add_cluster_parsers(sub)
+    _add_bench_parser(sub)
+    add_pool_parser(sub)
+    add_cache_parser(sub)
+    return parser
+
+
+def _add_bench_parser(sub: Any) -> None:
+    from kvrelay.bench import add_bench_args
+
+    bench = sub.add_parser(
+        "bench", help="Poisson load against a server: TTFT, TPOT, throughput and goodput"
+    )
+    add_bench_args(bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from kvrelay.bench import run_cli
+
+    return run_cli(args)
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "serve": cmd_serve,
+    "up": cmd_up,
+    "bench": cmd_bench,
+    "pool": cmd_pool,
+    "cache": cmd_cache,
+}
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """The command line with options left unset filled from ``environ`` (default: this
+    process's environment), then from the defaults in ``kvrelay.envs``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        envs.apply(args, args.command, environ)
+    except envs.EnvError as e:
+        parser.error(str(e))
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        if args.command == "model":
+            return cmd_make_tiny(args)
+        return COMMANDS[args.command](args)
+    except ValueError as e:  # ConfigError, CheckpointError, TokenizerError and bad values
+        print(f"kvrelay {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,237 @@
+"""``kvrelay up`` and ``kvrelay serve``: the commands that start cluster processes.
+
+Decides the router, worker and autoscaling options, the precedence of flags over the
+``KVRELAY_*`` environment (through ``kvrelay.envs``), and the config each process starts with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import uuid
+from typing import Any
+
+from kvrelay import envs
+from kvrelay.cli.engine_args import add_engine_args, engine_cli_args, engine_kwargs
+
+
+def add_cluster_parsers(sub: Any) -> None:
+    """``up`` and ``serve``."""
+    up = sub.add_parser(
+        "up", help="start router + workers as local processes (the embedded default)"
+    )
+    add_engine_args(up)
+    up.add_argument("--prefill", type=int, default=None, help="prefill workers (default 1)")
+    up.add_argument("--decode", type=int, default=None, help="decode workers (default 1)")
+    up.add_argument(
+        "--colocated", type=int, default=0, help="colocated workers (no hand-off) instead"
+    )
+    up.add_argument("--host", default="127.0.0.1", help="bind address of every process")
+    up.add_argument("--port", type=int, default=8000, help="router HTTP port (0: any free)")
+    up.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
+    up.add_argument("--log-dir", default=None, help="one log file per process (default: stderr)")
+    up.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for ready")
+    up.add_argument(
+        "--autoscale", action="store_true", help="the router adds and removes local workers"
+    )
+    _add_autoscale_args(up)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run one cluster process (router or worker)",
+        epilog="Options marked [env KVRELAY_...] may come from that environment variable "
+        "instead. Precedence: flag > environment variable > default. README.md lists every "
+        "variable.",
+    )
+    serve.add_argument(
+        "--role", required=True, choices=["router", "prefill", "decode", "colocated"]
+    )
+    add_engine_args(serve, from_env=True)
+    _add_serve_args(serve)
+    from kvrelay.autoscale.registry import HOOK_NAMES
+
+    serve.add_argument(
+        "--autoscale", default="off", choices=["off", *HOOK_NAMES], help="router: scaling hook"
+    )
+    serve.add_argument("--autoscale-options", default="{}", help="router: hook options (JSON)")
+    _add_autoscale_args(serve)
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    for name in (
+        "KVRELAY_HOST", "KVRELAY_ADVERTISE_HOST", "KVRELAY_PORT", "KVRELAY_CONTROL_ADDR",
+        "KVRELAY_STATUS_PORT", "KVRELAY_PEER_PORT", "KVRELAY_CLUSTER_ID", "KVRELAY_INSTANCE_ID",
+        "KVRELAY_TRANSPORT", "KVRELAY_HOST_ID", "KVRELAY_SERVED_MODEL_NAME",
+        "KVRELAY_ADMIN_TOKEN",
+    ):  # fmt: skip
+        envs.add_option(p, name)
+    p.add_argument("--dead-after", type=float, default=2.0, help="router: heartbeat timeout (s)")
+    p.add_argument("--lease-ttl", type=float, default=30.0, help="prefill: KV lease (s)")
+    p.add_argument(
+        "--host-pool",
+        default="auto",
+        help="worker: L1 host shared-memory KV pool name ('auto': one per host and model; "
+        "'off': none)",
+    )
+    p.add_argument(
+        "--host-pool-memory", type=float, default=0.25, help="worker: L1 pool size in GiB"
+    )
+    envs.add_option(p, "KVRELAY_REDIS_URL")
+    p.add_argument(
+        "--param-peers",
+        default="",
+        help="worker: hosts serving the weights (`kvrelay pool serve`), nearest first; used "
+        "when this host has no parameter pool yet, before falling back to disk",
+    )
+    p.add_argument(
+        "--no-param-pool",
+        action="store_true",
+        help="worker: load weights from disk instead of the host's parameter pool",
+    )
+    p.add_argument("--corrupt-transfers", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--min-{role}", type=int, default=None, help=f"autoscale: min {role}")
+        p.add_argument(f"--max-{role}", type=int, default=None, help=f"autoscale: max {role}")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="autoscale: prefill SLO")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="autoscale: decode SLO")
+    p.add_argument("--autoscale-interval", type=float, default=2.0, help="seconds per decision")
+    p.add_argument(
+        "--autoscale-policy",
+        default="{}",
+        help='more policy settings as JSON, e.g. {"decode": {"cooldown_down_s": 30}}',
+    )
+
+
+def _json_object(text: str, flag: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
+
+
+def autoscale_policy(args: argparse.Namespace) -> Any:
+    """The router's ``PolicyConfig`` from ``--autoscale-policy`` and the per-role flags."""
+    from kvrelay.autoscale.policy import PolicyConfig
+
+    policy = PolicyConfig.from_dict(_json_object(args.autoscale_policy, "--autoscale-policy"))
+    policy = policy.with_target(
+        "prefill", min_instances=args.min_prefill, max_instances=args.max_prefill,
+        slo_ms=args.slo_ttft_ms,
+    )  # fmt: skip
+    return policy.with_target(
+        "decode", min_instances=args.min_decode, max_instances=args.max_decode,
+        slo_ms=args.slo_tpot_ms,
+    )  # fmt: skip
+
+
+def autoscale_router_args(args: argparse.Namespace, cluster_id: str) -> list[str]:
+    """``kvrelay up --autoscale``: the router flags that let it scale with the local hook."""
+    worker_args = [
+        *engine_cli_args(args),
+        "--transport", args.transport,
+        "--host-pool", f"kvrelay-{cluster_id}-l1",  # the launcher's pool (host_pool_name)
+    ]  # fmt: skip
+    options = {"worker_args": worker_args, "log_dir": args.log_dir}
+    out = [
+        "--cluster-id", cluster_id,
+        "--autoscale", "local",
+        "--autoscale-options", json.dumps(options),
+        "--autoscale-interval", str(args.autoscale_interval),
+        "--autoscale-policy", args.autoscale_policy,
+    ]  # fmt: skip
+    limits = (
+        "min_prefill",
+        "max_prefill",
+        "min_decode",
+        "max_decode",
+        "slo_ttft_ms",
+        "slo_tpot_ms",
+    )
+    for name in limits:
+        if getattr(args, name) is not None:
+            out += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return out
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from kvrelay.cluster.launcher import ClusterSpec, run_up
+
+    default = 0 if args.colocated else 1
+    router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    cluster_id = ""
+    if args.autoscale:
+        if args.colocated:
+            raise ValueError("--autoscale scales prefill and decode workers, not --colocated")
+        cluster_id = f"up{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        router_args += autoscale_router_args(args, cluster_id)
+    spec = ClusterSpec(
+        model=args.model,
+        num_prefill=default if args.prefill is None else args.prefill,
+        num_decode=default if args.decode is None else args.decode,
+        num_colocated=args.colocated,
+        host=args.host,
+        port=args.port,
+        transport=args.transport,
+        cluster_id=cluster_id,
+        worker_args=tuple(engine_cli_args(args)),
+        router_args=tuple(router_args),
+        log_dir=args.log_dir,
+    )
+    return run_up(spec, args.timeout)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.role == "router":
+        from kvrelay.router.server import RouterConfig, run_router
+
+        run_router(
+            RouterConfig(
+                model=args.model,
+                control_addr=args.control_addr,
+                host=args.host,
+                port=args.port,
+                served_model_name=args.served_model_name,
+                admin_token=args.admin_token or None,
+                max_model_len=args.max_model_len,
+                dead_after=args.dead_after,
+                cluster_id=args.cluster_id,
+                autoscale=args.autoscale,
+                autoscale_options=_json_object(args.autoscale_options, "--autoscale-options"),
+                autoscale_policy=autoscale_policy(args),
+                autoscale_interval=args.autoscale_interval,
+            )
+        )
+        return 0
+    from kvrelay.cluster.messages import Role
+    from kvrelay.cluster.serve import run_worker
+    from kvrelay.cluster.worker_config import WorkerConfig
+
+    run_worker(
+        WorkerConfig(
+            role=Role(args.role),
+            model=args.model,
+            router_addr=args.control_addr,
+            cluster_id=args.cluster_id,
+            instance_id=args.instance_id,
+            host=args.host,
+            advertise_host=args.advertise_host,
+            host_id=args.host_id,
+            status_port=args.status_port,
+            peer_port=args.peer_port,
+            transport=args.transport,
+            served_model_name=args.served_model_name,
+            lease_ttl=args.lease_ttl,
+            host_pool="" if args.host_pool == "off" else args.host_pool,
+            host_pool_bytes=int(args.host_pool_memory * (1 << 30)),
+            redis_url=args.redis_url,
+            corrupt_transfers=args.corrupt_transfers,
+            param_pool=not args.no_param_pool,
+            param_peers=args.param_peers,
+            engine_args=engine_kwargs(args),
+        )
+    )
+    return 0

@@ -1,0 +1,79 @@
+"""Engine options on the command line: which flags every engine-running command takes.
+
+Decides the engine flags of ``generate``, ``chat``, ``up`` and ``serve``, and how they turn
+into ``LLM``/engine keyword arguments or back into ``kvrelay serve`` words for child processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvrelay import envs
+
+
+def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
+    """The engine options; with ``from_env`` the deployment ones also read the environment."""
+    if from_env:
+        envs.add_option(p, "KVRELAY_MODEL")
+    else:
+        p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face format)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    if from_env:
+        envs.add_option(p, "KVRELAY_KV_CACHE_GIB")
+    else:
+        p.add_argument(
+            "--kv-cache-memory",
+            type=float,
+            default=1.0,
+            help="GiB for the KV pool when --num-blocks is unset",
+        )
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="tokens per step (chunked prefill)"
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="disable reuse of cached prompt blocks"
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "dtype": args.dtype,
+        "seed": args.seed,
+        "num_threads": args.threads,
+        "block_size": args.block_size,
+        "num_blocks": args.num_blocks,
+        "kv_cache_memory_bytes": int(args.kv_cache_memory * (1 << 30)),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": not args.no_prefix_caching,
+    }
+
+
+def engine_cli_args(args: argparse.Namespace) -> list[str]:
+    """The engine flags of ``args`` as command-line words for ``kvrelay serve``."""
+    out = [
+        "--dtype", args.dtype,
+        "--seed", str(args.seed),
+        "--block-size", str(args.block_size),
+        "--kv-cache-memory", str(args.kv_cache_memory),
+        "--max-num-seqs", str(args.max_num_seqs),
+        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+    ]  # fmt: skip
+    for flag, value in (
+        ("--threads", args.threads),
+        ("--num-blocks", args.num_blocks),
+        ("--max-model-len", args.max_model_len),
+    ):
+        if value is not None:
+            out += [flag, str(value)]
+    if args.no_prefix_caching:
+        out.append("--no-prefix-caching")
+    return out
