@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvrelay.cachetier import param_pool
+from kvrelay.cachetier import param_pool, param_segment
 from kvrelay.cachetier.param_pool import SHM_DIR, CorruptPool, ParamPool, PoolBusy
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.engine import LLMEngine, build_engine_config
@@ -421,7 +421,7 @@ def test_gc_frees_unwritten_segments_and_leaves_other_formats(scope):
 def _make_outdated(name: str, version: int = 1) -> None:
     """Rewrites the format version in a pool's header, as an older kvrelay would have left it."""
     with (SHM_DIR / name).open("r+b") as f:
-        f.seek(len(param_pool._MAGIC))
+        f.seek(len(param_segment._MAGIC))
         f.write(version.to_bytes(4, "little"))
 
 
