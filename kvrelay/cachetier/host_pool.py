@@ -4,23 +4,11 @@ Linux only (``/dev/shm`` and open-file-description locks). The pool is a set-ass
 cache, like a CPU cache: ``S`` sets of ``W = 8`` ways; a key lives only in set
 ``int.from_bytes(key[:8], "little") % S``, so a lookup reads the 8 keys of one set: O(1).
 
-Segment ``/dev/shm/<name>`` (all integers little-endian, every table 8-byte aligned)::
-
-    offset        size           contents
-    0             4096           header: magic, layout version, geometry, BlockFormat
-    4096          S*W*16         key of each way                     [S*W] x 16 bytes
-    seq_off       S*W*8          seq of each way (u64)               generation << 2 | state
-    tick_off      S*W*8          last use of each way (u64)          a value of its set's clock
-    clock_off     S*8            per-set logical clock (u64)
-    data_off      S*W*slot       values: 64-byte header + payload (``base.py``), slot bytes =
-    (page aligned)               value_bytes rounded up to 64; way i uses slot i
-
-    way state (low 2 bits of seq):  0 EMPTY   1 WRITING   2 VALID
-    write:    seq -> (gen+1)<<2 | WRITING, key, header, payload, seq -> (gen+1)<<2 | VALID
-    evict:    the writer overwrites the way in place (same steps)
-    corrupt:  seq -> (gen+1)<<2 | EMPTY
-
-Every state change bumps the generation, so ``seq`` never repeats for a way.
+This module decides the tier: ``HostPool``'s reads, writes and LRU. The segment's layout and
+opening are ``host_segment`` (the diagram and the way states are there); the change log that
+feeds placement (``record_changes``) is ``host_changes``; the operator functions
+(``list_host_pools``, ``remove_host_pool``, ``unlink_pool``, ``default_pool_name``) are
+``host_ops``, and their public names are importable from here too.
 
 Writers hold the set's lock: an open-file-description record lock (``F_OFD_SETLK``) on byte
 ``1 + set`` of ``/dev/shm/<name>.lock`` plus a ``threading.Lock`` of the instance. The kernel
@@ -28,10 +16,8 @@ drops an OFD lock when its holder dies, and OFD locks exclude each other even be
 instances in one process (plain POSIX record locks would not, and closing any descriptor of
 the file would drop them all); a forked child opens a lock description of its own before
 its first write. A writer that cannot take the lock within ``lock_timeout_s`` drops the
-block (``dropped_puts``). Under the lock a ``WRITING`` way can only belong to a
-writer that died mid-write: it is the first way reclaimed, so it never leaks. Byte 0 of the
-lock file serialises opening, which makes creation race-free and lets the next opener finish
-the initialisation of a creator that died before writing the magic (written last).
+block (``dropped_puts``). Under the lock a ``WRITING`` way can only belong to a writer that
+died mid-write: it is the first way reclaimed, so it never leaks.
 
 Readers take no lock (a seqlock): find the way, read ``seq`` (VALID or miss), copy the value,
 re-read the key and ``seq`` (changed: retry once, then miss), then ``check_value``: so a
@@ -44,47 +30,21 @@ clock + 1. Writers advance the clock under the lock; readers do it without one, 
 between readers can lose a step (ties) — an approximation that never breaks correctness.
 Victims: a way holding the key's bytes but not VALID, else the first EMPTY or dead WRITING
 way, else the smallest tick (the first on ties).
-
-Change log (``record_changes``, the placement feed): a writer knows at ``put`` time which
-key it wrote and, when it took an occupied way, which key it evicted; it notes both in a
-per-process dict (key -> stored or evicted, the later change wins) while it holds the set
-lock anyway, and ``take_changes`` hands them over. The cost is one dict entry per newly
-written key, plus reading the victim's 16-byte key when a way is evicted; a put of a present
-key notes nothing, and a pool opened without the flag does no more than before. Each
-writer reports only its own changes; the log is capped at ``_MAX_CHANGES`` keys between two
-``take_changes`` (beyond it changes are not noted): the router's index of this pool is a
-hint, and a stale entry costs a miss there, never a wrong block.
-
-Lifetime: the segment is never registered with Python's resource tracker; it outlives every
-process until an operator frees it (``kvrelay cache rm``: ``remove_host_pool``, which refuses
-while a live process maps it; ``unlink_pool`` unconditionally). Every opener
-must pass the same ``capacity_bytes`` and ``BlockFormat`` (checked against the header; the
-creator also checks that ``/dev/shm`` has room, as touching a page past it is SIGBUS); a
-different model must use another name (``default_pool_name`` derives one from the block
-format and the model fingerprint).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
-import fcntl
-import hashlib
 import logging
 import mmap
 import os
-import re
-import struct
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from kvrelay.cachetier.base import (
-    DTYPE_CODES,
     HEADER_BYTES,
     BlockFormat,
     CorruptBlock,
@@ -95,170 +55,38 @@ from kvrelay.cachetier.base import (
     pack_header,
 )
 from kvrelay.cachetier.block_hash import HASH_BYTES, BlockHash
-from kvrelay.cachetier.segments import segment_mappers
+from kvrelay.cachetier.host_changes import ChangeLog
+from kvrelay.cachetier.host_ops import (
+    HostPoolInfo,
+    PoolInUse,
+    default_pool_name,
+    list_host_pools,
+    remove_host_pool,
+    unlink_pool,
+)
+from kvrelay.cachetier.host_segment import (
+    _EMPTY,
+    _HEADER_REGION,
+    _STATE_MASK,
+    _VALID,
+    _WRITING,
+    NUM_WAYS,
+    SHM_DIR,
+    _Geometry,
+    _lock,
+    _lock_path,
+    _open_segment,
+    _unlock,
+)
+
+__all__ = [
+    "NUM_WAYS", "SHM_DIR", "HostPool", "HostPoolInfo", "PoolInUse", "default_pool_name",
+    "list_host_pools", "remove_host_pool", "unlink_pool",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
-NUM_WAYS = 8
-_POOL_MAGIC = b"KVRLHP01"
-_LAYOUT_VERSION = 1
-_HEADER_REGION = 4096
-_SLOT_ALIGN = 64
-_POOL_HEADER = struct.Struct("<8sIIQQQIIIIIQQ")
-_HEADER_FIELDS = (
-    "magic", "layout_version", "num_ways", "num_sets", "slot_bytes", "capacity_bytes",
-    "num_layers", "block_size", "num_kv_heads", "head_dim", "dtype", "payload_bytes",
-    "total_bytes",
-)  # fmt: skip
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock (Linux): type, whence, start, len, pid
-_INIT_LOCK = 0
-_OPEN_TIMEOUT_S = 10.0
-_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
-_SCOPE = re.compile(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*")
-_STATE_MASK, _EMPTY, _WRITING, _VALID = 3, 0, 1, 2
 _PRESENT, _FREE, _EVICT = 0, 1, 2  # what _claim found
-_MAX_CHANGES = 1 << 16  # keys noted between two take_changes (the worker takes every 0.2 s)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Geometry:
-    """Where everything lies in a segment for one (capacity, format); see the diagram."""
-
-    capacity_bytes: int
-    fmt: BlockFormat
-    num_sets: int
-    num_slots: int
-    slot_bytes: int
-    seq_off: int
-    tick_off: int
-    clock_off: int
-    data_off: int
-    total_bytes: int
-
-    @classmethod
-    def of(cls, capacity_bytes: int, fmt: BlockFormat) -> _Geometry:
-        slot_bytes = _round_up(fmt.value_bytes, _SLOT_ALIGN)
-        num_sets = capacity_bytes // slot_bytes // NUM_WAYS
-        if num_sets < 1:
-            raise ValueError(
-                f"capacity_bytes {capacity_bytes} holds no set of {NUM_WAYS} "
-                f"{slot_bytes}-byte slots (need at least {NUM_WAYS * slot_bytes})"
-            )
-        n = num_sets * NUM_WAYS
-        seq_off = _HEADER_REGION + n * HASH_BYTES
-        clock_off = seq_off + 2 * n * 8
-        data_off = _round_up(clock_off + num_sets * 8, mmap.PAGESIZE)
-        return cls(
-            capacity_bytes, fmt, num_sets, n, slot_bytes, seq_off, seq_off + n * 8, clock_off,
-            data_off, data_off + n * slot_bytes,
-        )  # fmt: skip
-
-    def header(self) -> tuple[Any, ...]:
-        fmt = self.fmt
-        return (
-            _POOL_MAGIC, _LAYOUT_VERSION, NUM_WAYS, self.num_sets, self.slot_bytes,
-            self.capacity_bytes, fmt.num_layers, fmt.block_size, fmt.num_kv_heads, fmt.head_dim,
-            DTYPE_CODES[fmt.dtype], fmt.payload_bytes, self.total_bytes,
-        )  # fmt: skip
-
-
-def default_pool_name(fmt: BlockFormat, fingerprint: bytes, scope: str = "host") -> str:
-    """``kvrelay-l1-{scope}-{16 hex digits of (fingerprint, block format)}``."""
-    if not _SCOPE.fullmatch(scope):
-        raise ValueError(f"scope {scope!r}: use letters, digits, '_', '.', inner '-'")
-    digest = hashlib.blake2b(fingerprint, digest_size=8)
-    digest.update(repr(dataclasses.astuple(fmt)).encode())
-    return f"kvrelay-l1-{scope}-{digest.hexdigest()}"
-
-
-def unlink_pool(name: str) -> bool:
-    """Removes the pool's segment and lock file; True if either existed. Mappings stay valid."""
-    _check_name(name)
-    removed = False
-    for path in (SHM_DIR / name, _lock_path(name)):
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            continue
-        removed = True
-    return removed
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HostPoolInfo:
-    """What ``list_host_pools`` reports of one segment."""
-
-    name: str
-    total_bytes: int  # the segment's size
-    fmt: BlockFormat | None  # None: never initialised, or written by another layout version
-    num_slots: int  # blocks it can hold
-    valid_slots: int  # blocks it holds now
-    pids: tuple[int, ...]  # live processes that map it
-
-
-def list_host_pools() -> list[HostPoolInfo]:
-    """Every L1 pool segment in ``/dev/shm``, by name; reads headers only, changes nothing.
-
-    A pool is recognised by its magic, whatever its name; ``pids`` come from
-    ``/proc/*/maps`` (processes of other users may be invisible without privileges).
-    """
-    mappers = segment_mappers()
-    out = []
-    for path in sorted(SHM_DIR.iterdir()):
-        if path.suffix == ".lock" or not path.is_file() or not _NAME.fullmatch(path.name):
-            continue
-        try:
-            info = _describe(path, mappers.get(path.name, ()))
-        except OSError:
-            continue  # removed meanwhile, or not ours to read
-        if info is not None:
-            out.append(info)
-    return out
-
-
-class PoolInUse(RuntimeError):
-    """``remove_host_pool`` without ``force`` while live processes map the pool."""
-
-
-def remove_host_pool(name: str, force: bool = False) -> bool:
-    """Unlinks an L1 pool (``unlink_pool``) unless live processes map it; True if it existed.
-
-    Processes that map it keep their mapping; the next opener creates a fresh, empty pool.
-
-    Raises:
-        PoolInUse: (unless ``force``) processes map it; their pids are in the message.
-    """
-    _check_name(name)
-    pids = segment_mappers().get(name, ())
-    if pids and not force:
-        pid_list = ", ".join(map(str, pids))
-        raise PoolInUse(f"pool {name} is mapped by live processes {pid_list} (--force frees it)")
-    return unlink_pool(name)
-
-
-def _describe(path: Path, pids: tuple[int, ...]) -> HostPoolInfo | None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        size = os.fstat(fd).st_size
-        raw = os.pread(fd, _POOL_HEADER.size, 0)
-        if len(raw) < len(_POOL_MAGIC) or raw[: len(_POOL_MAGIC)] != _POOL_MAGIC:
-            return None
-        if len(raw) < _POOL_HEADER.size:
-            return HostPoolInfo(path.name, size, None, 0, 0, pids)
-        h = dict(zip(_HEADER_FIELDS, _POOL_HEADER.unpack(raw), strict=True))
-        dtypes = {code: name for name, code in DTYPE_CODES.items()}
-        if h["layout_version"] != _LAYOUT_VERSION or h["dtype"] not in dtypes:
-            return HostPoolInfo(path.name, size, None, 0, 0, pids)
-        fmt = BlockFormat(
-            h["num_layers"], h["block_size"], h["num_kv_heads"], h["head_dim"], dtypes[h["dtype"]]
-        )
-        geo = _Geometry.of(h["capacity_bytes"], fmt)
-        seq = np.frombuffer(os.pread(fd, geo.num_slots * 8, geo.seq_off), np.uint64)
-        valid = int(np.count_nonzero((seq & _STATE_MASK) == _VALID))
-        return HostPoolInfo(path.name, size, fmt, geo.num_slots, valid, pids)
-    finally:
-        os.close(fd)
 
 
 class HostPool(KvTier):
@@ -294,8 +122,7 @@ class HostPool(KvTier):
         self._payload_bytes = geo.fmt.payload_bytes
         self._value_bytes = geo.fmt.value_bytes
         self._is_closed = False
-        # key -> True (stored) / False (evicted) by this process; None: not recorded
-        self._changes: dict[bytes, bool] | None = {} if record_changes else None
+        self._changes = ChangeLog() if record_changes else None  # None: not recorded
         n = geo.num_slots
         self._seq = np.frombuffer(mapping, np.uint64, n, geo.seq_off)
         self._tick = np.frombuffer(mapping, np.uint64, n, geo.tick_off)
@@ -323,20 +150,7 @@ class HostPool(KvTier):
             FileNotFoundError: no such (initialised) pool and not ``create``.
             TimeoutError: another opener held the open lock for ``_OPEN_TIMEOUT_S``.
         """
-        _check_name(name)
-        geo = _Geometry.of(capacity_bytes, fmt)
-        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
-        lock_fd = os.open(_lock_path(name), flags, 0o600)
-        try:
-            if not _lock(lock_fd, _INIT_LOCK, _OPEN_TIMEOUT_S):
-                raise TimeoutError(f"pool {name}: open lock held for {_OPEN_TIMEOUT_S} s")
-            try:
-                mapping = _map_segment(name, geo, create)
-            finally:
-                _unlock(lock_fd, _INIT_LOCK)
-        except BaseException:
-            os.close(lock_fd)
-            raise
+        geo, mapping, lock_fd = _open_segment(name, capacity_bytes, fmt, create)
         return cls(name, geo, mapping, lock_fd, lock_timeout_s, record_changes)
 
     def set_index(self, key: BlockHash | bytes) -> int:
@@ -394,7 +208,7 @@ class HostPool(KvTier):
                     self._touch(i, s)
                     continue
                 if self._changes is not None:
-                    self._note(self._key_at(i) if found == _EVICT else None, kb)
+                    self._changes.note(self._key_at(i) if found == _EVICT else None, kb)
                 self._begin_write(i, kb)
                 self._fill(i, header, payload)
                 self._end_write(i, s)
@@ -411,14 +225,13 @@ class HostPool(KvTier):
         return num_new
 
     def take_changes(self) -> TierChanges | None:
-        """The keys this process stored and evicted since the last call (see the module
-        docstring); None unless opened with ``record_changes``."""
+        """The keys this process stored and evicted since the last call (``host_changes``);
+        None unless opened with ``record_changes``."""
         if self._changes is None:
             return None
         with self._thread_lock:  # put notes changes under it
-            changes, self._changes = self._changes, {}
-        stored = [key for key, is_stored in changes.items() if is_stored]
-        return TierChanges(stored, [key for key, is_stored in changes.items() if not is_stored])
+            changes, self._changes = self._changes, ChangeLog()
+        return changes.as_tier_changes()
 
     def stats(self) -> dict[str, Any]:
         self._check_open()
@@ -514,7 +327,7 @@ class HostPool(KvTier):
             except CorruptBlock:
                 self._seq[i] = ((seq >> 2) + 1) << 2 | _EMPTY
                 if self._changes is not None:
-                    self._note(key, None)
+                    self._changes.note(key, None)
                 self._stats.add(errors=1)
                 logger.warning("pool %s: corrupt block %s: %s", self.pool_name, key.hex(), exc)
         finally:
@@ -566,16 +379,6 @@ class HostPool(KvTier):
         return len(keys)
 
     # -- writes (caller holds the set lock) ----------------------------------------------------
-
-    def _note(self, evicted: bytes | None, stored: bytes | None) -> None:
-        changes = self._changes
-        assert changes is not None
-        if len(changes) >= _MAX_CHANGES:
-            return
-        if evicted is not None:
-            changes[evicted] = False
-        if stored is not None:
-            changes[stored] = True
 
     def _begin_write(self, i: int, key: bytes) -> None:
         self._seq[i] = ((int(self._seq[i]) >> 2) + 1) << 2 | _WRITING
@@ -637,84 +440,7 @@ class HostPool(KvTier):
             raise ValueError(f"pool {self.pool_name} is closed")
 
 
-def _map_segment(name: str, geo: _Geometry, create: bool) -> mmap.mmap:
-    """Under the open lock: maps the segment, initialising it if it has no magic yet."""
-    path = SHM_DIR / name
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        if not create:
-            raise
-        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        if os.pread(fd, len(_POOL_MAGIC), 0) != _POOL_MAGIC:
-            if not create:
-                raise FileNotFoundError(f"pool {name} was never initialised")
-            _initialise(fd, name, geo)
-        stored = _POOL_HEADER.unpack(os.pread(fd, _POOL_HEADER.size, 0))
-        diff = [
-            f"{field} {have} (expected {want})"
-            for field, have, want in zip(_HEADER_FIELDS, stored, geo.header())
-            if have != want
-        ]
-        if diff:
-            raise ValueError(f"pool {name} holds another format or capacity: {', '.join(diff)}")
-        return mmap.mmap(fd, geo.total_bytes)
-    finally:
-        os.close(fd)
-
-
-def _initialise(fd: int, name: str, geo: _Geometry) -> None:
-    """Sizes a new (or abandoned) segment and writes its header, the magic last."""
-    vfs = os.statvfs(SHM_DIR)
-    free = vfs.f_bavail * vfs.f_frsize + os.fstat(fd).st_size
-    if geo.total_bytes > free:
-        raise ValueError(f"pool {name} needs {geo.total_bytes} bytes; {SHM_DIR} has {free} free")
-    os.ftruncate(fd, 0)  # zero every table: all ways EMPTY
-    os.ftruncate(fd, geo.total_bytes)
-    header = _POOL_HEADER.pack(*geo.header())
-    os.pwrite(fd, header[len(_POOL_MAGIC) :], len(_POOL_MAGIC))
-    os.pwrite(fd, _POOL_MAGIC, 0)
-    logger.info("created host pool %s (%d blocks)", name, geo.num_slots)
-
-
-def _lock(fd: int, offset: int, timeout_s: float) -> bool:
-    """Takes the OFD write lock on byte ``offset``, waiting up to ``timeout_s``."""
-    request = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, offset, 1, 0)
-    deadline = time.monotonic() + timeout_s
-    pause = 1e-5
-    while True:
-        try:
-            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
-            return True
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
-
-
-def _unlock(fd: int, offset: int) -> None:
-    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, offset, 1, 0))
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def _key(key: BlockHash | bytes) -> bytes:
     if len(key) != HASH_BYTES:
         raise ValueError(f"a key is {HASH_BYTES} bytes, got {len(key)}")
     return bytes(key)
-
-
-def _lock_path(name: str) -> Path:
-    return SHM_DIR / f"{name}.lock"
-
-
-def _check_name(name: str) -> None:
-    if not _NAME.fullmatch(name):
-        raise ValueError(f"pool name {name!r}: use up to 200 letters, digits, '_', '.', '-'")
