@@ -9,7 +9,8 @@ One thread runs everything that touches the engine::
            housekeeping         heartbeat LoadReport, lease expiry, pending imports (roles)
 
 The colocated role is this class as it is; ``prefill/worker.py`` and ``decode/worker.py``
-add the KV hand-off.
+add the KV hand-off. The links live apart: ``router_links`` (which router hears what, the
+heartbeat thread) and ``peer_links`` (messages between workers).
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ import logging
 import os
 import signal
 import socket
-import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any, cast
 
@@ -28,6 +27,7 @@ import torch
 import zmq
 
 from kvrelay.cachetier.param_pool import ParamPool
+from kvrelay.cluster import worker_stats
 from kvrelay.cluster.messages import (
     Abort,
     CacheEvent,
@@ -44,8 +44,9 @@ from kvrelay.cluster.messages import (
     TokenEvent,
     Undrain,
     decode,
-    encode,
 )
+from kvrelay.cluster.peer_links import PeerLinks
+from kvrelay.cluster.router_links import RouterLinks, new_request_id, token_event
 from kvrelay.cluster.status import StatusServer
 from kvrelay.cluster.worker_config import (
     WorkerConfig,
@@ -58,6 +59,8 @@ from kvrelay.cluster.worker_config import (
 )
 from kvrelay.cluster.worker_metrics import WorkerMetrics
 from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput, build_engine_config
+
+__all__ = ["Worker", "new_request_id", "token_event"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +80,7 @@ class Worker:
         self._shared_pool: Any = None
         engine_config = build_engine_config(config.model, **dict(config.engine_args))
         self.tiers = create_tiers(config, engine_config)
-        self.param_pool: ParamPool | None = None
-        if config.param_pool:
-            try:
-                self.param_pool = open_param_pool(config, engine_config.dtype)
-            except OSError as e:  # e.g. /dev/shm too small: the weights go to private memory
-                logger.warning(
-                    "%s: no parameter pool (%s); loading from disk", config.instance_id, e
-                )
+        self.param_pool = self._open_param_pool(engine_config.dtype)
         self.engine = LLMEngine(
             engine_config,
             tokenizer=None,
@@ -96,55 +92,55 @@ class Worker:
             else pool_weights(self.param_pool, torch.device("cpu")),
         )
         self.layout = self._layout()
-        self.ctrls = [self._router_link(addr) for addr in config.router_addr.split(",")]
-        self.peer = self.ctx.socket(zmq.ROUTER)
-        self.peer.setsockopt(zmq.LINGER, 0)
-        addr = f"tcp://{config.host}"
-        port = self.peer.bind_to_random_port(addr) if not config.peer_port else config.peer_port
-        if config.peer_port:
-            self.peer.bind(f"{addr}:{port}")
-        public = config.advertise_host
+        self.routers = RouterLinks(
+            self.ctx, config.instance_id, config.router_addr, config.heartbeat_interval
+        )
+        self.peers = PeerLinks(self.ctx, config.instance_id, config.host, config.peer_port)
+        self.peer = self.peers.socket
         self.metrics.watch_tiers(self.tier_stats)
         self.status = StatusServer(
             config.host, config.status_port, self.metrics.registry, self.is_ready, self.stats
         )
-        self.info = PeerInfo(
+        self.info = self._peer_info(self.peers.port)
+        self._poller = zmq.Poller()
+        for ctrl in self.routers.links:
+            self._poller.register(ctrl, zmq.POLLIN)
+        self._poller.register(self.peer, zmq.POLLIN)
+        self._cache_stored: list[bytes] = []
+        self._cache_evicted: list[bytes] = []
+        self._running = True
+        self.registered = False
+        self.draining = False
+        self._last_report = 0.0
+
+    # ------------------------------------------------------------------ set-up
+    def _open_param_pool(self, dtype: str) -> ParamPool | None:
+        """The host's parameter pool of this model, or None (disabled, or no room for it)."""
+        if not self.config.param_pool:
+            return None
+        try:
+            return open_param_pool(self.config, dtype)
+        except OSError as e:  # e.g. /dev/shm too small: the weights go to private memory
+            logger.warning(
+                "%s: no parameter pool (%s); loading from disk", self.config.instance_id, e
+            )
+            return None
+
+    def _peer_info(self, peer_port: int) -> PeerInfo:
+        """What peers and routers learn of this instance (sent in ``Register``)."""
+        config = self.config
+        public = config.advertise_host
+        return PeerInfo(
             instance_id=config.instance_id,
             role=config.role,
             host_id=config.host_id or default_host_id(),
-            peer_addr=f"tcp://{public}:{port}",
+            peer_addr=f"tcp://{public}:{peer_port}",
             status_url=f"http://{public}:{self.status.port}",
             kv_segment=self._kv_segment,
             layout=self.layout,
             fingerprint=self.engine.fingerprint,
             transport=config.transport,
         )
-        self._poller = zmq.Poller()
-        for ctrl in self.ctrls:
-            self._poller.register(ctrl, zmq.POLLIN)
-        self._poller.register(self.peer, zmq.POLLIN)
-        self._origin: dict[str, zmq.Socket] = {}  # request id -> the router that sent it
-        self._router_links: dict[str, zmq.Socket] = {}  # router id (RegisterAck) -> its link
-        self._cache_stored: list[bytes] = []
-        self._cache_evicted: list[bytes] = []
-        self._peer_links: dict[str, zmq.Socket] = {}
-        self._running = True
-        self._ctrl_lock = threading.RLock()  # router links: loop thread + heartbeat thread
-        self._heartbeat = threading.Thread(
-            target=self._heartbeat_loop, name="heartbeat", daemon=True
-        )
-        self._snapshot: LoadReport | None = None
-        self.registered = False
-        self.draining = False
-        self._last_report = 0.0
-
-    # ------------------------------------------------------------------ set-up
-    def _router_link(self, addr: str) -> zmq.Socket:
-        link = self.ctx.socket(zmq.DEALER)
-        link.setsockopt(zmq.IDENTITY, self.config.instance_id.encode())
-        link.setsockopt(zmq.LINGER, 0)
-        link.connect(addr.strip())
-        return link
 
     def _allocate_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Puts the KV pool in shared memory so same-host peers can pull with one copy."""
@@ -189,26 +185,7 @@ class Worker:
 
     def tier_stats(self) -> dict[str, Any]:
         """Per tier: this instance's queries and hits (tokens and blocks), sizes, errors."""
-        bm = self.engine.block_manager
-        block_size = bm.block_size
-        device: dict[str, Any] = {
-            "capacity_blocks": bm.num_blocks,
-            "capacity_bytes": self.engine.runner.kv_cache.nbytes,
-            "used_blocks": bm.num_leaked(),
-            "cached_blocks": bm.num_cached_blocks,
-            "query_tokens": bm.num_query_tokens,
-            "hit_tokens": bm.num_hit_tokens,
-            "hit_blocks": bm.num_hit_tokens // block_size,
-            "evictions": bm.num_evictions,
-        }
-        device["hit_rate"] = bm.num_hit_tokens / bm.num_query_tokens if bm.num_query_tokens else 0.0
-        out: dict[str, Any] = {"device": device}
-        if self.tiers is not None:
-            for name, stats in self.tiers.stats().items():
-                stats["query_tokens"] = stats["query_blocks"] * block_size
-                stats["hit_tokens"] = stats["hit_blocks"] * block_size
-                out[name] = stats
-        return out
+        return worker_stats.tier_stats(self.engine, self.tiers)
 
     def num_leaked_blocks(self) -> int:
         """Block references that no running sequence, lease or import accounts for."""
@@ -230,8 +207,8 @@ class Worker:
             self.info.status_url,
             self._kv_segment or "private",
         )
-        self._snapshot = self.load_report()
-        self._heartbeat.start()
+        self.routers.snapshot = self.load_report()
+        self.routers.start_heartbeat(lambda: self._running)
         try:
             while self._running:
                 busy = self.engine.has_unfinished_requests() or self.has_role_work()
@@ -242,19 +219,12 @@ class Worker:
         finally:
             self.close()
 
-    def _heartbeat_loop(self) -> None:
-        """Sends the latest load snapshot every interval, also while a long step runs."""
-        while self._running:
-            if self._snapshot is not None:
-                self._send_ctrl(self._snapshot)
-            time.sleep(self.config.heartbeat_interval)
-
     def register(self, links: list[zmq.Socket] | None = None) -> None:
         """Sends Register and the full device-cache state (deltas follow on heartbeats)."""
         msg = Register(self.info, self.served_model_name(), self.engine.max_model_len, os.getpid())
-        self._send_ctrl(msg, links)
+        self.routers.send(msg, links)
         cached = [bytes(h) for h in self.engine.block_manager.cached_hashes()]
-        self._send_ctrl(CacheEvent(self.instance_id, cached, [], reset=True), links)
+        self.routers.send(CacheEvent(self.instance_id, cached, [], reset=True), links)
 
     def served_model_name(self) -> str:
         return self.config.served_model_name or Path(self.config.model).name
@@ -263,7 +233,7 @@ class Worker:
         self._running = False
 
     def _poll(self, timeout_ms: int) -> None:
-        with self._ctrl_lock:  # the heartbeat thread sends on the router links
+        with self.routers.lock:  # the heartbeat thread sends on the router links
             for sock, _ in self._poller.poll(timeout_ms):
                 while True:
                     try:
@@ -282,7 +252,7 @@ class Worker:
             return
         if sock is not self.peer:
             if isinstance(msg, GenerateRequest):
-                self._origin[msg.request_id] = sock
+                self.routers.origin[msg.request_id] = sock
             elif isinstance(msg, RegisterAck):
                 self._on_register_ack(msg, sock)
                 return
@@ -310,7 +280,7 @@ class Worker:
 
     def _on_register_ack(self, msg: RegisterAck, link: zmq.Socket) -> None:
         if msg.router_id:
-            self._router_links[msg.router_id] = link
+            self.routers.by_router_id[msg.router_id] = link
         if msg.known:
             self.registered = True
         else:
@@ -344,15 +314,13 @@ class Worker:
             )
 
     def on_abort(self, request_id: str) -> None:
-        self._origin.pop(request_id, None)
+        self.routers.origin.pop(request_id, None)
         self.engine.abort_request(request_id)
 
     def adopt_origin(self, request_id: str, router_id: str) -> None:
         """Events of ``request_id`` (handed over by a peer) go to router ``router_id`` only;
         to every router while that id is unknown."""
-        link = self._router_links.get(router_id)
-        if link is not None:
-            self._origin[request_id] = link
+        self.routers.adopt_origin(request_id, router_id)
 
     def _step(self) -> None:
         started = time.perf_counter()
@@ -371,7 +339,7 @@ class Worker:
         now = time.monotonic()
         if now - self._last_report >= self.config.heartbeat_interval:
             self._last_report = now
-            self._snapshot = self.load_report()  # the heartbeat thread sends it
+            self.routers.snapshot = self.load_report()  # the heartbeat thread sends it
             self._send_cache_events()
             self.metrics.update_load(self.engine)
 
@@ -380,7 +348,7 @@ class Worker:
         (the L1 keys this instance wrote or evicted, tagged with this host's id)."""
         if self._cache_stored or self._cache_evicted:
             event = CacheEvent(self.instance_id, self._cache_stored, self._cache_evicted)
-            self._send_ctrl(event)
+            self.routers.send(event)
             self._cache_stored, self._cache_evicted = [], []
         if self.tiers is None:
             return
@@ -389,7 +357,7 @@ class Worker:
             tier = cast("CacheTier", name)  # only per-host tiers report (KvTier.take_changes)
             stored, evicted = changes
             event = CacheEvent(self.instance_id, stored, evicted, tier=tier, host_id=host_id)
-            self._send_ctrl(event)
+            self.routers.send(event)
 
     def has_role_work(self) -> bool:
         return False
@@ -413,54 +381,21 @@ class Worker:
     # ------------------------------------------------------------------ sending
     def send_event(self, event: TokenEvent) -> None:
         """Sends to the router that sent the request (every router if it is unknown)."""
-        origin = self._origin.get(event.request_id)
-        if event.finished or event.handed_off_to is not None:
-            self._origin.pop(event.request_id, None)
-        self._send_ctrl(event, [origin] if origin is not None else None)
-
-    def _send_ctrl(self, msg: Any, links: list[zmq.Socket] | None = None) -> None:
-        data = encode(msg)
-        with self._ctrl_lock:
-            for link in self.ctrls if links is None else links:
-                try:
-                    link.send(data, zmq.NOBLOCK)
-                except zmq.Again:
-                    logger.warning(
-                        "%s: router link full; dropped %s", self.instance_id, type(msg).__name__
-                    )
+        self.routers.send_event(event)
 
     def send_peer(self, addr: str, msg: Any) -> None:
         """Sends to another worker's peer socket (one cached DEALER per address)."""
-        link = self._peer_links.get(addr)
-        if link is None:
-            link = self.ctx.socket(zmq.DEALER)
-            link.setsockopt(zmq.LINGER, 0)
-            link.setsockopt(zmq.SNDHWM, 10000)
-            link.connect(addr)
-            self._peer_links[addr] = link
-        try:
-            link.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:
-            logger.warning(
-                "%s: peer %s not taking messages; dropped %s",
-                self.instance_id,
-                addr,
-                type(msg).__name__,
-            )
+        self.peers.send(addr, msg)
 
     def reply_peer(self, identity: bytes, msg: Any) -> None:
-        self.peer.send_multipart([identity, encode(msg)])
+        self.peers.reply(identity, msg)
 
     def close(self) -> None:
         self._running = False
-        if self._heartbeat.is_alive():
-            self._heartbeat.join(timeout=2 * self.config.heartbeat_interval + 1)
+        self.routers.join_heartbeat()
         self.status.close()
-        for link in self._peer_links.values():
-            link.close(0)
-        for ctrl in self.ctrls:
-            ctrl.close(0)
-        self.peer.close(0)
+        self.routers.close()
+        self.peers.close()
         self.close_role()
         if self._shared_pool is not None:
             self._shared_pool.close(unlink=True)
@@ -473,33 +408,3 @@ class Worker:
 
     def close_role(self) -> None:
         pass
-
-
-def token_event(instance_id: str, out: RequestOutput, **extra: Any) -> TokenEvent:
-    offset = len(out.token_ids) - len(out.new_token_ids)
-    logprobs = None
-    if out.logprobs and out.logprobs[-1] is not None:
-        logprobs = [_logprob_wire(lp) for lp in out.logprobs[-len(out.new_token_ids) :]]
-    return TokenEvent(
-        request_id=out.request_id,
-        instance_id=instance_id,
-        token_ids=list(out.new_token_ids),
-        offset=offset,
-        logprobs=logprobs,
-        finished=out.finished,
-        finish_reason=out.finish_reason,
-        stop_reason=out.stop_reason,
-        num_cached_tokens=out.num_cached_tokens,
-        cached_tokens_by_tier=out.cached_tokens_by_tier,
-        **extra,
-    )
-
-
-def _logprob_wire(lp: Any) -> list[Any] | None:
-    if lp is None:
-        return None
-    return [lp.token_id, lp.logprob, lp.rank, [list(t) for t in lp.top]]
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex

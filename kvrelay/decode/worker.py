@@ -49,7 +49,7 @@ class DecodeWorker(Worker):
         for ready in [r for r in self.pending if r.request_id == request_id]:
             self.pending.remove(ready)
             self.send_peer(ready.src.peer_addr, KvAck(request_id, False, "aborted"))
-        self._origin.pop(request_id, None)
+        self.routers.origin.pop(request_id, None)
         self.engine.abort_request(request_id)
 
     def has_role_work(self) -> bool:

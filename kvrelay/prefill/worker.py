@@ -59,7 +59,7 @@ class PrefillWorker(Worker):
     def on_abort(self, request_id: str) -> None:
         self._targets.pop(request_id, None)
         self._origin_ids.pop(request_id, None)
-        self._origin.pop(request_id, None)
+        self.routers.origin.pop(request_id, None)
         self.engine.abort_request(request_id)
         self._release(request_id)
 

@@ -1,0 +1,130 @@
+"""A worker's control-plane links: which router hears what, and the heartbeat that keeps it alive.
+
+Decides where a worker's messages to the routers go. A worker holds one DEALER link per router
+(``--control-addr`` may name several); a request's token events go to the router that sent it
+(or to every router while that one is unknown), everything else to all of them. A thread of its
+own sends the latest ``LoadReport`` every heartbeat interval, so a long engine step never looks
+like death.
+
+Locking: ``lock`` guards the links; the worker's loop thread holds it while it polls them and
+the heartbeat thread while it sends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from kvrelay.cluster.messages import LoadReport, TokenEvent, encode
+from kvrelay.engine.engine import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+class RouterLinks:
+    """The DEALER links of one worker to its routers, the request -> router map, the heartbeat."""
+
+    def __init__(
+        self, ctx: zmq.Context, instance_id: str, router_addr: str, heartbeat_interval: float
+    ) -> None:
+        self.instance_id = instance_id
+        self.links = [self._connect(ctx, addr) for addr in router_addr.split(",")]
+        self.lock = threading.RLock()  # router links: loop thread + heartbeat thread
+        self.origin: dict[str, zmq.Socket] = {}  # request id -> the router that sent it
+        self.by_router_id: dict[str, zmq.Socket] = {}  # router id (RegisterAck) -> its link
+        self.snapshot: LoadReport | None = None  # what the heartbeat thread sends
+        self._heartbeat_interval = heartbeat_interval
+        self._is_running: Callable[[], bool] = lambda: False
+        self._heartbeat = threading.Thread(
+            target=self._heartbeat_loop, name="heartbeat", daemon=True
+        )
+
+    def _connect(self, ctx: zmq.Context, addr: str) -> zmq.Socket:
+        link = ctx.socket(zmq.DEALER)
+        link.setsockopt(zmq.IDENTITY, self.instance_id.encode())
+        link.setsockopt(zmq.LINGER, 0)
+        link.connect(addr.strip())
+        return link
+
+    def start_heartbeat(self, is_running: Callable[[], bool]) -> None:
+        """Sends ``snapshot`` every interval from a thread of its own while ``is_running()``."""
+        self._is_running = is_running
+        self._heartbeat.start()
+
+    def _heartbeat_loop(self) -> None:
+        """Sends the latest load snapshot every interval, also while a long step runs."""
+        while self._is_running():
+            if self.snapshot is not None:
+                self.send(self.snapshot)
+            time.sleep(self._heartbeat_interval)
+
+    def adopt_origin(self, request_id: str, router_id: str) -> None:
+        """Events of ``request_id`` (handed over by a peer) go to router ``router_id`` only;
+        to every router while that id is unknown."""
+        link = self.by_router_id.get(router_id)
+        if link is not None:
+            self.origin[request_id] = link
+
+    def send_event(self, event: TokenEvent) -> None:
+        """Sends to the router that sent the request (every router if it is unknown)."""
+        origin = self.origin.get(event.request_id)
+        if event.finished or event.handed_off_to is not None:
+            self.origin.pop(event.request_id, None)
+        self.send(event, [origin] if origin is not None else None)
+
+    def send(self, msg: Any, links: list[zmq.Socket] | None = None) -> None:
+        """Sends ``msg`` on ``links`` (default: every router link); a full link drops it."""
+        data = encode(msg)
+        with self.lock:
+            for link in self.links if links is None else links:
+                try:
+                    link.send(data, zmq.NOBLOCK)
+                except zmq.Again:
+                    logger.warning(
+                        "%s: router link full; dropped %s", self.instance_id, type(msg).__name__
+                    )
+
+    def join_heartbeat(self) -> None:
+        """Waits for the heartbeat thread (``is_running()`` is already false)."""
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=2 * self._heartbeat_interval + 1)
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close(0)
+
+
+def token_event(instance_id: str, out: RequestOutput, **extra: Any) -> TokenEvent:
+    offset = len(out.token_ids) - len(out.new_token_ids)
+    logprobs = None
+    if out.logprobs and out.logprobs[-1] is not None:
+        logprobs = [_logprob_wire(lp) for lp in out.logprobs[-len(out.new_token_ids) :]]
+    return TokenEvent(
+        request_id=out.request_id,
+        instance_id=instance_id,
+        token_ids=list(out.new_token_ids),
+        offset=offset,
+        logprobs=logprobs,
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        stop_reason=out.stop_reason,
+        num_cached_tokens=out.num_cached_tokens,
+        cached_tokens_by_tier=out.cached_tokens_by_tier,
+        **extra,
+    )
+
+
+def _logprob_wire(lp: Any) -> list[Any] | None:
+    if lp is None:
+        return None
+    return [lp.token_id, lp.logprob, lp.rank, [list(t) for t in lp.top]]
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
