@@ -12,7 +12,8 @@ block size 16), at 16, 256 and 2048 tokens; block ids are either one run on each
 (``contiguous``) or a random sample in random order on each side (``scattered``, every block
 its own run: the worst case for a fragmented pool). GB/s is KV bytes moved per second
 (10^9 B/s), median of ``--repeats`` runs after one warm-up. The memcpy baseline is
-``dst.copy_(src)`` of two contiguous float32 tensors of the same byte count, in this run.
+``dst.copy_(src)`` of two contiguous float32 tensors of the same byte count, in this run, on
+``--threads`` torch threads (default: every CPU); the pulls copy on as many threads.
 
     python benchmarks/transfer.py                  # full run, writes BENCHMARKS.md
     python benchmarks/transfer.py --quick --no-write
@@ -330,22 +331,24 @@ def markdown_body(
     notes = [
         "A decode-side pull from a source in another process, verification included, against "
         "`copy_` of the same byte count. GB/s = KV bytes moved / s (10^9), median of "
-        f"{repeats} runs after a warm-up; the CPU-time ratio uses this thread's CPU time "
-        "instead of wall time (shm and memcpy both run on the calling thread), so time spent "
-        "descheduled by other jobs does not count; `checksum` is `kv_checksum` (xxh3-64) "
-        "alone over the destination blocks. float32, block size 16; `scattered` puts every "
-        "block in its own run on both sides. tcp is ZMQ over loopback.",
+        f"{repeats} runs after a warm-up. memcpy and the pulls' copies run on the same "
+        f"{threads} threads (torch's for memcpy, `SlabCopier`'s for shm and tcp); the CPU-time "
+        "ratio counts the calling thread's CPU time only, a rough check against time spent "
+        "descheduled by other jobs; `checksum` is `kv_checksum` (two-level xxh3-64, one "
+        "thread) alone over the destination blocks. float32, block size 16; `scattered` puts "
+        "every block in its own run on both sides. tcp is ZMQ over loopback.",
         "",
         markdown_table(HEADERS, table_rows(rows)),
         "",
         *goal_lines(rows),
         "",
         "Where the time goes (profiled): a pull is one copy plus the checksum of what it wrote, "
-        "hashed piece by piece while still in cache (xxh3 reads L2-hot data at ~19 GB/s, cold "
-        "at ~10, blake2b at ~0.7), so the copy itself runs at memcpy speed and the verify "
-        "costs the rest. With `scattered` ids every (layer, K/V, block) is its own 16 KiB "
-        "copy: about a microsecond of Python per piece. Small transfers (16 tokens) are "
-        "latency, not bandwidth: ~0.1 ms per shm pull. tcp is bounded by ZMQ over loopback "
+        "hashed piece by piece while still in cache, each thread owning a range of (layer, K/V) "
+        "slabs; the copies (`np.copyto`) release the GIL, xxh3 (~35 GB/s on cache-hot data, "
+        "~12 cold) holds it, so the threads' hashes run one at a time. With `scattered` ids "
+        "every block is its own strided copy across a thread's slabs plus one hash call per "
+        "slab: about a microsecond of Python per block and slab. Small transfers (16 tokens) "
+        "are latency, not bandwidth: ~0.1 ms per shm pull. tcp is bounded by ZMQ over loopback "
         "(about 1 GB/s for 32 MiB messages on this machine) plus a gather on the source.",
         "",
         f"1-min load average at start / end: {loads[0]:.1f} / {loads[1]:.1f} "
@@ -364,7 +367,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads (memcpy baseline); default 1"
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch threads: the memcpy baseline's and the pulls' copy threads; default all CPUs",
     )
     return parser.parse_args(argv)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 import subprocess
 import sys
 import threading
@@ -49,8 +50,10 @@ from kvrelay.transport import (
     choose_transport,
     create_transport,
 )
+from kvrelay.transport import copier as copier_module
 from kvrelay.transport.blocks import Run, block_runs, paired_runs, pool_shape, torch_dtype
-from kvrelay.transport.checksum import kv_checksum
+from kvrelay.transport.checksum import kv_checksum, pool_slabs
+from kvrelay.transport.copier import SlabCopier
 from kvrelay.transport.shm_pool import (
     SHM_DIR,
     SharedKvPool,
@@ -464,17 +467,85 @@ def test_bfloat16_pools(transport_factory: Any, prefix: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_checksum_is_xxh3_of_raw_bytes_in_order(dtype: str) -> None:
+def test_checksum_is_xxh3_of_slab_digests_in_order(dtype: str) -> None:
     layout = KvLayout(2, 12, 4, 2, 8, dtype)
     pool = make_pool(layout, 7)
     ids = [5, 6, 7, 1, 9, 10]
     flat = pool.view(torch.uint8).view(2, 2, 12, -1).numpy()
-    stream = b"".join(
-        flat[layer, kv, b].tobytes() for layer in range(2) for kv in range(2) for b in ids
-    )
-    assert kv_checksum(pool, ids) == xxhash.xxh3_64_intdigest(stream)
-    assert kv_checksum(pool, ids) != kv_checksum(pool, [6, 5, 7, 1, 9, 10])  # order matters
-    assert kv_checksum(pool, []) == xxhash.xxh3_64_intdigest(b"")
+    digests = [
+        xxhash.xxh3_64_intdigest(b"".join(flat[layer, kv, b].tobytes() for b in ids))
+        for layer in range(2)
+        for kv in range(2)
+    ]
+    assert kv_checksum(pool, ids) == xxhash.xxh3_64_intdigest(struct.pack("<4Q", *digests))
+    assert kv_checksum(pool, ids) != kv_checksum(pool, [6, 5, 7, 1, 9, 10])  # block order
+    swapped = pool.clone()
+    swapped[0, 0], swapped[0, 1] = pool[0, 1], pool[0, 0]
+    assert kv_checksum(swapped, ids) != kv_checksum(pool, ids)  # slab order
+    empty = xxhash.xxh3_64_intdigest(b"")
+    assert kv_checksum(pool, []) == xxhash.xxh3_64_intdigest(struct.pack("<4Q", *[empty] * 4))
+
+
+COPY_CASES = {
+    "contiguous": (list(range(4, 28)), list(range(6, 30))),
+    "scattered": ([9, 2, 31, 17, 5, 22, 0, 38], [3, 30, 12, 7, 25, 1, 19, 8]),
+    "mixed": (SRC_IDS, DST_IDS),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COPY_CASES))
+@pytest.mark.parametrize("num_threads", [1, 2, 3, 8])  # 8 > the 6 slabs: capped
+@pytest.mark.parametrize("chunk_bytes", [copier_module.CHUNK_BYTES, 40_000])  # 40 kB: 1-2 blocks
+@pytest.mark.parametrize("stacked", [True, False], ids=["pools", "frames"])
+def test_threaded_copy_equals_the_checksum_definition(
+    case: str, num_threads: int, chunk_bytes: int, stacked: bool, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(copier_module, "CHUNK_BYTES", chunk_bytes)
+    src_ids, dst_ids = COPY_CASES[case]
+    src = make_pool(SRC_LAYOUT, SEED)
+    dst, before = fresh_dst()
+    src_slabs, dst_slabs = pool_slabs(src), pool_slabs(dst)
+    copier = SlabCopier(num_threads)
+    try:
+        if stacked:
+            actual = copier.copy_and_checksum(src_slabs, dst_slabs, paired_runs(src_ids, dst_ids))
+        else:
+            runs = paired_runs(range(len(src_ids)), dst_ids)  # tcp: frames of the leased blocks
+            frames = [slab[src_ids] for slab in src_slabs]
+            actual = copier.copy_and_checksum(frames, list(dst_slabs), runs)
+    finally:
+        copier.close()
+    assert actual == kv_checksum(src, src_ids) == kv_checksum(dst, dst_ids)
+    assert_pulled(dst, before, dst_ids, src, src_ids)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 4])
+def test_threaded_copy_detects_a_corrupted_byte_in_any_slab(num_threads: int) -> None:
+    src = make_pool(SRC_LAYOUT, SEED)
+    expected = kv_checksum(src, SRC_IDS)
+    runs = paired_runs(SRC_IDS, DST_IDS)
+    copier = SlabCopier(num_threads)
+    try:
+        for slab in range(2 * SRC_LAYOUT.num_layers):
+            bad = src.clone()
+            bad_bytes = pool_slabs(bad)[slab, SRC_IDS[slab % len(SRC_IDS)]]
+            bad_bytes[(slab * 4099) % bad_bytes.size] ^= 1
+            dst, _ = fresh_dst()
+            actual = copier.copy_and_checksum(pool_slabs(bad), pool_slabs(dst), runs)
+            assert actual != expected, slab
+            assert actual == kv_checksum(dst, DST_IDS)
+    finally:
+        copier.close()
+
+
+def test_copier_rejects_mismatched_slabs() -> None:
+    copier = SlabCopier(2)
+    src, dst = pool_slabs(make_pool(SRC_LAYOUT, SEED)), pool_slabs(fresh_dst()[0])
+    with pytest.raises(ValueError):
+        copier.copy_and_checksum(src[:4], dst, paired_runs(SRC_IDS, DST_IDS))
+    with pytest.raises(ValueError):
+        SlabCopier(0)
+    copier.close()
 
 
 def test_block_runs_and_paired_runs() -> None:

@@ -1,124 +1,107 @@
-"""The KV handoff checksum: 64-bit xxh3 over blocks' raw bytes, in a defined order.
+"""The KV handoff checksum: two levels of xxh3-64 over blocks' raw bytes, in a defined order.
 
-The byte stream is, for each layer, for K then V, each block's bytes in ``block_ids`` order::
+Each (layer, K/V) slab has its own digest over its blocks in ``block_ids`` order, and the
+checksum is xxh3-64 of those digests in (layer, K/V) order, as little-endian u64s::
 
-    for l in layers: for kv in (K, V): for b in block_ids: bytes(pool[l, kv, b])
+    digest[l, kv] = xxh3_64(for b in block_ids: bytes(pool[l, kv, b]))
+    checksum      = xxh3_64(digest[0, K], digest[0, V], digest[1, K], ...)
 
 so the source (over its block ids) and the destination (over the ids it copied into) agree
-whatever ids each side uses. A run of consecutive ids is fed as one slab (fewer calls; xxh3
-streaming gives the same value however the stream is cut). It runs twice per handoff on the
-critical path; xxh3 streams at about twice memcpy speed, blake2b at a sixth of it (measured in
-``benchmarks/transfer.py``). The raw bytes are hashed, so every dtype (bfloat16 too) works.
+whatever ids each side uses, a reordered block list changes the value, and every dtype
+(bfloat16 too) works: the raw bytes are hashed. A run of consecutive ids is fed as one piece
+(xxh3 streaming gives the same digest however a slab's stream is cut).
 
-``copy_and_checksum`` fuses the destination's copy with its checksum: each piece is hashed
-right after it is written, while it is still in cache, instead of re-reading the whole
-transfer from memory afterwards.
+Why two levels: one streaming hash over the whole transfer can only run on one thread, and it
+runs twice per handoff on the critical path (prefill at lease time, decode after its copy).
+Independent slab digests let the destination copy and verify slabs on several threads at once
+(``copier.SlabCopier``). xxh3 stays the hash: it reads cache-hot data at about 35-45 GB/s
+against about 20 for hardware CRC32C (``crc32c``, measured here); xxh3 holds the GIL while
+numpy's copy releases it, and a piece's hash is a small part of its copy, so the threads'
+copies still overlap. Measured in ``benchmarks/transfer.py``; the numbers are in DESIGN.md
+(Transport): on 2 cores a 2-thread pull reaches about 60% of a 2-thread memcpy contiguous and
+50% scattered, against about a third single-threaded.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import xxhash
 
-from kvrelay.transport.blocks import Run, block_runs, byte_view, split_runs
+from kvrelay.transport.blocks import block_runs, byte_view
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-CHUNK_BYTES = 1 << 20  # copy+hash piece: fits in L2, so the hash reads what the copy wrote
-
 
 def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
-    """xxh3-64 of the blocks' bytes (layer, K/V, block in list order); see the module doc.
+    """The checksum of the blocks ``block_ids`` of ``pool``; see the module doc.
 
     A CUDA pool is hashed through host copies of each run (correct, not fast).
     """
     if pool.device.type != "cpu":
         return _device_checksum(pool, block_ids)
-    return slabs_checksum(_slabs(byte_view(pool)), block_ids)
+    return slabs_checksum(pool_slabs(pool), block_ids)
 
 
 def slabs_checksum(slabs: Sequence[np.ndarray], block_ids: Sequence[int]) -> int:
     """Checksum over per-(layer, K/V) ``[num_blocks, block_bytes]`` arrays, in that order."""
-    hasher = xxhash.xxh3_64()
     runs = block_runs(block_ids)
-    for slab in slabs:
-        for start, length in runs:
-            hasher.update(slab[start : start + length])
-    return hasher.intdigest()
+    return combine_digests([slab_digest(slab, runs) for slab in slabs])
 
 
-def copy_and_checksum(
-    src_slabs: Sequence[np.ndarray], dst_slabs: Sequence[np.ndarray], runs: Sequence[Run]
-) -> int:
-    """Copies ``runs`` from each source slab into its destination slab; returns the checksum.
-
-    ``src_slabs[i]`` and ``dst_slabs[i]`` are the ``[blocks, block_bytes]`` arrays of the same
-    (layer, K/V), in (layer, K/V) order. One copy, no intermediate buffer; the value equals
-    ``slabs_checksum(dst_slabs, dst ids of runs)``.
-    """
-    if len(src_slabs) != len(dst_slabs):
-        raise ValueError(f"{len(src_slabs)} source slabs but {len(dst_slabs)} destination slabs")
-    if not dst_slabs:
-        return xxhash.xxh3_64_intdigest(b"")
-    slab_bytes = dst_slabs[0].shape[1]
-    pieces = split_runs(runs, max(1, CHUNK_BYTES // max(1, slab_bytes)))
-    spans = [
-        (src * slab_bytes, (src + n) * slab_bytes, dst * slab_bytes, (dst + n) * slab_bytes)
-        for src, dst, n in pieces
-    ]
+def slab_digest(slab: np.ndarray, runs: Sequence[tuple[int, int]]) -> int:
+    """xxh3-64 of the ``(start, length)`` runs of one ``[num_blocks, block_bytes]`` slab."""
     hasher = xxhash.xxh3_64()
-    for src_slab, dst_slab in zip(src_slabs, dst_slabs):
-        # flat byte memoryviews: slicing and assigning them costs less than numpy's per call
-        src_bytes, dst_bytes = memoryview(src_slab).cast("B"), memoryview(dst_slab).cast("B")
-        for src_begin, src_end, dst_begin, dst_end in spans:
-            out = dst_bytes[dst_begin:dst_end]
-            out[:] = src_bytes[src_begin:src_end]
-            hasher.update(out)
+    for start, length in runs:
+        hasher.update(slab[start : start + length])
     return hasher.intdigest()
 
 
-def pool_slabs(pool: torch.Tensor) -> list[np.ndarray]:
-    """The ``[num_blocks, block_bytes]`` byte arrays of a CPU pool, in (layer, K/V) order."""
-    return _slabs(byte_view(pool))
+def combine_digests(digests: Sequence[int]) -> int:
+    """The transfer checksum from its slab digests, in (layer, K/V) order."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
+
+
+def pool_slabs(pool: torch.Tensor) -> np.ndarray:
+    """``[num_layers * 2, num_blocks, block_bytes]`` byte view of a CPU pool: its slabs in order."""
+    view = byte_view(pool)
+    return view.reshape(view.shape[0] * 2, view.shape[2], view.shape[3])
 
 
 class SlabCache:
     """``pool_slabs`` of the last pool seen, reused while the same tensor comes back.
 
-    The cached arrays keep that pool's memory alive until another pool is seen or ``clear``.
+    The cached view keeps that pool's memory alive until another pool is seen or ``clear``.
     """
 
     def __init__(self) -> None:
         self._key: tuple[object, ...] | None = None
-        self._slabs: list[np.ndarray] = []
+        self._slabs: np.ndarray | None = None
 
-    def get(self, pool: torch.Tensor) -> list[np.ndarray]:
+    def get(self, pool: torch.Tensor) -> np.ndarray:
         key = (pool.data_ptr(), tuple(pool.shape), pool.stride(), pool.dtype, pool.device)
-        if key != self._key:
+        if key != self._key or self._slabs is None:
             self._slabs = pool_slabs(pool)
             self._key = key
         return self._slabs
 
     def clear(self) -> None:
-        self._key, self._slabs = None, []
-
-
-def _slabs(view: np.ndarray) -> list[np.ndarray]:
-    return [view[layer, kv] for layer in range(view.shape[0]) for kv in range(2)]
+        self._key, self._slabs = None, None
 
 
 def _device_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
     import torch
 
-    hasher = xxhash.xxh3_64()
     runs = block_runs(block_ids)
-    flat = pool.view(torch.uint8).view(pool.shape[0], 2, pool.shape[2], -1)
-    for layer in range(pool.shape[0]):
-        for kv in range(2):
-            for start, length in runs:
-                hasher.update(flat[layer, kv, start : start + length].cpu().numpy())
-    return hasher.intdigest()
+    slabs = pool.view(torch.uint8).view(pool.shape[0] * 2, pool.shape[2], -1)
+    digests = []
+    for slab in slabs:
+        hasher = xxhash.xxh3_64()
+        for start, length in runs:
+            hasher.update(slab[start : start + length].cpu().numpy())
+        digests.append(hasher.intdigest())
+    return combine_digests(digests)

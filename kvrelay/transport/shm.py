@@ -2,8 +2,9 @@
 
 One copy, no intermediate buffer: for each (layer, K/V), each run of blocks consecutive on
 both sides is one slab-to-slab copy, cut into cache-sized pieces that are hashed right after
-they are written (``checksum.copy_and_checksum``). The checksum is over the destination, so a
-source that reused its blocks during the copy is caught, not trusted.
+they are written, the slabs split across ``torch.get_num_threads()`` threads
+(``copier.SlabCopier``). The checksum is over the destination, so a source that reused its
+blocks during the copy is caught, not trusted.
 
 The source's segment is attached once per name (``SharedKvPool.attach``: untracked, so this
 process exiting never unlinks it) and cached until a checksum mismatch or ``close()``.
@@ -27,7 +28,8 @@ from kvrelay.transport.base import (
     check_pull,
 )
 from kvrelay.transport.blocks import paired_runs, transfer_bytes
-from kvrelay.transport.checksum import SlabCache, copy_and_checksum, pool_slabs
+from kvrelay.transport.checksum import SlabCache, pool_slabs
+from kvrelay.transport.copier import SlabCopier
 from kvrelay.transport.shm_pool import SharedKvPool
 
 if TYPE_CHECKING:
@@ -48,8 +50,9 @@ class ShmTransport(KvTransport):
     name = "shm"
 
     def __init__(self) -> None:
-        self._attached: dict[str, tuple[SharedKvPool, list[np.ndarray]]] = {}
+        self._attached: dict[str, tuple[SharedKvPool, np.ndarray]] = {}
         self._dst_slabs = SlabCache()
+        self._copier = SlabCopier()
 
     def pull(
         self,
@@ -69,7 +72,7 @@ class ShmTransport(KvTransport):
             raise SourceGone(f"{spec.request_id}: lease expired at {spec.lease_deadline:.3f}")
         src_slabs = self._source_slabs(segment, spec.src.layout)
         runs = paired_runs(spec.src_block_ids, dst_block_ids)
-        actual = copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs)
+        actual = self._copier.copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs)
         try:
             check_checksum(spec, actual)
         except ChecksumMismatch:
@@ -82,8 +85,9 @@ class ShmTransport(KvTransport):
         for segment in list(self._attached):
             self._forget(segment)
         self._dst_slabs.clear()
+        self._copier.close()
 
-    def _source_slabs(self, segment: str, layout: KvLayout) -> list[np.ndarray]:
+    def _source_slabs(self, segment: str, layout: KvLayout) -> np.ndarray:
         cached = self._attached.get(segment)
         if cached is not None and cached[0].layout == layout:
             return cached[1]

@@ -11,7 +11,7 @@ order: ``len(block_ids) * block_bytes`` bytes. ``ok=False`` carries no frames.
 
 Copies: the source sends views of its pool when the blocks are one run and otherwise gathers
 them in one pass (``copy=False`` either way); the destination scatters each frame into its own
-blocks in one copy, hashing as it goes (``checksum.copy_and_checksum``).
+blocks in one copy, hashing as it goes, on several threads (``copier.SlabCopier``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ from kvrelay.transport.blocks import (
     paired_runs,
     transfer_bytes,
 )
-from kvrelay.transport.checksum import SlabCache, copy_and_checksum
+from kvrelay.transport.checksum import SlabCache
+from kvrelay.transport.copier import SlabCopier
 
 if TYPE_CHECKING:
     import torch
@@ -115,6 +116,7 @@ class TcpTransport(KvTransport):
         self._owns_context = context is None
         self._sockets: dict[str, zmq.Socket] = {}
         self._dst_slabs = SlabCache()
+        self._copier = SlabCopier()
 
     def pull(
         self,
@@ -130,7 +132,8 @@ class TcpTransport(KvTransport):
         frames = self._request(spec, timeout)
         src_slabs = _frame_slabs(spec, frames)
         runs = paired_runs(range(len(dst_block_ids)), dst_block_ids)
-        check_checksum(spec, copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs))
+        actual = self._copier.copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs)
+        check_checksum(spec, actual)
         num_bytes = transfer_bytes(dst_layout, len(dst_block_ids))
         return TransferStats(num_bytes, time.perf_counter() - start)
 
@@ -138,6 +141,7 @@ class TcpTransport(KvTransport):
         for addr in list(self._sockets):
             self._drop(addr)
         self._dst_slabs.clear()
+        self._copier.close()
         if self._owns_context and not self._context.closed:
             self._context.term()
 
