@@ -48,7 +48,7 @@ def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
     return slabs_checksum(pool_slabs(pool), block_ids)
 
 
-def slabs_checksum(slabs: Sequence[np.ndarray], block_ids: Sequence[int]) -> int:
+def slabs_checksum(slabs: Sequence[np.ndarray] | np.ndarray, block_ids: Sequence[int]) -> int:
     """Checksum over per-(layer, K/V) ``[num_blocks, block_bytes]`` arrays, in that order."""
     runs = block_runs(block_ids)
     return combine_digests([slab_digest(slab, runs) for slab in slabs])
@@ -58,8 +58,19 @@ def slab_digest(slab: np.ndarray, runs: Sequence[tuple[int, int]]) -> int:
     """CRC32C of the ``(start, length)`` runs of one ``[num_blocks, block_bytes]`` slab."""
     digest = 0
     for start, length in runs:
-        digest = crc32c.crc32c(slab[start : start + length], digest, 1)  # 1: release the GIL
+        piece = slab[start : start + length].data
+        digest = crc32c.crc32c(piece, digest, gil_mode(piece.nbytes))
     return digest
+
+
+# crc32c's gil_release_mode for a piece: release the GIL only for large ones; for a single
+# 16 KiB block, handing the GIL to another thread and back costs more than the CRC itself
+RELEASE_GIL_BYTES = 256 << 10
+
+
+def gil_mode(nbytes: int) -> int:
+    """``gil_release_mode`` for a CRC over ``nbytes``: 1 (release) or 0 (keep)."""
+    return 1 if nbytes >= RELEASE_GIL_BYTES else 0
 
 
 def combine_digests(digests: Sequence[int]) -> int:

@@ -29,19 +29,12 @@ import crc32c
 import numpy as np
 
 from kvrelay.transport.blocks import Run, split_runs
-from kvrelay.transport.checksum import combine_digests
+from kvrelay.transport.checksum import combine_digests, gil_mode
 
 if TYPE_CHECKING:
     Slabs = np.ndarray | Sequence[np.ndarray]
 
 CHUNK_BYTES = 1 << 20  # bytes a thread copies before hashing them: within its 1-2 MiB L2
-# crc32c's gil_release_mode for a piece: release the GIL only for large ones; for a single
-# 16 KiB block, handing the GIL to the other thread and back costs more than the CRC itself
-_RELEASE_GIL_BYTES = 256 << 10
-
-
-def _gil_mode(nbytes: int) -> int:
-    return 1 if nbytes >= _RELEASE_GIL_BYTES else 0
 
 
 class SlabCopier:
@@ -126,15 +119,15 @@ def _copy_stacked(src: np.ndarray, dst: np.ndarray, runs: Sequence[Run]) -> list
     digests = [0] * num_slabs
     for src_start, dst_start, length in split_runs(runs, max(1, CHUNK_BYTES // block_bytes)):
         rows = slice(dst_start, dst_start + length)
-        gil = _gil_mode(length * block_bytes)
+        gil = gil_mode(length * block_bytes)
         if length * block_bytes * num_slabs <= CHUNK_BYTES:
             np.copyto(dst[:, rows], src[:, src_start : src_start + length])
             for i, dst_slab in enumerate(dst):
-                digests[i] = crc32c.crc32c(dst_slab[rows], digests[i], gil)
+                digests[i] = crc32c.crc32c(dst_slab[rows].data, digests[i], gil)
             continue
         for i, (src_slab, dst_slab) in enumerate(zip(src, dst)):
             np.copyto(dst_slab[rows], src_slab[src_start : src_start + length])
-            digests[i] = crc32c.crc32c(dst_slab[rows], digests[i], gil)
+            digests[i] = crc32c.crc32c(dst_slab[rows].data, digests[i], gil)
     return digests
 
 
@@ -143,5 +136,5 @@ def _copy_slab(src: np.ndarray, dst: np.ndarray, pieces: Sequence[Run]) -> int:
     for src_start, dst_start, length in pieces:
         out = dst[dst_start : dst_start + length]
         np.copyto(out, src[src_start : src_start + length])
-        digest = crc32c.crc32c(out, digest, _gil_mode(out.nbytes))
+        digest = crc32c.crc32c(out.data, digest, gil_mode(out.nbytes))
     return digest

@@ -95,8 +95,9 @@ class KvSource:
 
     @staticmethod
     def _send(socket: zmq.Socket, parts: list[bytes | np.ndarray]) -> None:
+        frames = [part if isinstance(part, bytes) else part.data for part in parts]  # zero-copy
         try:
-            socket.send_multipart(parts, flags=zmq.NOBLOCK, copy=False)
+            socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:
             logger.warning("could not queue a KV reply: %s", e)
 
