@@ -4,8 +4,8 @@ Every (layer, K/V) slab has its own digest (``checksum.slab_digest``), so thread
 ``T`` owns the contiguous slab range ``[k*S//T, (k+1)*S//T)`` and returns its digests; the
 calling thread does range 0 and the others run on a pool this object owns. A thread copies a
 piece with ``np.copyto`` (which releases the GIL) and hashes it right after, while it is still
-in its cache, instead of re-reading the transfer from memory afterwards. Both release the GIL
-(the digest is hardware CRC32C, ``checksum.slab_digest``), so the threads run in parallel::
+in its cache, instead of re-reading the transfer from memory afterwards. xxh3 holds the GIL,
+but a piece's hash is a fraction of its copy, so one thread's copy overlaps another's hash::
 
     stacked slabs ([S, blocks, block_bytes] on both sides: the pools)
         piece = n blocks of every slab in the range, one strided copy, then one hash per slab;
@@ -25,11 +25,11 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import crc32c
 import numpy as np
+import xxhash
 
 from kvrelay.transport.blocks import Run, split_runs
-from kvrelay.transport.checksum import combine_digests, gil_mode
+from kvrelay.transport.checksum import combine_digests
 
 if TYPE_CHECKING:
     Slabs = np.ndarray | Sequence[np.ndarray]
@@ -116,25 +116,29 @@ def _copy_range(src: Slabs, dst: Slabs, runs: Sequence[Run], lo: int, hi: int) -
 def _copy_stacked(src: np.ndarray, dst: np.ndarray, runs: Sequence[Run]) -> list[int]:
     """A piece small enough is one strided copy over all the slabs, a larger one slab by slab."""
     num_slabs, _, block_bytes = dst.shape
-    digests = [0] * num_slabs
+    hashers = [xxhash.xxh3_64() for _ in range(num_slabs)]
+    views = [(hasher.update, memoryview(slab).cast("B")) for hasher, slab in zip(hashers, dst)]
     for src_start, dst_start, length in split_runs(runs, max(1, CHUNK_BYTES // block_bytes)):
-        rows = slice(dst_start, dst_start + length)
-        gil = gil_mode(length * block_bytes)
-        if length * block_bytes * num_slabs <= CHUNK_BYTES:
-            np.copyto(dst[:, rows], src[:, src_start : src_start + length])
-            for i, dst_slab in enumerate(dst):
-                digests[i] = crc32c.crc32c(dst_slab[rows].data, digests[i], gil)
+        begin, end = dst_start * block_bytes, (dst_start + length) * block_bytes
+        if (end - begin) * num_slabs <= CHUNK_BYTES:
+            np.copyto(
+                dst[:, dst_start : dst_start + length], src[:, src_start : src_start + length]
+            )
+            for update, view in views:
+                update(view[begin:end])
             continue
-        for i, (src_slab, dst_slab) in enumerate(zip(src, dst)):
-            np.copyto(dst_slab[rows], src_slab[src_start : src_start + length])
-            digests[i] = crc32c.crc32c(dst_slab[rows].data, digests[i], gil)
-    return digests
+        for (update, view), src_slab, dst_slab in zip(views, src, dst):
+            np.copyto(
+                dst_slab[dst_start : dst_start + length], src_slab[src_start : src_start + length]
+            )
+            update(view[begin:end])
+    return [hasher.intdigest() for hasher in hashers]
 
 
 def _copy_slab(src: np.ndarray, dst: np.ndarray, pieces: Sequence[Run]) -> int:
-    digest = 0
+    hasher = xxhash.xxh3_64()
     for src_start, dst_start, length in pieces:
         out = dst[dst_start : dst_start + length]
         np.copyto(out, src[src_start : src_start + length])
-        digest = crc32c.crc32c(out.data, digest, gil_mode(out.nbytes))
-    return digest
+        hasher.update(out.data)
+    return hasher.intdigest()
