@@ -151,7 +151,14 @@ def test_placement_follows_the_prefix_into_the_host_pool(tiny_model_dir, tmp_pat
             filler = f"Filler {i}: " + "the quick brown fox jumps over the lazy dog. " * 6
             _complete(launcher, filler)
         wait_idle(launcher)
-        time.sleep(1.0)  # heartbeats carry A's device evictions and L1 writes to the router
+
+        def router_caught_up() -> bool:  # heartbeats carry A's evictions and L1 writes
+            index = launcher.get_json("/admin/cache/stats")["placement_index"]
+            cached = worker_stats(launcher)[a]["tiers"]["device"]["cached_blocks"]
+            in_l1 = index["host"]["hosts"].get("hostA", 0)
+            return index["device"]["instances"].get(a) == cached and in_l1 >= len(ids) // BS
+
+        _wait_for(router_caught_up)  # else placement could still credit A's evicted blocks
         index = launcher.get_json("/admin/cache/stats")["placement_index"]
         assert index["host"]["hosts"]["hostA"] >= len(ids) // BS
         assert "hostB" not in index["host"]["hosts"]  # decode-0 was drained: B wrote nothing
