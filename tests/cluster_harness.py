@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,6 +65,28 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         if all(f'{k}="{v}"' in head for k, v in labels.items()):
             total += float(value)
     return total
+
+
+def admin_request(
+    launcher: Launcher,
+    path: str,
+    method: str = "POST",
+    body: Any = None,
+    token: str | None = None,
+) -> tuple[int, Any]:
+    """(status, JSON body) of a router admin call; HTTP errors are returned, not raised."""
+    data = b"" if body is None and method == "POST" else None
+    if body is not None:
+        data = json.dumps(body).encode()
+    request = urllib.request.Request(launcher.url + path, data, method=method)
+    request.add_header("Content-Type", "application/json")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
 
 
 def read_text(url: str) -> str:

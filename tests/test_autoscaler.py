@@ -15,8 +15,6 @@ import json
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +29,7 @@ from kvrelay.cluster.launcher import Launcher
 from kvrelay.cluster.messages import KvLayout, LoadReport, PeerInfo, Register, Role
 from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.router.cluster import ClusterBackend, ClusterSettings
-from tests.cluster_harness import metric_value, read_text, running_cluster
+from tests.cluster_harness import admin_request, metric_value, read_text, running_cluster
 
 TOKEN = "autoscale-s3cret"
 MAX_TOKENS = 16
@@ -72,16 +70,7 @@ def router_args(cluster_id: str, log_dir: str) -> tuple[str, ...]:
 
 def admin(launcher: Launcher, method: str = "GET", body: Any = None, token: str | None = TOKEN):
     """(status, JSON body) of /admin/autoscaler."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(launcher.url + "/admin/autoscaler", data, method=method)
-    request.add_header("Content-Type", "application/json")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return admin_request(launcher, "/admin/autoscaler", method, body, token)
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 90.0) -> Any:

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 import time
-import urllib.error
-import urllib.request
 
 import msgpack
 import openai
@@ -23,7 +20,13 @@ import pytest
 from kvrelay import LLM, SamplingParams
 from kvrelay.cluster import messages
 from kvrelay.cluster.messages import WIRE_TYPES, GenerateRequest, ProtocolError, decode, encode
-from tests.cluster_harness import metric_value, read_text, running_cluster, wait_idle
+from tests.cluster_harness import (
+    admin_request,
+    metric_value,
+    read_text,
+    running_cluster,
+    wait_idle,
+)
 
 PROMPTS = [
     "The cache moves to the decode worker",
@@ -142,14 +145,7 @@ def test_stop_string_ends_the_request_on_the_workers(tiny_model_dir, tmp_path, o
 
 
 def _admin_post(launcher, path: str, token: str | None) -> tuple[int, dict]:
-    request = urllib.request.Request(launcher.url + path, data=b"", method="POST")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return admin_request(launcher, path, "POST", token=token)
 
 
 def _decode_transfer_bytes(launcher) -> float:

@@ -45,10 +45,10 @@ from typing import Any
 
 from kvrelay.cachetier.base import DTYPE_CODES, BlockFormat
 from kvrelay.cachetier.block_hash import HASH_BYTES
+from kvrelay.cachetier.segments import SHM_DIR
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
 NUM_WAYS = 8
 _POOL_MAGIC = b"KVRLHP01"
 _LAYOUT_VERSION = 1

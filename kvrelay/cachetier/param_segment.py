@@ -38,18 +38,18 @@ import struct
 import time
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 import xxhash
+
+from kvrelay.cachetier.segments import SHM_DIR
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
 CHUNK_BYTES = 4 << 20
 MAX_USERS = 256
 TENSOR_ALIGN = 64

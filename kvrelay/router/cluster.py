@@ -267,20 +267,18 @@ class ClusterBackend(Backend):
 
     def drain(self, instance_id: str) -> bool:
         """Stops placing requests on an instance and tells it to drain; False if unknown."""
-        inst = self.registry.get(instance_id)
-        if inst is None:
-            return False
-        inst.draining = True
-        self._send(inst, Drain(instance_id))
-        return True
+        return self._set_draining(instance_id, True)
 
     def undrain(self, instance_id: str) -> bool:
         """Places requests on a drained instance again and tells it so; False if unknown."""
+        return self._set_draining(instance_id, False)
+
+    def _set_draining(self, instance_id: str, draining: bool) -> bool:
         inst = self.registry.get(instance_id)
         if inst is None:
             return False
-        inst.draining = False
-        self._send(inst, Undrain(instance_id))
+        inst.draining = draining
+        self._send(inst, Drain(instance_id) if draining else Undrain(instance_id))
         return True
 
     # ------------------------------------------------------------------ events

@@ -27,9 +27,9 @@ import mmap
 import os
 import re
 from multiprocessing import resource_tracker
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvrelay.cachetier.segments import SHM_DIR
 from kvrelay.transport.base import LayoutMismatch
 from kvrelay.transport.blocks import pool_bytes, pool_shape, torch_dtype
 
@@ -45,7 +45,6 @@ except ImportError:  # not a POSIX platform
 
 logger = logging.getLogger(__name__)
 
-SHM_DIR = Path("/dev/shm")
 _NAME_PART = re.compile(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*")
 _MAX_NAME_LEN = 200
 _TRACKER_TYPE = "shared_memory"
