@@ -90,6 +90,7 @@ def test_eviction_takes_free_blocks_first_then_lru(bm):
     b = seq("b", range(100, 108))  # 2 full blocks: 2, 3
     admit(bm, a)
     admit(bm, b)
+    assert (hash_blocks(list(range(8)), BS, b"model-a")[0], 0) in bm.pop_events().stored
     bm.free(a)  # releases 1 then 0: LRU order 1, 0
     bm.free(b)  # then 3, 2
     c = seq("c", range(200, 220))  # needs 5 blocks: free 4..7, then evict 1
@@ -98,10 +99,36 @@ def test_eviction_takes_free_blocks_first_then_lru(bm):
     assert bm.num_evictions == 1
     events = bm.pop_events()
     assert hash_blocks(list(range(8)), BS, b"model-a")[1] in events.evicted
-    assert (hash_blocks(list(range(8)), BS, b"model-a")[0], 0) in events.stored
     # a's first block survived: a prefix outlives its suffix
     again = seq("again", range(9))
     assert bm.find_cached_prefix(again) == [0]
+
+
+def test_events_are_net_changes_between_drains(bm):
+    """A block cached and evicted between two drains is reported in neither list; one that
+    was reported, evicted and cached again is reported both ways (evicted, then stored)."""
+    a_keys = hash_blocks(list(range(8)), BS, b"model-a")
+    b_keys = hash_blocks(list(range(100, 112)), BS, b"model-a")
+    c_keys = hash_blocks(list(range(200, 224)), BS, b"model-a")
+    a = seq("a", range(8))  # blocks 0, 1
+    admit(bm, a)
+    bm.free(a)  # LRU: 1, 0
+    assert [key for key, _ in bm.pop_events().stored] == a_keys
+    b = seq("b", range(100, 112))  # blocks 2, 3, 4
+    admit(bm, b)
+    bm.free(b)  # LRU: 1, 0, 4, 3, 2
+    c = seq("c", range(200, 224))  # 6 blocks: free 5..7, then evict 1, 0 (a's) and 4 (b's)
+    admit(bm, c)
+    assert c.block_ids == [5, 6, 7, 1, 0, 4]
+    events = bm.pop_events()
+    assert events.evicted == [a_keys[1], a_keys[0]]  # b's block 4 came and went: not there
+    assert [key for key, _ in events.stored] == [*b_keys[:2], *c_keys]
+    bm.free(c)
+    admit(bm, seq("again", range(8)))  # a's blocks are cached again, in other block ids
+    events = bm.pop_events()
+    assert [key for key, _ in events.stored] == a_keys
+    assert events.evicted == [b_keys[1], b_keys[0]]  # reported before, so reported now
+    bm.check_integrity()
 
 
 def test_hit_revives_an_evictable_block(bm):

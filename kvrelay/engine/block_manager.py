@@ -30,7 +30,11 @@ class CacheEvents(NamedTuple):
     """Blocks that entered or left this instance's prefix cache since the last drain."""
 
     stored: list[tuple[BlockHash, int]]  # (hash, block id); the block may be reused later
-    evicted: list[BlockHash]
+    evicted: list[BlockHash]  # hashes cached before the last drain and gone now
+
+    # Net changes: a hash stored and evicted between two drains is in neither list (a
+    # consumer applying ``evicted`` then ``stored`` would otherwise keep it forever, and an
+    # offload would copy a block id that holds other data by then).
 
 
 class BlockManager:
@@ -52,7 +56,7 @@ class BlockManager:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[BlockHash, int] = {}
-        self._stored: list[tuple[BlockHash, int]] = []
+        self._stored: dict[BlockHash, int] = {}  # since the last drain, in order
         self._evicted: list[BlockHash] = []
         self.num_evictions = 0
         self.num_query_tokens = 0
@@ -156,7 +160,7 @@ class BlockManager:
                 continue  # an identical block is cached already; this one stays private
             self._block_hash[block_id] = block_hash
             self._cached[block_hash] = block_id
-            self._stored.append((block_hash, block_id))
+            self._stored[block_hash] = block_id
 
     def free(self, seq: Sequence) -> None:
         """Drops ``seq``'s references, tail first so a prefix outlives its suffix in the LRU."""
@@ -187,8 +191,8 @@ class BlockManager:
 
     def pop_events(self) -> CacheEvents:
         """Returns and clears the stored/evicted hashes since the last call."""
-        events = CacheEvents(self._stored, self._evicted)
-        self._stored, self._evicted = [], []
+        events = CacheEvents(list(self._stored.items()), self._evicted)
+        self._stored, self._evicted = {}, []
         return events
 
     def reset_prefix_cache(self) -> int:
@@ -230,7 +234,8 @@ class BlockManager:
         assert block_hash is not None
         del self._cached[block_hash]
         self._block_hash[block_id] = None
-        self._evicted.append(block_hash)
+        if self._stored.pop(block_hash, None) is None:  # stored since the last drain: net zero
+            self._evicted.append(block_hash)
 
     def check_integrity(self) -> None:
         """Raises AssertionError if any invariant in the module docstring is broken."""
