@@ -19,6 +19,10 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
     else:
         p.add_argument("--model", required=True, help="checkpoint directory (Hugging Face format)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    if from_env:
+        envs.add_option(p, "KVRELAY_DEVICE")
+    else:
+        p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (weights, KV, compute)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -45,6 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "dtype": args.dtype,
+        "device": args.device,
         "seed": args.seed,
         "num_threads": args.threads,
         "block_size": args.block_size,
@@ -61,6 +66,7 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
     """The engine flags of ``args`` as command-line words for ``kvrelay serve``."""
     out = [
         "--dtype", args.dtype,
+        "--device", args.device,
         "--seed", str(args.seed),
         "--block-size", str(args.block_size),
         "--kv-cache-memory", str(args.kv_cache_memory),

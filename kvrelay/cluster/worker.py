@@ -58,7 +58,13 @@ from kvrelay.cluster.worker_config import (
     resolve_identity,
 )
 from kvrelay.cluster.worker_metrics import WorkerMetrics
-from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput, build_engine_config
+from kvrelay.engine.engine import (
+    LLMEngine,
+    RequestError,
+    RequestOutput,
+    build_engine_config,
+    resolve_device,
+)
 
 __all__ = ["Worker", "new_request_id", "token_event"]
 
@@ -79,6 +85,9 @@ class Worker:
         self._kv_segment: str | None = None
         self._shared_pool: Any = None
         engine_config = build_engine_config(config.model, **dict(config.engine_args))
+        self.device = resolve_device(engine_config.device)
+        if config.transport == "cuda_ipc" and self.device.type != "cuda":
+            raise ValueError("transport cuda_ipc needs a CUDA KV pool: start with --device cuda")
         self.tiers = create_tiers(config, engine_config)
         self.param_pool = self._open_param_pool(engine_config.dtype)
         self.engine = LLMEngine(
@@ -86,10 +95,7 @@ class Worker:
             tokenizer=None,
             kv_allocator=self._allocate_kv,
             tiers=self.tiers,
-            # the engine computes on CPU; an engine on a GPU passes its device here
-            weights=None
-            if self.param_pool is None
-            else pool_weights(self.param_pool, torch.device("cpu")),
+            weights=None if self.param_pool is None else pool_weights(self.param_pool, self.device),
         )
         self.layout = self._layout()
         self.routers = RouterLinks(
@@ -139,13 +145,28 @@ class Worker:
             kv_segment=self._kv_segment,
             layout=self.layout,
             fingerprint=self.engine.fingerprint,
-            transport=config.transport,
+            transport=self._asked_transport(),
         )
 
-    def _allocate_kv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Puts the KV pool in shared memory so same-host peers can pull with one copy."""
+    def _asked_transport(self) -> str:
+        """What this instance asks peers for: a GPU pool exported over IPC asks for cuda_ipc."""
+        if self.config.transport == "auto" and self.device.type == "cuda" and self._kv_segment:
+            return "cuda_ipc"
+        return self.config.transport
+
+    def _allocate_kv(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """Shares the KV pool so same-host peers pull with one copy: a shared-memory segment
+        on CPU, the allocation's CUDA IPC handle on a GPU (``kv_segment`` carries either)."""
         if self.config.transport == "tcp":
-            return torch.zeros(shape, dtype=dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cuda":
+            from kvrelay.transport.cuda_ipc import export_cuda_pool
+
+            pool = torch.zeros(shape, dtype=dtype, device=device)
+            self._kv_segment = export_cuda_pool(pool)
+            return pool
         from kvrelay.transport.shm_pool import SharedKvPool, cleanup_segments, segment_name
 
         name = segment_name(self.config.cluster_id, self.config.instance_id, "kv")
@@ -205,7 +226,7 @@ class Worker:
             self.instance_id,
             self.info.peer_addr,
             self.info.status_url,
-            self._kv_segment or "private",
+            "cuda-ipc" if self.device.type == "cuda" else self._kv_segment or "private",
         )
         self.routers.snapshot = self.load_report()
         self.routers.start_heartbeat(lambda: self._running)

@@ -7,6 +7,7 @@ naming the valid choices. Derived values are made with ``dataclasses.replace``.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -15,6 +16,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCa
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES = ("float32", "bfloat16", "float16")
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 class ConfigError(ValueError):
@@ -193,6 +195,7 @@ class EngineConfig:
     dtype: DType = "float32"  # weights, activations and KV cache
     seed: int = 0  # seed for requests without their own
     num_threads: int | None = None  # torch intra-op threads; None = leave as is
+    device: str = "cpu"  # where weights, KV pool and compute live: cpu, cuda or cuda:N
     model_config: ModelConfig = field(default_factory=ModelConfig)  # parsed config.json
     cache: CacheConfig = field(default_factory=CacheConfig)  # KV cache settings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits
@@ -200,3 +203,5 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not _DEVICE_RE.fullmatch(self.device):
+            raise ConfigError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")

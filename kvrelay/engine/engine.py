@@ -37,12 +37,31 @@ from kvrelay.engine.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-KvAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-"""Makes the KV pool tensor (zeroed) of a shape and dtype; workers put it in shared memory."""
+KvAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+"""Makes the KV pool tensor (zeroed) of a shape and dtype on a device; workers share it
+(a shared-memory segment on CPU, a CUDA IPC handle on a GPU)."""
 
 
-def _allocate_local(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype)
+def _allocate_local(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for ``EngineConfig.device``; ConfigError when it cannot run here."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} asked for, but torch sees no CUDA device here")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device {name!r} asked for, but only {torch.cuda.device_count()} CUDA device(s)"
+            )
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)  # kernels, streams and IPC handles of this process use it
+    return device
 
 
 class RequestError(ValueError):
@@ -71,7 +90,7 @@ def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> En
     """Splits flat vLLM-style keyword arguments into the frozen per-part configs."""
     cache_keys = set(CacheConfig.__dataclass_fields__)
     sched_keys = set(SchedulerConfig.__dataclass_fields__)
-    engine_keys = {"seed", "num_threads"}
+    engine_keys = {"seed", "num_threads", "device"}
     unknown = set(kwargs) - cache_keys - sched_keys - engine_keys
     if unknown:
         raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
@@ -111,10 +130,13 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         mc = config.model_config
+        self.device = device = resolve_device(config.device)
         self.tokenizer = tokenizer
         self.fingerprint = model_fingerprint(config.model)
         if weights is None:
             weights = load_weights(config.model, mc, config.dtype)
+        # on CPU ``.to`` returns the same tensors: a parameter pool's views stay zero-copy
+        weights = {name: w.to(device) for name, w in weights.items()}
         num_blocks = config.cache.num_blocks or self._blocks_for_memory(config)
         max_len = min(config.scheduler.max_model_len, num_blocks * config.cache.block_size)
         self.config = config = replace(
@@ -130,7 +152,9 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
         kv_shape = kv_cache_shape(mc, num_blocks, config.cache.block_size)
         kv_dtype = TORCH_DTYPES[config.dtype]
-        kv_cache = (kv_allocator or _allocate_local)(kv_shape, kv_dtype)
+        kv_cache = (kv_allocator or _allocate_local)(kv_shape, kv_dtype, device)
+        if kv_cache.device != device:
+            raise ValueError(f"the KV allocator returned a pool on {kv_cache.device}, not {device}")
         self.connector = TierConnector(tiers, kv_cache, config.dtype) if tiers else None
         self.scheduler = Scheduler(
             config.scheduler, self.block_manager, self.eos_token_ids, self.connector

@@ -6,6 +6,10 @@ which then count as computed. Write side: blocks the block manager newly cached 
 computed) are copied out and offered to the tiers, after the step's tokens were sent.
 
 A stored block's payload is its ``[num_layers, 2, block_size, kv_heads, head_dim]`` bytes.
+
+On a CUDA pool the tiers still live in host memory: a write stacks the fetched payloads and
+copies them to the device in one copy (scattered into their blocks by ``index_copy_``); an
+offload gathers the stored blocks on the device and copies them to the host in one copy.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from kvrelay.cachetier.base import BlockFormat
 from kvrelay.cachetier.block_hash import BlockHash
 from kvrelay.cachetier.manager import TieredCache
 from kvrelay.engine.scheduler import ExternalPrefix
-from kvrelay.transport.blocks import byte_view
+from kvrelay.transport.blocks import byte_view, gather_device_blocks, scatter_device_blocks
 
 _RECENT_LOADS = 4096
 
@@ -29,11 +33,12 @@ def block_format(kv_cache: torch.Tensor, dtype: str) -> BlockFormat:
 
 class TierConnector:
     def __init__(self, tiers: TieredCache, kv_cache: torch.Tensor, dtype: str) -> None:
-        if kv_cache.device.type != "cpu":
-            raise ValueError("cache tiers need a CPU KV pool here (GPU offload is not built yet)")
         self.tiers = tiers
         self.format = block_format(kv_cache, dtype)
-        self._view = byte_view(kv_cache)  # [layers, 2, num_blocks, block_bytes]
+        self._pool = kv_cache
+        self._block_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+        # [layers, 2, num_blocks, block_bytes] numpy view on CPU; None for a GPU pool
+        self._view = byte_view(kv_cache) if kv_cache.device.type == "cpu" else None
         self._loaded: dict[BlockHash, None] = {}  # recently loaded from a tier: not offered back
 
     # ------------------------------------------------------------------ read
@@ -46,6 +51,11 @@ class TierConnector:
         return ExternalPrefix(start_block, len(hit.payloads), hit.blocks_by_tier, hit.payloads)
 
     def write(self, prefix: ExternalPrefix, block_ids: list[int]) -> None:
+        if self._view is None:
+            n = min(len(block_ids), len(prefix.payloads))
+            slabs = np.stack([p.reshape(-1, self._block_bytes) for p in prefix.payloads[:n]], 1)
+            scatter_device_blocks(self._pool, block_ids[:n], slabs)  # [2L, n, block_bytes]
+            return
         num_layers = self._view.shape[0]
         for block_id, payload in zip(block_ids, prefix.payloads):
             self._view[:, :, block_id] = payload.reshape(num_layers, 2, -1)
@@ -53,13 +63,18 @@ class TierConnector:
     # ------------------------------------------------------------------ write
     def offload(self, stored: list[tuple[BlockHash, int]]) -> int:
         """Offers newly cached device blocks to the tiers; returns how many were offered."""
-        items = [
-            (key, np.ascontiguousarray(self._view[:, :, block_id]).reshape(-1))
-            for key, block_id in stored
-            if key not in self._loaded
-        ]
-        self.tiers.store(items)
-        return len(items)
+        wanted = [(key, block_id) for key, block_id in stored if key not in self._loaded]
+        if not wanted:
+            return 0
+        if self._view is None:
+            gathered = gather_device_blocks(self._pool, [b for _, b in wanted]).numpy()
+            blocks = [gathered[:, :, j] for j in range(len(wanted))]
+        else:
+            blocks = [self._view[:, :, block_id] for _, block_id in wanted]
+        self.tiers.store(
+            [(key, np.ascontiguousarray(b).reshape(-1)) for (key, _), b in zip(wanted, blocks)]
+        )
+        return len(wanted)
 
     def _remember(self, key: BlockHash) -> None:
         self._loaded[key] = None

@@ -1,7 +1,8 @@
 """Runs one step: flattens the plan into one batch, runs the model, samples.
 
 The runner owns the KV pool tensor ``[layers, 2, num_blocks, block_size, kv_heads,
-head_dim]``; block ids come from the scheduler's plan and are never chosen here.
+head_dim]``; block ids come from the scheduler's plan and are never chosen here. The step's
+metadata is built on the host and moved to the pool's device once per step (a no-op on CPU).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.models.llama import LlamaModel
-from kvrelay.engine.sampling import Sampler, SampleRequest
+from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
 from kvrelay.engine.sequence import Sequence
 from kvrelay.kernels.attention import (
@@ -35,6 +36,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.sampler = sampler
+        self.device = kv_cache.device
         self.window = model.config.sliding_window
         self.workspace = Workspace()  # context-gather buffers, reused by every step
 
@@ -97,11 +99,12 @@ class ModelRunner:
                 self.block_size,
                 self.window,
             )
+        device = self.device
         return (
-            torch.tensor(tokens, dtype=torch.long),
-            torch.cat(pos_list),
-            meta,
-            torch.tensor(sample_rows, dtype=torch.long),
+            torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True),
+            torch.cat(pos_list).to(device, non_blocking=True),
+            meta.to(device),
+            torch.tensor(sample_rows, dtype=torch.long).to(device, non_blocking=True),
         )
 
     def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -114,8 +117,7 @@ class ModelRunner:
         return PrefillSegment(row, n, blocks, ctx_len, mask)
 
     # ------------------------------------------------------------------ sampling
-    @staticmethod
-    def _sample_request(seq: Sequence) -> SampleRequest:
-        if seq.params.seed is not None and seq.generator is None:
-            seq.generator = torch.Generator().manual_seed(seq.params.seed)
+    def _sample_request(self, seq: Sequence) -> SampleRequest:
+        if seq.generator is None:
+            seq.generator = create_generator(seq.params, self.device)  # None without a seed
         return SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)

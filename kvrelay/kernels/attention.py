@@ -22,7 +22,7 @@ layers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,32 @@ class AttentionMetadata:
     prefills: list[PrefillSegment] = field(default_factory=list)
     decode: list[DecodeGroup] = field(default_factory=list)
     workspace: Workspace | None = None  # gather buffers; None: allocate per call
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """This metadata with every tensor on ``device`` (itself when that is the CPU)."""
+        if device.type == "cpu":
+            return self
+        return AttentionMetadata(
+            self.slot_mapping.to(device, non_blocking=True),
+            [
+                replace(seg, ctx_blocks=_to(seg.ctx_blocks, device), mask=_to(seg.mask, device))
+                for seg in self.prefills
+            ],
+            [
+                replace(
+                    group,
+                    q_index=group.q_index.to(device, non_blocking=True),
+                    block_ids=group.block_ids.to(device, non_blocking=True),
+                    mask=_to(group.mask, device),
+                )
+                for group in self.decode
+            ],
+            self.workspace,
+        )
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device, non_blocking=True)
 
 
 class Workspace:

@@ -129,3 +129,29 @@ def split_runs(runs: Sequence[Run], max_blocks: int) -> list[Run]:
             length = min(max_blocks, run.length - offset)
             pieces.append(Run(run.src_start + offset, run.dst_start + offset, length))
     return pieces
+
+
+def gather_device_blocks(pool: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """``[L, 2, n, block_bytes]`` uint8 host copy of a device pool's blocks, in ``block_ids``
+    order: one gather on the device, one copy to the host (which waits for the kernels that
+    wrote them)."""
+    import torch
+
+    num_layers, _, num_blocks = pool.shape[:3]
+    view = pool.view(torch.uint8).view(num_layers, 2, num_blocks, -1)
+    ids = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
+    return view.index_select(2, ids).cpu()
+
+
+def scatter_device_blocks(pool: torch.Tensor, block_ids: Sequence[int], slabs: np.ndarray) -> None:
+    """Copies ``slabs`` (``[2L, n, block_bytes]`` uint8, host) into a device pool's blocks
+    ``block_ids``: one copy to the device, one scatter there; returns once it is done."""
+    import torch
+
+    num_layers, _, num_blocks = pool.shape[:3]
+    view = pool.view(torch.uint8).view(num_layers, 2, num_blocks, -1)
+    ids = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
+    src = torch.from_numpy(slabs).view(num_layers, 2, len(block_ids), -1).to(pool.device)
+    view.index_copy_(2, ids, src)
+    if pool.is_cuda:
+        torch.cuda.current_stream(pool.device).synchronize()

@@ -18,7 +18,7 @@ otherwise                                               ``tcp``
 
 A peer's ``PeerInfo.transport`` is what it asks for: ``cuda_ipc`` means its pool is on a GPU
 (and ``kv_segment`` holds its CUDA IPC handle). Pools on different device kinds (one GPU, one
-CPU) are not supported by any transport yet.
+CPU), or GPUs on different hosts, use ``tcp``, which stages GPU blocks through host memory.
 """
 
 from __future__ import annotations

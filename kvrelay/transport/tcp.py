@@ -35,10 +35,13 @@ from kvrelay.transport.base import (
     check_pull,
 )
 from kvrelay.transport.blocks import (
+    Run,
     block_bytes,
     block_runs,
     byte_view,
+    gather_device_blocks,
     paired_runs,
+    scatter_device_blocks,
     transfer_bytes,
 )
 from kvrelay.transport.checksum import SlabCache
@@ -66,7 +69,8 @@ class KvSource:
     """
 
     def __init__(self, pool: torch.Tensor, lookup: Lookup) -> None:
-        self._view = byte_view(pool)
+        self._pool = pool
+        self._view = byte_view(pool) if pool.device.type == "cpu" else None
         self._lookup = lookup
 
     def reply(self, socket: zmq.Socket, identity: bytes, pull: KvPull) -> int:
@@ -85,6 +89,9 @@ class KvSource:
         return sum(frame.nbytes for frame in frames)
 
     def _frames(self, block_ids: list[int]) -> list[np.ndarray]:
+        if self._view is None:  # a GPU pool: one gather on the device, one copy to the host
+            blocks = gather_device_blocks(self._pool, block_ids).numpy()
+            return [blocks[layer, kv] for layer in range(blocks.shape[0]) for kv in range(2)]
         runs = block_runs(block_ids)
         if len(runs) == 1:
             start, length = runs[0]
@@ -103,7 +110,7 @@ class KvSource:
 
 
 class TcpTransport(KvTransport):
-    """Decode side: one DEALER per peer address, cached; CPU pools; one thread only.
+    """Decode side: one DEALER per peer address, cached; CPU or GPU pools; one thread only.
 
     A pull that times out closes its socket, so a late reply to it can never be read as the
     answer to a later pull; replies are also matched on ``request_id`` and others dropped.
@@ -132,9 +139,15 @@ class TcpTransport(KvTransport):
         check_pull(spec, dst_pool, dst_block_ids, dst_layout, fingerprint)
         frames = self._request(spec, timeout)
         src_slabs = _frame_slabs(spec, frames)
-        runs = paired_runs(range(len(dst_block_ids)), dst_block_ids)
-        actual = self._copier.copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs)
-        check_checksum(spec, actual)
+        if dst_pool.device.type == "cpu":
+            runs = paired_runs(range(len(dst_block_ids)), dst_block_ids)
+            actual = self._copier.copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs)
+            check_checksum(spec, actual)
+        else:  # verified in host memory first: nothing unverified reaches the GPU pool
+            staging = np.empty((len(src_slabs), *src_slabs[0].shape), dtype=np.uint8)
+            runs = [Run(0, 0, len(dst_block_ids))]
+            check_checksum(spec, self._copier.copy_and_checksum(src_slabs, staging, runs))
+            scatter_device_blocks(dst_pool, dst_block_ids, staging)
         num_bytes = transfer_bytes(dst_layout, len(dst_block_ids))
         return TransferStats(num_bytes, time.perf_counter() - start)
 

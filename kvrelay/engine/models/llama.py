@@ -81,7 +81,7 @@ class LlamaModel:
         self.config = config
         self.weights = weights
         self.dtype = weights["embed"].dtype
-        self.inv_freq = rope_inv_freq(config.rope, config.head_dim)
+        self.inv_freq = rope_inv_freq(config.rope, config.head_dim).to(weights["embed"].device)
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim

@@ -1,0 +1,183 @@
+"""The engine and the cluster on a CUDA device: every test here needs one and skips without.
+
+What runs on the GPU: weights (from disk or from the host's parameter pool), the paged KV
+pool, attention, sampling (seeded generators live on the device), the L1 offload and load
+(device <-> host shared memory), and the KV hand-off between a prefill and a decode process
+over CUDA IPC (same GPU) or tcp (host staging). Each generated token is checked against a
+float32 CPU reference (transformers) run over the same tokens: a GPU kernel's rounding may
+differ from the CPU's, but the token it picks must be the reference's argmax within
+``LOGIT_TOL``. Cluster outputs must equal the offline engine's on the same device exactly:
+the hand-off moves bytes, it must not change a single one.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+
+from kvrelay import LLM, SamplingParams
+from kvrelay.engine.config import ConfigError
+from kvrelay.engine.engine import LLMEngine, build_engine_config
+from kvrelay.engine.tokenizer import Tokenizer
+from tests.cluster_harness import metric_value, read_text, running_cluster, worker_stats
+
+NO_CUDA = "needs a CUDA device (runs where one is present)"
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+pytestmark = pytest.mark.gpu
+
+LOGIT_TOL = 2e-3  # float32 logits of the tiny model: CUDA vs CPU kernels differ by ~1e-5
+MAX_TOKENS = 16
+PROMPTS = [
+    "The cache moves to the decode worker",
+    "a",
+    "Prefill computes the prompt; decode continues it token by token. " * 6,
+    "数据在两个进程之间移动 🚀",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path):
+    """float32 logits of every position, on CPU, from transformers (the parity reference)."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.eval()
+
+    def logits(token_ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return model(torch.tensor([token_ids])).logits[0].float()
+
+    return logits
+
+
+def assert_greedy_under_reference(reference, prompt_ids: list[int], output_ids: list[int]) -> None:
+    """Each output token is the reference's argmax at its position, within LOGIT_TOL."""
+    assert len(output_ids) == MAX_TOKENS
+    logits = reference(prompt_ids + output_ids[:-1])
+    for step, token in enumerate(output_ids):
+        row = logits[len(prompt_ids) - 1 + step]
+        gap = float(row.max() - row[token])
+        assert gap <= LOGIT_TOL, f"step {step}: token {token} is {gap:.2e} below the argmax"
+
+
+def test_cuda_device_is_refused_without_cuda(tiny_model_dir):
+    if torch.cuda.is_available():
+        pytest.skip("checks the error on machines without CUDA")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        LLM(tiny_model_dir, device="cuda", num_blocks=16)
+
+
+def test_bad_device_names_are_refused(tiny_model_dir):
+    for bad in ("gpu", "cuda:x", "CUDA", "cpu:0"):
+        with pytest.raises(ConfigError, match="cpu, cuda or cuda:N"):
+            build_engine_config(str(tiny_model_dir), device=bad)
+
+
+@needs_cuda
+def test_engine_on_cuda_follows_the_reference(tiny_model_dir, reference):
+    # a small chunk budget: prompts prefill in chunks, and decode groups mix context lengths
+    llm = LLM(tiny_model_dir, device="cuda", num_blocks=128, max_num_batched_tokens=48)
+    assert llm.engine.runner.kv_cache.is_cuda
+    assert all(w.is_cuda for w in llm.engine.runner.model.weights.values())
+    outputs = llm.generate(PROMPTS, GREEDY)
+    for out in outputs:
+        assert_greedy_under_reference(reference, out.prompt_token_ids, out.outputs[0].token_ids)
+    again = llm.generate(PROMPTS, GREEDY)  # the prompts' blocks are cached on the device now
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs]
+    assert again[2].num_cached_tokens > 0
+    llm.engine.block_manager.check_integrity()
+
+
+@needs_cuda
+def test_seeded_sampling_on_cuda_repeats(tiny_model_dir):
+    llm = LLM(tiny_model_dir, device="cuda", num_blocks=64)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    first = llm.generate([PROMPTS[0]] * 2, params)
+    second = llm.generate([PROMPTS[0]], params)
+    ids = [o.outputs[0].token_ids for o in first + second]
+    assert ids[0] == ids[1] == ids[2]
+    unseeded = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    draws = {tuple(o.outputs[0].token_ids) for o in llm.generate([PROMPTS[0]] * 4, unseeded)}
+    assert len(draws) > 1  # the shared device generator moves on between rows
+
+
+@needs_cuda
+def test_l1_host_pool_round_trip_from_a_cuda_pool(tiny_model_dir):
+    """Engine A (GPU) offloads a prompt's blocks to host shared memory; engine B (GPU, empty
+    device cache) loads them back and generates the same tokens from them."""
+    from kvrelay.cachetier.base import BlockFormat
+    from kvrelay.cachetier.host_ops import remove_host_pool
+    from kvrelay.cachetier.host_pool import HostPool
+    from kvrelay.cachetier.manager import TieredCache
+
+    tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
+    prompt = tokenizer.encode(PROMPTS[2])
+    name = f"kvrelay-l1-test-cuda-{uuid.uuid4().hex[:8]}"
+    engines = []
+    try:
+        config = build_engine_config(str(tiny_model_dir), device="cuda", num_blocks=64)
+        mc = config.model_config
+        fmt = BlockFormat(mc.num_layers, 16, mc.num_kv_heads, mc.head_dim, "float32")
+        for _ in range(2):
+            tiers = TieredCache([HostPool.open(name, 64 << 20, fmt)])
+            engines.append(LLMEngine(config, tokenizer, tiers=tiers))
+        outputs = []
+        for engine in engines:
+            engine.add_request("r", list(prompt), GREEDY)
+            while engine.has_unfinished_requests():
+                done = [o for o in engine.step() if o.finished]
+                engine.flush_cache_events()  # A offloads its full blocks to L1 here
+            outputs.append(done[0])
+        assert outputs[1].cached_tokens_by_tier.get("host", 0) >= 16 * (len(prompt) // 16 - 1)
+        assert outputs[1].token_ids == outputs[0].token_ids
+    finally:
+        for engine in engines:
+            if engine.connector is not None:
+                engine.connector.tiers.close()
+        remove_host_pool(name, force=True)
+
+
+def _client(launcher) -> openai.OpenAI:
+    return openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
+
+
+@needs_cuda
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_1p1d_cluster_on_cuda_equals_the_offline_engine(tiny_model_dir, tmp_path, transport):
+    """Prefill and decode processes on one GPU: auto picks CUDA IPC (device to device);
+    tcp stages through host memory. The text equals the offline CUDA engine's."""
+    llm = LLM(tiny_model_dir, device="cuda", num_blocks=512)
+    expected = [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY)]
+    del llm
+    worker_args = ("--num-blocks", "512", "--device", "cuda")
+    with running_cluster(
+        tiny_model_dir, tmp_path, transport=transport, worker_args=worker_args
+    ) as launcher:
+        c = _client(launcher)
+        texts = [
+            c.completions.create(
+                model="tiny",
+                prompt=p,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            .choices[0]
+            .text
+            for p in PROMPTS
+        ]
+        assert texts == expected
+        decode = next(s for s in worker_stats(launcher).values() if s["role"] == "decode")
+        assert decode["num_recomputed"] == 0
+        instances = launcher.get_json("/admin/instances")["data"]
+        url = next(i["status_url"] for i in instances if i["role"] == "decode")
+        pulled = metric_value(
+            read_text(url + "/metrics"),
+            "kvrelay_kv_transfer_bytes_total",
+            transport="cuda_ipc" if transport == "auto" else "tcp",
+        )
+        assert pulled > 0
