@@ -94,14 +94,10 @@ class SlabCache:
 
 
 def _device_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
-    import torch
+    """One gather on the device and one copy to the host (which waits for the kernels that
+    wrote the blocks), then the host hash over the copy, whose ids are ``0 .. n-1``."""
+    from kvrelay.transport.blocks import gather_device_blocks
 
-    runs = block_runs(block_ids)
-    slabs = pool.view(torch.uint8).view(pool.shape[0] * 2, pool.shape[2], -1)
-    digests = []
-    for slab in slabs:
-        hasher = xxhash.xxh3_64()
-        for start, length in runs:
-            hasher.update(slab[start : start + length].cpu().numpy())
-        digests.append(hasher.intdigest())
-    return combine_digests(digests)
+    host = gather_device_blocks(pool, block_ids).numpy()  # [L, 2, n, block_bytes]
+    num_layers, _, n, row = host.shape
+    return slabs_checksum(host.reshape(num_layers * 2, n, row), range(n))

@@ -11,8 +11,9 @@ consecutive blocks (all layers at once) per copy.
 Contract for the source: the pool must stay allocated while any peer may pull, and the
 kernels that wrote a request's blocks must be complete before ``KvReady`` is sent (computing
 the checksum, which reads the blocks on the host, does that). A handle cannot be opened in the
-process that exported it. The checksum here reads the destination blocks back to the host:
-correct, not fast; a device-side checksum is future work.
+process that exported it. The checksum reads the destination blocks back to the host (one
+gather on the device, one copy, then the host hash): on a GPU it costs far more than the
+device-to-device copy (BENCHMARKS.md, GPU paths); a device-side hash is the next step.
 
 ``torch.cuda`` is imported only when this transport is constructed; without a CUDA device the
 constructor raises ``TransferError("CUDA IPC needs a CUDA device")``.
