@@ -41,7 +41,7 @@ from common import command_line, markdown_table, median, update_benchmarks_md, w
 from kvrelay.cluster.messages import KvLayout, PeerInfo, Role
 from kvrelay.engine.make_tiny import SIZES, make_tiny
 from kvrelay.transport import PullSpec, create_transport
-from kvrelay.transport.blocks import pool_shape, transfer_bytes
+from kvrelay.transport.blocks import PinnedStaging, pool_shape, transfer_bytes
 from kvrelay.transport.checksum import kv_checksum
 
 SECTION_TITLE = "GPU paths (CUDA IPC hand-off, weights to the device)"
@@ -93,6 +93,7 @@ def measure_kv(size: str, repeats: int) -> list[dict[str, Any]]:
         src = PeerInfo("src", Role.PREFILL, "h", "tcp://x:1", "", handle, layout, FINGERPRINT)
         dst = torch.zeros(pool_shape(layout), device="cuda")
         transport = create_transport("cuda_ipc")
+        staging = PinnedStaging()  # as the transport's own checksum uses
         rng = random.Random(0)
         for tokens in TOKENS:
             n = tokens // BLOCK_SIZE
@@ -112,7 +113,7 @@ def measure_kv(size: str, repeats: int) -> list[dict[str, Any]]:
                 a = torch.empty(num_bytes // 4, device="cuda")
                 b = torch.empty_like(a)
                 memcpy_s = cuda_time(lambda a=a, b=b: b.copy_(a), repeats)
-                checksum_s = cuda_time(lambda ids=dst_ids: kv_checksum(dst, ids), repeats)
+                checksum_s = cuda_time(lambda ids=dst_ids: kv_checksum(dst, ids, staging), repeats)
                 pull_s = cuda_time(pull, repeats)
                 rows.append(
                     {
@@ -159,7 +160,7 @@ def measure_weights(name: str, model_dir: Path, dtype: str, repeats: int) -> dic
         {k: v.to("cuda") for k, v in weights.items()}
 
     disk_s = cuda_time(from_disk, repeats)
-    pool = ParamPool.attach_or_create(model_dir, dtype, scope=f"bench-{uuid.uuid4().hex[:8]}")
+    pool = ParamPool.attach_or_create(model_dir, dtype, scope=f"bench_{uuid.uuid4().hex[:8]}")
     try:
         num_bytes = pool.total_bytes
         pageable_s = cuda_time(lambda: {k: v.to("cuda") for k, v in pool.weights.items()}, repeats)

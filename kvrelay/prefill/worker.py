@@ -46,6 +46,7 @@ class PrefillWorker(Worker):
         self._origin_ids: dict[str, str] = {}  # request id -> its router (GenerateRequest.origin)
         self.leases: dict[str, Lease] = {}
         self._source: Any = None  # tcp KvSource, made on the first pull
+        self._staging: Any = None  # pinned host buffer for a GPU pool's lease checksums
 
     # ------------------------------------------------------------------ router side
     def on_generate(self, msg: GenerateRequest) -> None:
@@ -71,8 +72,11 @@ class PrefillWorker(Worker):
             return
         seq = self.engine.detach_request(out.request_id)
         assert seq is not None, "a request that just sampled is running"
+        from kvrelay.transport.blocks import PinnedStaging
         from kvrelay.transport.checksum import kv_checksum
 
+        if self._staging is None and self.device.type == "cuda":
+            self._staging = PinnedStaging()
         deadline = time.time() + self.config.lease_ttl
         self.leases[seq.seq_id] = Lease(seq.seq_id, seq.block_ids, deadline, target.instance_id)
         ready = KvReady(
@@ -83,7 +87,7 @@ class PrefillWorker(Worker):
             src=self.info,
             block_ids=list(seq.block_ids),
             num_tokens=seq.num_computed_tokens,
-            checksum=kv_checksum(self.engine.runner.kv_cache, seq.block_ids),
+            checksum=kv_checksum(self.engine.runner.kv_cache, seq.block_ids, self._staging),
             lease_deadline=deadline,
             num_cached_tokens=seq.num_cached_tokens,
             cached_tokens_by_tier=seq.cached_tokens_by_tier,

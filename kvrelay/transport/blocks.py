@@ -131,16 +131,45 @@ def split_runs(runs: Sequence[Run], max_blocks: int) -> list[Run]:
     return pieces
 
 
-def gather_device_blocks(pool: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+class PinnedStaging:
+    """A reusable page-locked host buffer for device -> host copies of KV blocks.
+
+    Copies from a GPU into pageable memory go through the driver's own bounce buffer and run
+    at a fraction of the link's rate; into page-locked memory they are one DMA. Allocating
+    page-locked memory is slow, so the buffer is kept and grows to the largest copy asked
+    for. What ``get`` returns is valid until the next ``get``: callers use it synchronously.
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def get(self, num_bytes: int) -> torch.Tensor:
+        """A uint8 host tensor of ``num_bytes`` (pinned where CUDA allows, else pageable)."""
+        import torch
+
+        if self._buffer is None or self._buffer.numel() < num_bytes:
+            self._buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+        return self._buffer[:num_bytes]
+
+
+def gather_device_blocks(
+    pool: torch.Tensor, block_ids: Sequence[int], staging: PinnedStaging | None = None
+) -> torch.Tensor:
     """``[L, 2, n, block_bytes]`` uint8 host copy of a device pool's blocks, in ``block_ids``
     order: one gather on the device, one copy to the host (which waits for the kernels that
-    wrote them)."""
+    wrote them). With ``staging`` the copy lands in its pinned buffer (valid until its next
+    use); without, in a new tensor the caller owns."""
     import torch
 
     num_layers, _, num_blocks = pool.shape[:3]
     view = pool.view(torch.uint8).view(num_layers, 2, num_blocks, -1)
     ids = torch.tensor(list(block_ids), dtype=torch.long, device=pool.device)
-    return view.index_select(2, ids).cpu()
+    gathered = view.index_select(2, ids)
+    if staging is None:
+        return gathered.cpu()
+    out = staging.get(gathered.numel()).view(gathered.shape)
+    out.copy_(gathered)
+    return out
 
 
 def scatter_device_blocks(pool: torch.Tensor, block_ids: Sequence[int], slabs: np.ndarray) -> None:

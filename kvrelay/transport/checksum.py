@@ -36,14 +36,19 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from kvrelay.transport.blocks import PinnedStaging
 
-def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
+
+def kv_checksum(
+    pool: torch.Tensor, block_ids: Sequence[int], staging: PinnedStaging | None = None
+) -> int:
     """The checksum of the blocks ``block_ids`` of ``pool``; see the module doc.
 
-    A CUDA pool is hashed through host copies of each run (correct, not fast).
+    A CUDA pool is gathered on the device and copied to the host once (into ``staging``'s
+    pinned buffer when given), then hashed there.
     """
     if pool.device.type != "cpu":
-        return _device_checksum(pool, block_ids)
+        return _device_checksum(pool, block_ids, staging)
     return slabs_checksum(pool_slabs(pool), block_ids)
 
 
@@ -93,11 +98,14 @@ class SlabCache:
         self._key, self._slabs = None, None
 
 
-def _device_checksum(pool: torch.Tensor, block_ids: Sequence[int]) -> int:
-    """One gather on the device and one copy to the host (which waits for the kernels that
-    wrote the blocks), then the host hash over the copy, whose ids are ``0 .. n-1``."""
+def _device_checksum(
+    pool: torch.Tensor, block_ids: Sequence[int], staging: PinnedStaging | None
+) -> int:
+    """One gather on the device and one copy to the host (into ``staging`` when given; it
+    waits for the kernels that wrote the blocks), then the host hash over the copy, whose ids
+    are ``0 .. n-1``."""
     from kvrelay.transport.blocks import gather_device_blocks
 
-    host = gather_device_blocks(pool, block_ids).numpy()  # [L, 2, n, block_bytes]
+    host = gather_device_blocks(pool, block_ids, staging).numpy()  # [L, 2, n, block_bytes]
     num_layers, _, n, row = host.shape
     return slabs_checksum(host.reshape(num_layers * 2, n, row), range(n))

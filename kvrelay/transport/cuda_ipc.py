@@ -39,7 +39,13 @@ from kvrelay.transport.base import (
     check_checksum,
     check_pull,
 )
-from kvrelay.transport.blocks import paired_runs, pool_shape, torch_dtype, transfer_bytes
+from kvrelay.transport.blocks import (
+    PinnedStaging,
+    paired_runs,
+    pool_shape,
+    torch_dtype,
+    transfer_bytes,
+)
 from kvrelay.transport.checksum import kv_checksum
 
 if TYPE_CHECKING:
@@ -120,6 +126,7 @@ class CudaIpcTransport(KvTransport):
         if not torch.cuda.is_available():
             raise TransferError("CUDA IPC needs a CUDA device")
         self._opened: dict[str, torch.Tensor] = {}
+        self._staging = PinnedStaging()  # the checksum's device -> host copies
 
     def pull(
         self,
@@ -146,7 +153,7 @@ class CudaIpcTransport(KvTransport):
             for src, dst, length in paired_runs(spec.src_block_ids, dst_block_ids):
                 dst_pool[:, :, dst : dst + length].copy_(src_pool[:, :, src : src + length])
             torch.cuda.current_stream().synchronize()
-        check_checksum(spec, kv_checksum(dst_pool, dst_block_ids))
+        check_checksum(spec, kv_checksum(dst_pool, dst_block_ids, self._staging))
         num_bytes = transfer_bytes(dst_layout, len(dst_block_ids))
         return TransferStats(num_bytes, time.perf_counter() - start)
 
