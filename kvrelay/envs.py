@@ -94,7 +94,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var("KVRELAY_HOST_ID", str, "",
          "worker: equal ids share memory (default: this machine's id)", "--host-id"),
     _var("KVRELAY_TRANSPORT", str, "auto",
-         "KV transport between prefill and decode (auto: shm on one host, else tcp)",
+         "KV transport between prefill and decode (auto: cuda_ipc between GPU pools on one "
+         "host, shm between CPU pools on one host, else tcp)",
          "--transport", choices=TRANSPORTS),
     _var("KVRELAY_DEVICE", str, "cpu",
          "where the engine computes and keeps weights and KV: cpu, cuda or cuda:N",
