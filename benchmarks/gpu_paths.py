@@ -184,7 +184,7 @@ def measure_weights(name: str, model_dir: Path, dtype: str, repeats: int) -> dic
 # -- report ---------------------------------------------------------------------------------------
 
 
-def render(data: dict[str, Any]) -> str:
+def _tables(data: dict[str, Any]) -> tuple[str, str]:
     kv = markdown_table(
         ["model", "tokens", "block ids", "MiB", "device memcpy GB/s", "pull GB/s", "pull ms",
          "of which checksum ms"],
@@ -206,20 +206,53 @@ def render(data: dict[str, Any]) -> str:
             for w in data["weights"]
         ],
     )  # fmt: skip
+    return kv, weights
+
+
+def render(data: dict[str, Any]) -> str:
     return "\n\n".join(
         [
-            f"Measured on {data['device']} (torch {data['torch']}), median of {data['repeats']} "
-            "runs after a warm-up, every time taken with the device synchronised.",
-            "**KV hand-off over CUDA IPC** (decode pulls from a prefill process's exported "
-            "pool, one device-to-device copy per run of blocks, then verifies the checksum of "
-            "what it wrote: one gather on the device, one copy to the host, the host hash):",
-            kv,
-            "**Weights to the GPU** (disk: safetensors load with the page cache warm, then "
-            "`.to('cuda')`; pool: the host parameter pool's zero-copy tensors, as pageable "
-            "memory and registered as pinned, which is what a worker on a GPU does):",
-            weights,
+            *_intro(data),
+            *_chain_parts(data.get("chain")),
         ]
     )
+
+
+def _chain_parts(chain: dict[str, Any] | None) -> list[str]:
+    """The chain multicast run of ``scale_up.py --chain-only`` on the same machine, if any."""
+    if chain is None:
+        return []
+    from scale_up_report import chain_notes, verdicts
+    from scale_up_tables import CHAIN_HEADERS, chain_bytes, chain_rows, parse_results
+
+    r = parse_results(chain)
+    if r.chain_ckpt is None:
+        return []
+    cpus = chain["machine"]["num_cpus"]
+    return [
+        f"**Chain multicast of the parameter pool on this machine's {cpus} CPUs** "
+        f"(`{chain['command']}`; every receiver a separate process standing for a host, "
+        "loopback TCP, no link limit):",
+        markdown_table(CHAIN_HEADERS, chain_rows(r.chain_ckpt, r.chain)),
+        "\n".join(verdicts(r.attach, r.starts, r.chain, chain_bytes(r))),
+        chain_notes(r, cpus),
+    ]
+
+
+def _intro(data: dict[str, Any]) -> list[str]:
+    kv, weights = _tables(data)
+    return [
+        f"Measured on {data['device']} (torch {data['torch']}), median of {data['repeats']} "
+        "runs after a warm-up, every time taken with the device synchronised.",
+        "**KV hand-off over CUDA IPC** (decode pulls from a prefill process's exported "
+        "pool, one device-to-device copy per run of blocks, then verifies the checksum of "
+        "what it wrote: one gather on the device, one copy to the host, the host hash):",
+        kv,
+        "**Weights to the GPU** (disk: safetensors load with the page cache warm, then "
+        "`.to('cuda')`; pool: the host parameter pool's zero-copy tensors, as pageable "
+        "memory and registered as pinned, which is what a worker on a GPU does):",
+        weights,
+    ]
 
 
 def main() -> None:
@@ -230,6 +263,11 @@ def main() -> None:
     p.add_argument("--skip-1b", action="store_true", help="leave out the 1B checkpoint")
     p.add_argument("--cache-dir", type=Path, default=Path(tempfile.gettempdir()))
     p.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
+    p.add_argument(
+        "--chain-json",
+        type=Path,
+        help="add a `scale_up.py --chain-only --json` run made on the same machine",
+    )
     args = p.parse_args()
     if args.render:
         data = json.loads(args.render.read_text())
@@ -248,6 +286,10 @@ def main() -> None:
                 measure_weights(name, path, dtype, args.repeats)
                 for name, path, dtype in checkpoints(Path(work), args.cache_dir, args.skip_1b)
             ]
+        if args.json:
+            write_json(args.json, data)
+    if args.chain_json:
+        data["chain"] = json.loads(args.chain_json.read_text())
         if args.json:
             write_json(args.json, data)
     body = render(data)

@@ -202,7 +202,7 @@ def report(result: dict[str, Any], json_path: Path | None, write_md: bool) -> No
     print("\n".join(verdicts(r.attach, r.starts, r.chain, chain_bytes(r))))
     if r.chain_ckpt is not None and r.chain:
         print()
-        print(chain_notes(r))
+        print(chain_notes(r, result["machine"]["num_cpus"]))
     if json_path is not None:
         write_json(json_path, result)
     if write_md:

@@ -224,29 +224,37 @@ def time_notes(r: Results, import_s: float | None) -> str:
     )
 
 
-def chain_notes(r: Results) -> str:
+def chain_notes(r: Results, num_cpus: int) -> str:
     """What the two chain conditions mean, with this run's rates and how the link was chosen."""
     assert r.chain_ckpt is not None
     num_bytes = r.chain_ckpt.num_bytes
     groups = by_link(r.chain)
     unlimited = chain_p50(groups.get(0.0, []))
     rates = {n: n * num_bytes / t / 1e9 for n, t in unlimited.items()}  # GB/s, all receivers
+    most = max(rates, default=None)
     text = (
         "What the chain numbers mean on this machine. Unlimited: the origin, every receiver "
-        "and this script share 2 CPUs, and each hop costs CPU for a loopback TCP send and "
-        "receive, an xxh3 check and first-touch page faults into a new shared-memory segment, "
-        "so each receiver adds a whole transfer's worth of work to the same two cores. The "
-        "bytes delivered per second, summed over receivers, stay flat "
-        f"({' / '.join(f'{v:.2f}' for v in rates.values())} GB/s for 1 / 2 / 4 receivers): "
-        "the cores, not the chain's serial hops, set the time, and it grows with N. Between "
-        "hosts each hop has its own CPUs and NIC and the transfer is link-bound: N receivers "
-        "take about one transfer plus (N - 1) chunk times (4 MiB chunks) plus a connect per "
-        "hop (a receiver can connect only once its predecessor has the header and binds; ZMQ "
-        "retries every 100 ms)."
+        f"and this script share its {num_cpus} CPUs, and each hop costs CPU for a loopback "
+        "TCP send and receive, a checksum and first-touch page faults into a new shared-memory "
+        "segment. The bytes delivered per second, summed over receivers, are "
+        f"{' / '.join(f'{v:.2f}' for v in rates.values())} GB/s for "
+        f"{' / '.join(map(str, rates))} receivers: "
+    )
+    if most is not None and rates[most] >= 0.6 * most * rates[min(rates)]:
+        text += (
+            "they grow with N, so the hops overlap (each receiver forwards chunks as they "
+            "arrive) and the cores keep up. "
+        )
+    else:
+        text += "flat: the cores, not the chain's serial hops, set the time, and it grows with N. "
+    text += (
+        "Between hosts each hop has its own CPUs and NIC and the transfer is link-bound: N "
+        "receivers take about one transfer plus (N - 1) chunk times (4 MiB chunks) plus a "
+        "connect per hop (a receiver can connect only once its predecessor has the header and "
+        "binds; ZMQ retries every 100 ms)."
     )
     for link_mbps in (m for m in groups if m > 0):
         link = mbps_to_bytes_per_s(link_mbps)
-        most = max(rates, default=None)
         text += (
             f" Link-limited ({link_mbps:g} Mbps = {link / 1e6:.0f} MB/s) models that: the "
             "origin and every forwarding receiver pace their chunk data with a token bucket "
@@ -285,11 +293,12 @@ def markdown_body(result: dict[str, Any]) -> str:
     parts.append("\n".join(verdicts(r.attach, r.starts, r.chain, chain_bytes(r))))
     parts.append(time_notes(r, result["import_s"]))
     if r.chain_ckpt is not None and r.chain:
-        parts.append(chain_notes(r))
+        parts.append(chain_notes(r, result["machine"]["num_cpus"]))
     load = result["load_average"]
     parts.append(
         f"1-min load average at start / end: {load[0]:.1f} / {load[1]:.1f} "
-        "(2 CPUs; other jobs shared the machine when this is above ~2)."
+        f"({result['machine']['num_cpus']} CPUs; other jobs shared the machine when this is "
+        "above that)."
     )
     parts.append(machine_markdown(result["machine"]))
     return "\n\n".join(p for p in parts if p)
