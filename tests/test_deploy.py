@@ -272,7 +272,10 @@ def test_workers_share_memory_and_stay_unique_when_scaled(fake_kvrelay: Path) ->
         assert_shell_execs_kvrelay(service_argv(svc, {}), name)
         assert replicas[0].instance_id != replicas[1].instance_id, name
         assert replicas[0].advertise_host != replicas[1].advertise_host, name
-        assert replicas[0].transport != "tcp", name
+        if environ.get("KVRELAY_DEVICE", "cpu") == "cpu":
+            assert replicas[0].transport != "tcp", name  # CPU pools: shared memory
+        else:  # a GPU per container: CUDA IPC cannot open the other's pool
+            assert replicas[0].transport == "tcp", name
         host_ids |= {r.host_id for r in replicas}
     assert len(host_ids) == 1 and "" not in host_ids, f"workers need one --host-id: {host_ids}"
 

@@ -77,6 +77,8 @@ class PrefillWorker(Worker):
 
         if self._staging is None and self.device.type == "cuda":
             self._staging = PinnedStaging()
+        # the first token goes out before the lease checksum, which reads every KV byte
+        self.send_event(token_event(self.instance_id, out, handed_off_to=target.instance_id))
         deadline = time.time() + self.config.lease_ttl
         self.leases[seq.seq_id] = Lease(seq.seq_id, seq.block_ids, deadline, target.instance_id)
         ready = KvReady(
@@ -93,7 +95,6 @@ class PrefillWorker(Worker):
             cached_tokens_by_tier=seq.cached_tokens_by_tier,
             origin=origin,
         )
-        self.send_event(token_event(self.instance_id, out, handed_off_to=target.instance_id))
         self.send_peer(target.peer_addr, ready)
 
     # ------------------------------------------------------------------ peer side
