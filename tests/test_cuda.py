@@ -1,4 +1,4 @@
-"""The engine and the cluster on a CUDA device: every test here needs one and skips without.
+"""The engine and the cluster on a CUDA device; the tests that need one skip without it.
 
 What runs on the GPU: weights (from disk or from the host's parameter pool), the paged KV
 pool, attention, sampling (seeded generators live on the device), the L1 offload and load
@@ -7,7 +7,8 @@ over CUDA IPC (same GPU) or tcp (host staging). Each generated token is checked 
 float32 CPU reference (transformers) run over the same tokens: a GPU kernel's rounding may
 differ from the CPU's, but the token it picks must be the reference's argmax within
 ``LOGIT_TOL``. Cluster outputs must equal the offline engine's on the same device exactly:
-the hand-off moves bytes, it must not change a single one.
+the hand-off moves bytes, it must not change a single one. The device checks (names, the
+error without CUDA) and the gather / scatter helpers the GPU paths use run everywhere.
 """
 
 from __future__ import annotations
@@ -181,3 +182,30 @@ def test_1p1d_cluster_on_cuda_equals_the_offline_engine(tiny_model_dir, tmp_path
             transport="cuda_ipc" if transport == "auto" else "tcp",
         )
         assert pulled > 0
+
+
+def test_gather_and_scatter_move_exact_blocks_in_order():
+    """The helpers the GPU paths use are plain torch ops: on CPU pools they must move exactly
+    the named blocks, in list order, and leave every other block alone."""
+    from kvrelay.transport.blocks import (
+        PinnedStaging,
+        gather_device_blocks,
+        scatter_device_blocks,
+    )
+
+    src = torch.randn(3, 2, 10, 4, 2, 8)
+    dst = torch.randn(3, 2, 12, 4, 2, 8)
+    before = dst.clone()
+    src_ids, dst_ids = [7, 2, 3, 9], [0, 11, 5, 6]
+    for staging in (None, PinnedStaging()):  # pinned where CUDA is, else pageable
+        host = gather_device_blocks(src, src_ids, staging)
+        assert host.shape == (3, 2, 4, 4 * 2 * 8 * 4) and host.dtype == torch.uint8
+        scatter_device_blocks(dst, dst_ids, host.numpy().reshape(6, 4, -1))
+        for s, d in zip(src_ids, dst_ids):
+            assert torch.equal(dst[:, :, d], src[:, :, s])
+        untouched = [b for b in range(12) if b not in dst_ids]
+        assert torch.equal(dst[:, :, untouched], before[:, :, untouched])
+    staging = PinnedStaging()
+    assert staging.get(100).numel() == 100
+    first = staging.get(10).data_ptr()
+    assert staging.get(50).data_ptr() == first  # reused while it fits

@@ -11,6 +11,7 @@ consecutive ids ``b .. b+n-1`` is one contiguous slab ``pool[l, kv, b:b+n]``::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from kvrelay.cluster.messages import KvLayout
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+logger = logging.getLogger(__name__)
 
 
 class Run(NamedTuple):
@@ -148,7 +151,12 @@ class PinnedStaging:
         import torch
 
         if self._buffer is None or self._buffer.numel() < num_bytes:
-            self._buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+            self._buffer = None  # the old buffer is freed before the larger one is allocated
+            try:
+                self._buffer = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as e:  # no CUDA here, or no page-locked memory left
+                logger.warning("staging %d bytes in pageable memory: %s", num_bytes, e)
+                self._buffer = torch.empty(num_bytes, dtype=torch.uint8)
         return self._buffer[:num_bytes]
 
 
