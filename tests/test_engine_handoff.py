@@ -1,14 +1,30 @@
 """Engine-level KV hand-off: prefill detaches with its blocks held, decode imports them.
 
-The same greedy tokens as one engine doing everything; no block leaks on either side.
+The same greedy tokens as one engine doing everything; no block leaks on either side. A
+pull between different hand-off versions is refused before any copy.
 """
 
 from __future__ import annotations
 
+import dataclasses as dc
+
+import msgpack
 import pytest
+import torch
 
 from kvrelay import LLM, SamplingParams
+from kvrelay.cluster import messages
+from kvrelay.cluster.messages import (
+    KV_HANDOFF_VERSION,
+    WIRE_TYPES,
+    KvLayout,
+    PeerInfo,
+    Role,
+    decode,
+    encode,
+)
 from kvrelay.engine.engine import LLMEngine, RequestError
+from kvrelay.transport.base import PullSpec, VersionMismatch, check_pull
 
 PROMPTS = [
     "The cache moves to the decode worker",
@@ -84,3 +100,21 @@ def test_import_with_the_wrong_block_count_is_refused(tiny_model_dir):
         engine.import_request("x", list(range(20)), [5], GREEDY, blocks)
     engine.block_manager.release(blocks)
     assert engine.block_manager.num_leaked() == 0
+
+
+def test_a_pull_between_hand_off_versions_is_refused_before_any_copy():
+    """A source from an older kvrelay (no ``kv_version``: version 1) is refused with the
+    reason, not after a copy with a checksum mismatch; its PeerInfo still decodes."""
+    layout = KvLayout(2, 8, 4, 1, 4, "float32")
+    info = PeerInfo("p", Role.PREFILL, "h", "tcp://x:1", "", None, layout, b"f", "auto", 2)
+    assert decode(encode(info)) == info and KV_HANDOFF_VERSION == 2
+    values = [getattr(info, f.name) for f in dc.fields(PeerInfo)][:-1]
+    ext = msgpack.ExtType(
+        1, msgpack.packb([WIRE_TYPES.index(PeerInfo), *values], default=messages._default)
+    )
+    old = decode(msgpack.packb(ext))
+    assert old == dc.replace(info, kv_version=1)
+    pool = torch.zeros(2, 2, 8, 4, 1, 4)
+    check_pull(PullSpec("r", info, [0, 1], 0, 1e12), pool, [2, 3], layout, b"f")  # same: fine
+    with pytest.raises(VersionMismatch, match="version 1, this instance 2"):
+        check_pull(PullSpec("r", old, [0, 1], 0, 1e12), pool, [2, 3], layout, b"f")

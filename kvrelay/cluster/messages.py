@@ -64,6 +64,12 @@ class KvLayout:
         return dataclasses.replace(other, num_blocks=self.num_blocks) == self
 
 
+KV_HANDOFF_VERSION = 2
+"""The KV hand-off's definition (checksum and framing), which prefill and decode must share:
+1 = xxh3-64 slab digests (older processes, which send no version); 2 = XXH64 slab digests
+(``transport/checksum.py``). A pull between different versions is refused before any copy."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PeerInfo:
     """What another instance needs to reach this one."""
@@ -77,6 +83,7 @@ class PeerInfo:
     layout: KvLayout
     fingerprint: bytes  # model identity (loader.model_fingerprint)
     transport: str = "auto"  # the transport this instance asks for: auto | shm | tcp | cuda_ipc
+    kv_version: int = 1  # KV_HANDOFF_VERSION of the sender; absent from older processes: 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

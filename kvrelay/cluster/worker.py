@@ -29,6 +29,7 @@ import zmq
 from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.cluster import worker_stats
 from kvrelay.cluster.messages import (
+    KV_HANDOFF_VERSION,
     Abort,
     CacheEvent,
     CacheTier,
@@ -146,6 +147,7 @@ class Worker:
             layout=self.layout,
             fingerprint=self.engine.fingerprint,
             transport=self._asked_transport(),
+            kv_version=KV_HANDOFF_VERSION,
         )
 
     def _asked_transport(self) -> str:

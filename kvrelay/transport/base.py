@@ -30,6 +30,7 @@ import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+from kvrelay.cluster.messages import KV_HANDOFF_VERSION
 from kvrelay.transport.blocks import pool_shape, torch_dtype
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ class LayoutMismatch(TransferError):
 
 class FingerprintMismatch(TransferError):
     """Source and destination serve different models."""
+
+
+class VersionMismatch(TransferError):
+    """Source and destination run different KV hand-off versions (checksum, framing)."""
 
 
 class SourceGone(TransferError):
@@ -132,6 +137,11 @@ def check_pull(
     bad_dst = [b for b in dst_block_ids if not 0 <= b < dst_layout.num_blocks]
     if bad_dst:
         raise ValueError(f"dst block ids out of range [0, {dst_layout.num_blocks}): {bad_dst[:8]}")
+    if spec.src.kv_version != KV_HANDOFF_VERSION:
+        raise VersionMismatch(
+            f"{spec.request_id}: source {spec.src.instance_id} speaks KV hand-off version "
+            f"{spec.src.kv_version}, this instance {KV_HANDOFF_VERSION}: upgrade both roles"
+        )
     if spec.src.fingerprint != fingerprint:
         raise FingerprintMismatch(
             f"{spec.request_id}: source {spec.src.instance_id} serves model "
