@@ -106,7 +106,7 @@ def test_a_pull_between_hand_off_versions_is_refused_before_any_copy():
     """A source from an older kvrelay (no ``kv_version``: version 1) is refused with the
     reason, not after a copy with a checksum mismatch; its PeerInfo still decodes."""
     layout = KvLayout(2, 8, 4, 1, 4, "float32")
-    info = PeerInfo("p", Role.PREFILL, "h", "tcp://x:1", "", None, layout, b"f", "auto", 2)
+    info = PeerInfo("p", Role.PREFILL, "h", "tcp://x:1", "", None, layout, b"f")
     assert decode(encode(info)) == info and KV_HANDOFF_VERSION == 2
     values = [getattr(info, f.name) for f in dc.fields(PeerInfo)][:-1]
     ext = msgpack.ExtType(

@@ -83,7 +83,7 @@ class PeerInfo:
     layout: KvLayout
     fingerprint: bytes  # model identity (loader.model_fingerprint)
     transport: str = "auto"  # the transport this instance asks for: auto | shm | tcp | cuda_ipc
-    kv_version: int = 1  # KV_HANDOFF_VERSION of the sender; absent from older processes: 1
+    kv_version: int = KV_HANDOFF_VERSION  # the sender's; absent (an older process): 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -257,6 +257,9 @@ _NUM_REQUIRED = {
     for cls in WIRE_TYPES
 }
 
+# Where a field absent from an older process's message means something else than its default.
+_ABSENT: dict[type, dict[str, Any]] = {PeerInfo: {"kv_version": 1}}
+
 T = TypeVar("T")
 
 
@@ -286,7 +289,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
     names = _FIELDS[cls]
     if not _NUM_REQUIRED[cls] <= len(values) <= len(names):
         raise ProtocolError(f"{cls.__name__}: expected {len(names)} fields, got {len(values)}")
-    kwargs = dict(zip(names, values))
+    kwargs = {**_ABSENT.get(cls, {}), **dict(zip(names, values))}
     try:
         if cls is PeerInfo:
             kwargs["role"] = Role(kwargs["role"])
