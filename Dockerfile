@@ -12,10 +12,7 @@
 # TORCH_INDEX_URL  where TORCH_SPEC comes from; the default is PyTorch's CPU-only wheel index
 
 ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE}
-
-ARG TORCH_SPEC=torch==2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+FROM ${BASE_IMAGE} AS base
 
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -32,13 +29,29 @@ RUN if ! python3 -c "import ensurepip, venv" 2>/dev/null; then \
     fi \
     && python3 -m venv /opt/kvrelay
 
+# Build stage: a C compiler for kvrelay/csrc (the KV copy-and-checksum library), kept out of
+# the final image. The wheel must contain the library: without it the image would silently
+# run the slower numpy + xxhash fallback.
+FROM base AS build
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+COPY pyproject.toml setup.py README.md /src/
+COPY kvrelay /src/kvrelay
+RUN pip wheel --no-deps --wheel-dir /wheels /src \
+    && python3 -m zipfile -l /wheels/kvrelay-*.whl | grep -q "kvrelay/transport/_kvcopy"
+
+FROM base
+
+ARG TORCH_SPEC=torch==2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
 RUN pip install --index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}" \
     && echo "${TORCH_SPEC}" > /opt/kvrelay/torch-constraint.txt
 
-COPY pyproject.toml README.md /src/
-COPY kvrelay /src/kvrelay
-RUN pip install --constraint /opt/kvrelay/torch-constraint.txt "/src[k8s]" \
-    && rm -rf /src
+COPY --from=build /wheels /wheels
+RUN pip install --constraint /opt/kvrelay/torch-constraint.txt "$(echo /wheels/kvrelay-*.whl)[k8s]" \
+    && rm -rf /wheels
 
 # Non-root. /models belongs to the user so that a fresh named volume mounted there (which Docker
 # seeds from the image, owner included) is writable by model-init.
