@@ -49,8 +49,8 @@ from kvrelay.transport import (
     available_transports,
     choose_transport,
     create_transport,
+    slabhash,
 )
-from kvrelay.transport import copier as copier_module
 from kvrelay.transport.blocks import Run, block_runs, paired_runs, pool_shape, torch_dtype
 from kvrelay.transport.checksum import kv_checksum, pool_slabs
 from kvrelay.transport.copier import SlabCopier
@@ -467,23 +467,29 @@ def test_bfloat16_pools(transport_factory: Any, prefix: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_checksum_is_xxh3_of_slab_digests_in_order(dtype: str) -> None:
+def test_checksum_is_xxh64_of_slab_digests_in_order(dtype: str) -> None:
     layout = KvLayout(2, 12, 4, 2, 8, dtype)
     pool = make_pool(layout, 7)
     ids = [5, 6, 7, 1, 9, 10]
-    flat = pool.view(torch.uint8).view(2, 2, 12, -1).numpy()
-    digests = [
-        xxhash.xxh3_64_intdigest(b"".join(flat[layer, kv, b].tobytes() for b in ids))
-        for layer in range(2)
-        for kv in range(2)
-    ]
-    assert kv_checksum(pool, ids) == xxhash.xxh3_64_intdigest(struct.pack("<4Q", *digests))
+    assert kv_checksum(pool, ids) == reference_checksum(pool, ids)
     assert kv_checksum(pool, ids) != kv_checksum(pool, [6, 5, 7, 1, 9, 10])  # block order
     swapped = pool.clone()
     swapped[0, 0], swapped[0, 1] = pool[0, 1], pool[0, 0]
     assert kv_checksum(swapped, ids) != kv_checksum(pool, ids)  # slab order
-    empty = xxhash.xxh3_64_intdigest(b"")
-    assert kv_checksum(pool, []) == xxhash.xxh3_64_intdigest(struct.pack("<4Q", *[empty] * 4))
+    empty = xxhash.xxh64_intdigest(b"")
+    assert kv_checksum(pool, []) == xxhash.xxh64_intdigest(struct.pack("<4Q", *[empty] * 4))
+
+
+def reference_checksum(pool: torch.Tensor, ids: list[int]) -> int:
+    """The checksum definition, straight from python-xxhash over each block's bytes."""
+    num_layers, _, num_blocks = pool.shape[:3]
+    flat = pool.view(torch.uint8).view(num_layers, 2, num_blocks, -1).numpy()
+    digests = [
+        xxhash.xxh64_intdigest(b"".join(flat[layer, kv, b].tobytes() for b in ids))
+        for layer in range(num_layers)
+        for kv in range(2)
+    ]
+    return xxhash.xxh64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
 
 
 COPY_CASES = {
@@ -495,17 +501,18 @@ COPY_CASES = {
 
 @pytest.mark.parametrize("case", sorted(COPY_CASES))
 @pytest.mark.parametrize("num_threads", [1, 2, 3, 8])  # 8 > the 6 slabs: capped
-@pytest.mark.parametrize("chunk_bytes", [copier_module.CHUNK_BYTES, 40_000])  # 40 kB: 1-2 blocks
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 @pytest.mark.parametrize("stacked", [True, False], ids=["pools", "frames"])
 def test_threaded_copy_equals_the_checksum_definition(
-    case: str, num_threads: int, chunk_bytes: int, stacked: bool, monkeypatch: Any
+    case: str, num_threads: int, native: bool, stacked: bool, monkeypatch: Any
 ) -> None:
-    monkeypatch.setattr(copier_module, "CHUNK_BYTES", chunk_bytes)
+    if not native:
+        monkeypatch.setattr(slabhash, "load_library", lambda: None)
     src_ids, dst_ids = COPY_CASES[case]
     src = make_pool(SRC_LAYOUT, SEED)
     dst, before = fresh_dst()
     src_slabs, dst_slabs = pool_slabs(src), pool_slabs(dst)
-    copier = SlabCopier(num_threads)
+    copier = SlabCopier(num_threads, min_bytes_per_thread=0)
     try:
         if stacked:
             actual = copier.copy_and_checksum(src_slabs, dst_slabs, paired_runs(src_ids, dst_ids))
@@ -515,6 +522,7 @@ def test_threaded_copy_equals_the_checksum_definition(
             actual = copier.copy_and_checksum(frames, list(dst_slabs), runs)
     finally:
         copier.close()
+    assert actual == reference_checksum(src, src_ids)
     assert actual == kv_checksum(src, src_ids) == kv_checksum(dst, dst_ids)
     assert_pulled(dst, before, dst_ids, src, src_ids)
 
@@ -524,7 +532,7 @@ def test_threaded_copy_detects_a_corrupted_byte_in_any_slab(num_threads: int) ->
     src = make_pool(SRC_LAYOUT, SEED)
     expected = kv_checksum(src, SRC_IDS)
     runs = paired_runs(SRC_IDS, DST_IDS)
-    copier = SlabCopier(num_threads)
+    copier = SlabCopier(num_threads, min_bytes_per_thread=0)
     try:
         for slab in range(2 * SRC_LAYOUT.num_layers):
             bad = src.clone()

@@ -1,36 +1,33 @@
-"""The KV handoff checksum: two levels of xxh3-64 over blocks' raw bytes, in a defined order.
+"""The KV handoff checksum: two levels of XXH64 over blocks' raw bytes, in a defined order.
 
 Each (layer, K/V) slab has its own digest over its blocks in ``block_ids`` order, and the
-checksum is xxh3-64 of those digests in (layer, K/V) order, as little-endian u64s::
+checksum is XXH64 of those digests in (layer, K/V) order, as little-endian u64s (seed 0)::
 
-    digest[l, kv] = xxh3_64(for b in block_ids: bytes(pool[l, kv, b]))
-    checksum      = xxh3_64(digest[0, K], digest[0, V], digest[1, K], ...)
+    digest[l, kv] = xxh64(for b in block_ids: bytes(pool[l, kv, b]))
+    checksum      = xxh64(digest[0, K], digest[0, V], digest[1, K], ...)
 
 so the source (over its block ids) and the destination (over the ids it copied into) agree
 whatever ids each side uses, a reordered block list changes the value, and every dtype
 (bfloat16 too) works: the raw bytes are hashed. A run of consecutive ids is fed as one piece
-(xxh3 streaming gives the same digest however a slab's stream is cut).
+(XXH64 streaming gives the same digest however a slab's stream is cut).
 
 Why two levels: one streaming hash over the whole transfer can only run on one thread, and it
 runs twice per handoff on the critical path (prefill at lease time, decode after its copy).
-Independent slab digests let the destination copy and verify slabs on several threads at once
-(``copier.SlabCopier``). xxh3 stays the hash: it reads cache-hot data at about 35-45 GB/s
-against about 20 for hardware CRC32C (``crc32c``, measured here); xxh3 holds the GIL while
-numpy's copy releases it, and a piece's hash is a small part of its copy, so the threads'
-copies still overlap. Measured in ``benchmarks/transfer.py``; the numbers are in DESIGN.md
-(Transport): on 2 cores a 2-thread pull reaches about 60% of a 2-thread memcpy contiguous and
-50% scattered, against about a third single-threaded.
+Independent slab digests let both sides hash slabs on several threads at once
+(``copier.SlabCopier``). Why XXH64: it is computed by a small C library of ours
+(``kvrelay/csrc/kvcopy.c``, ``slabhash``) that copies and hashes in one pass with the GIL
+released, and python-xxhash's ``xxh64`` is the bit-exact reference and the fallback where no
+compiler built the library. xxh3 is faster per byte but its binding holds the GIL, which
+serialised the threads. Numbers: DESIGN.md (Transport) and BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import xxhash
-
-from kvrelay.transport.blocks import block_runs, byte_view
+from kvrelay.transport.blocks import Run, block_runs, byte_view, gather_device_blocks
+from kvrelay.transport.copier import SlabCopier
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,22 +50,17 @@ def kv_checksum(
 
 
 def slabs_checksum(slabs: Sequence[np.ndarray] | np.ndarray, block_ids: Sequence[int]) -> int:
-    """Checksum over per-(layer, K/V) ``[num_blocks, block_bytes]`` arrays, in that order."""
-    runs = block_runs(block_ids)
-    return combine_digests([slab_digest(slab, runs) for slab in slabs])
+    """Checksum over per-(layer, K/V) ``[num_blocks, block_bytes]`` arrays, in that order.
 
-
-def slab_digest(slab: np.ndarray, runs: Sequence[tuple[int, int]]) -> int:
-    """xxh3-64 of the ``(start, length)`` runs of one ``[num_blocks, block_bytes]`` slab."""
-    hasher = xxhash.xxh3_64()
-    for start, length in runs:
-        hasher.update(slab[start : start + length].data)
-    return hasher.intdigest()
-
-
-def combine_digests(digests: Sequence[int]) -> int:
-    """The transfer checksum from its slab digests, in (layer, K/V) order."""
-    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(digests)}Q", *digests))
+    Runs on ``torch.get_num_threads()`` threads (fewer for a small transfer), started and
+    stopped by this call.
+    """
+    runs = [Run(start, start, length) for start, length in block_runs(block_ids)]
+    copier = SlabCopier()
+    try:
+        return copier.checksum(slabs, runs)
+    finally:
+        copier.close()
 
 
 def pool_slabs(pool: torch.Tensor) -> np.ndarray:
@@ -104,8 +96,6 @@ def _device_checksum(
     """One gather on the device and one copy to the host (into ``staging`` when given; it
     waits for the kernels that wrote the blocks), then the host hash over the copy, whose ids
     are ``0 .. n-1``."""
-    from kvrelay.transport.blocks import gather_device_blocks
-
     host = gather_device_blocks(pool, block_ids, staging).numpy()  # [L, 2, n, block_bytes]
     num_layers, _, n, row = host.shape
     return slabs_checksum(host.reshape(num_layers * 2, n, row), range(n))

@@ -1,8 +1,8 @@
 """Same-host transport: decode copies straight out of prefill's shared-memory pool.
 
 One copy, no intermediate buffer: for each (layer, K/V), each run of blocks consecutive on
-both sides is one slab-to-slab copy, cut into cache-sized pieces that are hashed right after
-they are written, the slabs split across ``torch.get_num_threads()`` threads
+both sides is one slab-to-slab copy, hashed in the same pass as it is written (the native
+``kvcopy`` library), the slabs split across ``torch.get_num_threads()`` threads
 (``copier.SlabCopier``). The checksum is over the destination, so a source that reused its
 blocks during the copy is caught, not trusted.
 
