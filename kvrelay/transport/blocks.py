@@ -114,13 +114,15 @@ def paired_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[Run]:
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
     runs: list[Run] = []
-    for src, dst in zip(src_ids, dst_ids):
-        if runs:
-            last = runs[-1]
-            if last.src_start + last.length == src and last.dst_start + last.length == dst:
-                runs[-1] = last._replace(length=last.length + 1)
-                continue
-        runs.append(Run(src, dst, 1))
+    start = 0
+    for end in range(1, len(src_ids) + 1):
+        if (
+            end == len(src_ids)
+            or src_ids[end] != src_ids[end - 1] + 1
+            or dst_ids[end] != dst_ids[end - 1] + 1
+        ):
+            runs.append(Run(src_ids[start], dst_ids[start], end - start))
+            start = end
     return runs
 
 
