@@ -351,9 +351,12 @@ def markdown_body(
         "core's share of memory bandwidth, so the loop is at best memory-bound and loses "
         "where the prefetch falls short (scattered 16 KiB blocks). The Python around it "
         "(checks, runs, job setup, the thread hand-off) is ~0.2-0.3 ms of a 3-5 ms pull at "
-        "2048 tokens. memcpy is `torch` `copy_`, whose OpenMP threads spin after each call, so "
-        "the case measured right after it can lose a core for a moment; the round-robin order "
-        "is memcpy, checksum, shm, tcp. Small transfers (16 tokens) are latency, not "
+        "2048 tokens. What separates the wall-time ratio from the CPU-time one at 2048 tokens: "
+        "memcpy is torch's `copy_`, and torch's OpenMP (libgomp) worker spins for several ms "
+        "after each parallel region by default, holding one of the 2 CPUs while the checksum "
+        "and shm cases that follow it in the round-robin run; with OMP_WAIT_POLICY=passive "
+        "the same benchmark measured shm at 82-93% of memcpy at 2048 tokens (memcpy 7.5-9.3 "
+        "GB/s, shm 6.5-8.3). Small transfers (16 tokens) are latency, not "
         "bandwidth: ~0.1-0.2 ms per shm pull. tcp is bounded by ZMQ over loopback (about 1 "
         "GB/s for 32 MiB messages on this machine) plus a gather on the source.",
         "",

@@ -1,13 +1,14 @@
 """Copy-and-verify of KV slabs, and the checksum alone, split across threads by slab.
 
-Every (layer, K/V) slab has its own digest (``slabhash.SlabJob``), so thread ``k`` of ``T``
-owns the contiguous slab range ``[k*S//T, (k+1)*S//T)`` and returns its digests; the calling
-thread does range 0 and the others run on a pool this object owns. A range is one call into
-the native ``kvcopy`` library (ctypes releases the GIL for it), which copies each run of
-blocks and hashes it in the same pass, 32 bytes at a time from registers: the threads run in
-parallel, nothing is read twice, and scattered ids cost one loop iteration per block, not a
-Python call. ``T`` is capped by the slabs and by ``min_bytes_per_thread``: below about 1 MiB
-a thread hand-off costs more than it saves.
+Every (layer, K/V) slab has its own digest (``slabhash.SlabJob``), so the slabs are cut into
+up to ``TASKS_PER_THREAD`` contiguous ranges per thread, which the threads (the caller's and
+those of a pool this object owns) take from a queue until none is left: a thread slowed by
+another process on its core takes fewer ranges instead of holding up the rest. A range is one
+call into the native ``kvcopy`` library (ctypes releases the GIL for it), which copies each
+run of blocks and hashes it in the same pass, 32 bytes at a time from registers: the threads
+run in parallel, nothing is read twice, and scattered ids cost one loop iteration per block,
+not a Python call. The thread count is capped by the slabs and by ``min_bytes_per_thread``:
+below about 1 MiB a thread hand-off costs more than it saves.
 
 The result equals ``checksum.slabs_checksum`` of the destination slabs over the destination
 ids, whatever the number of threads or the path (native or the numpy + xxhash fallback).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import queue
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     Slabs = np.ndarray | Sequence[np.ndarray]
 
 MIN_BYTES_PER_THREAD = 1 << 20
+TASKS_PER_THREAD = 4  # slab ranges per thread, taken from a queue: a slowed thread takes fewer
 
 
 class SlabCopier:
@@ -75,15 +78,21 @@ class SlabCopier:
         if self._min_bytes_per_thread > 0:
             num_threads = min(num_threads, job.num_bytes // self._min_bytes_per_thread)
         num_threads = max(1, num_threads)
-        bounds = [k * job.num_slabs // num_threads for k in range(num_threads + 1)]
-        ranges = list(itertools.pairwise(bounds))
-        futures = self._submit(job, ranges[1:])
+        if num_threads == 1:
+            return combine_digests(job.digests(0, job.num_slabs))
+        num_tasks = min(job.num_slabs, TASKS_PER_THREAD * num_threads)
+        bounds = [k * job.num_slabs // num_tasks for k in range(num_tasks + 1)]
+        tasks: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
+        for task in itertools.pairwise(bounds):
+            tasks.put(task)
+        digests = [0] * job.num_slabs
+        futures = self._submit(job, tasks, digests, num_threads - 1)
         try:
-            digests = job.digests(*ranges[0])
+            _drain(job, tasks, digests)
         finally:
             concurrent.futures.wait(futures)  # they write into dst: never return before them
         for future in futures:
-            digests += future.result()
+            future.result()
         return combine_digests(digests)
 
     def _threads(self) -> int:
@@ -94,15 +103,23 @@ class SlabCopier:
         return torch.get_num_threads()
 
     def _submit(
-        self, job: SlabJob, ranges: Sequence[tuple[int, int]]
-    ) -> list[concurrent.futures.Future[list[int]]]:
-        if not ranges:
-            return []
-        if self._executor is None or self._num_workers < len(ranges):
+        self, job: SlabJob, tasks: queue.SimpleQueue[tuple[int, int]], digests: list[int], n: int
+    ) -> list[concurrent.futures.Future[None]]:
+        if self._executor is None or self._num_workers < n:
             self.close()
             self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=len(ranges), thread_name_prefix="kv-copy"
+                max_workers=n, thread_name_prefix="kv-copy"
             )
-            self._num_workers = len(ranges)
+            self._num_workers = n
         executor = self._executor
-        return [executor.submit(job.digests, lo, hi) for lo, hi in ranges]
+        return [executor.submit(_drain, job, tasks, digests) for _ in range(n)]
+
+
+def _drain(job: SlabJob, tasks: queue.SimpleQueue[tuple[int, int]], digests: list[int]) -> None:
+    """Runs slab ranges from ``tasks`` until none is left, each digest into its slot."""
+    while True:
+        try:
+            lo, hi = tasks.get_nowait()
+        except queue.Empty:
+            return
+        digests[lo:hi] = job.digests(lo, hi)
