@@ -343,13 +343,12 @@ def markdown_body(
         "",
         *goal_lines(rows),
         "",
-        "Where the time goes (profiled): a pull is one call into the native `kvcopy` library "
-        "per thread (ctypes releases the GIL), each over its half of the (layer, K/V) slabs: "
+        "Where the time goes (profiled): a pull is a few calls into the native `kvcopy` "
+        "library per thread (ctypes releases the GIL), each over a range of (layer, K/V) slabs: "
         "every 32-byte stripe is loaded once, stored and hashed (XXH64) from registers, with a "
         "prefetch cursor 64 KiB ahead over the same runs, so copy and checksum are one pass "
-        "over memory. XXH64 runs at ~6 GB/s a core here even on cache-hot data, about one "
-        "core's share of memory bandwidth, so the loop is at best memory-bound and loses "
-        "where the prefetch falls short (scattered 16 KiB blocks). The Python around it "
+        "over memory (the hash alone: ~12 GB/s a core here); scattered 16 KiB blocks still "
+        "lose some of the prefetch's lead at each block. The Python around it "
         "(checks, runs, job setup, the thread hand-off) is ~0.2-0.3 ms of a 3-5 ms pull at "
         "2048 tokens. What separates the wall-time ratio from the CPU-time one at 2048 tokens: "
         "memcpy is torch's `copy_`, and torch's OpenMP (libgomp) worker spins for several ms "
