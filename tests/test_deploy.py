@@ -533,15 +533,20 @@ def test_dockerfile_builds_the_image_compose_runs() -> None:
     ops = [op for op, _ in steps]
     args = {args.split("=")[0]: args.partition("=")[2] for op, args in steps if op == "ARG"}
     assert steps[0] == ("ARG", "BASE_IMAGE=python:3.11-slim")
-    assert ("FROM", "${BASE_IMAGE}") in steps
+    stages = [a.split() for op, a in steps if op == "FROM"]
+    assert stages[0] == ["${BASE_IMAGE}", "AS", "base"], "every stage starts from BASE_IMAGE"
+    assert all(stage[0] == "base" for stage in stages[1:])
     assert args["TORCH_SPEC"] == readme_torch_pin() == "torch==2.13.0"
     assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
     runs = [a for op, a in steps if op == "RUN"]
     torch_step = next(r for r in runs if '"${TORCH_SPEC}"' in r and "pip install" in r)
     assert '--index-url "${TORCH_INDEX_URL}"' in torch_step
-    source_step = next(r for r in runs if re.search(r"pip install .*/src\b", r))
+    wheel_step = next(r for r in runs if re.search(r"pip wheel .*/src\b", r))
+    assert "_kvcopy" in wheel_step, "the build stage must fail if the native library is missing"
+    source_step = next(r for r in runs if re.search(r"pip install .*/wheels/kvrelay-", r))
     assert "--constraint" in source_step, "pip install of the source may replace torch"
     assert "[k8s]" in source_step, "the router's kubernetes scaling hook needs the k8s extra"
+    assert stages[-1] == ["base"], "the final image is not the build stage (no compiler in it)"
     user = [a for op, a in steps if op == "USER"]
     assert user and user[-1] not in ("root", "0"), "the image must not run as root"
     assert ops.index("USER") < ops.index("ENTRYPOINT")
@@ -560,7 +565,7 @@ def test_dockerfile_copies_files_that_the_build_context_keeps() -> None:
     sources = [
         src
         for op, a in dockerfile_instructions()
-        if op == "COPY"
+        if op == "COPY" and not a.startswith("--from=")  # those come from a build stage
         for src in a.split()[:-1]
         if not src.startswith("--")
     ]
