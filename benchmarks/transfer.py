@@ -19,6 +19,7 @@ its own run: the worst case for a fragmented pool). GB/s is KV bytes moved per s
     python benchmarks/transfer.py --quick --no-write
 """
 
+# ruff: noqa: E402  (torch is imported after the OpenMP wait policy is set)
 from __future__ import annotations
 
 import argparse
@@ -34,6 +35,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
+
+from kvrelay import envs
+
+envs.use_passive_openmp_wait()  # as `kvrelay serve` runs the workers: before torch loads
 
 import torch
 from common import (

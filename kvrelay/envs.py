@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -158,6 +158,26 @@ def apply(args: argparse.Namespace, command: str, environ: Mapping[str, str] | N
         if value is None and var.required:
             raise EnvError(f"{var.flag} is required (or set {var.name})")
         setattr(args, var.dest, value)
+
+
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def use_passive_openmp_wait(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Asks torch's OpenMP threads to sleep, not spin, between parallel ops; True if it set
+    ``OMP_WAIT_POLICY=PASSIVE``. Call before torch is imported (OpenMP reads it once).
+
+    By default libgomp's threads spin for a while after each op, holding cores that a worker's
+    other threads need: the KV copy-and-verify threads, ZMQ's I/O thread, the heartbeat. On the
+    2-core machines that took a shm pull from 82-93% of a memcpy to 59-79% right after a torch
+    op, and passive waiting cost the engine no measurable throughput (BENCHMARKS.md). A
+    deployment that sets any of ``OPENMP_WAIT_VARS`` itself keeps its choice.
+    """
+    environ = os.environ if environ is None else environ
+    if any(name in environ for name in OPENMP_WAIT_VARS):
+        return False
+    environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
 
 
 def markdown_table() -> str:

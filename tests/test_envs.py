@@ -112,3 +112,28 @@ def test_readme_lists_the_table() -> None:
     match = re.search(r"<!-- envs:begin -->\n(.*?)\n<!-- envs:end -->", text, re.S)
     assert match, "README.md has no environment-variable table"
     assert match.group(1) == envs.markdown_table(), "run: python -m kvrelay.envs"
+
+
+def test_openmp_threads_wait_passively_unless_the_deployment_chose() -> None:
+    environ: dict[str, str] = {"PATH": "/bin"}
+    assert envs.use_passive_openmp_wait(environ) is True
+    assert environ == {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE"}
+    for name in envs.OPENMP_WAIT_VARS:
+        chosen = {name: "ACTIVE" if name == "OMP_WAIT_POLICY" else "1000"}
+        assert envs.use_passive_openmp_wait(chosen) is False
+        assert chosen == {name: chosen[name]}  # left as the deployment set it
+
+
+def test_kvrelay_commands_start_with_passive_openmp_wait() -> None:
+    code = (
+        "import os, sys; from kvrelay.cli import main; "
+        "sys.argv = ['kvrelay', 'model', '--help']\n"
+        "try:\n    main(['model', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(os.environ.get('OMP_WAIT_POLICY'))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in envs.OPENMP_WAIT_VARS}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "PASSIVE"

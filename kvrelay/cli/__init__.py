@@ -105,6 +105,7 @@ def parse_args(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    envs.use_passive_openmp_wait()  # before any command imports torch
     args = parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper()),
