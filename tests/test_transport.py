@@ -480,6 +480,27 @@ def test_checksum_is_xxh64_of_slab_digests_in_order(dtype: str) -> None:
     assert kv_checksum(pool, []) == xxhash.xxh64_intdigest(struct.pack("<4Q", *[empty] * 4))
 
 
+def test_checksum_on_a_long_lived_copier_is_the_same() -> None:
+    """Workers pass their own copier (threads kept between hand-offs); the value is the
+    definition's, call after call, and the copier's threads are reused, not restarted."""
+    layout = KvLayout(2, 24, 16, 2, 64, "float32")
+    pool = make_pool(layout, 11)
+    copier = SlabCopier(2, min_bytes_per_thread=1 << 10)  # a second thread for small pools
+
+    def pool_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("kv-copy")}
+
+    try:
+        for ids in ([3, 4, 5, 6], [23, 0, 17], list(range(24))):
+            assert kv_checksum(pool, ids, copier=copier) == reference_checksum(pool, ids)
+        workers = pool_threads()
+        assert workers, "the copier ran a second thread"
+        assert kv_checksum(pool, [1, 2], copier=copier) == reference_checksum(pool, [1, 2])
+        assert pool_threads() == workers
+    finally:
+        copier.close()
+
+
 def reference_checksum(pool: torch.Tensor, ids: list[int]) -> int:
     """The checksum definition, straight from python-xxhash over each block's bytes."""
     num_layers, _, num_blocks = pool.shape[:3]

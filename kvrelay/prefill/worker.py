@@ -47,6 +47,7 @@ class PrefillWorker(Worker):
         self.leases: dict[str, Lease] = {}
         self._source: Any = None  # tcp KvSource, made on the first pull
         self._staging: Any = None  # pinned host buffer for a GPU pool's lease checksums
+        self._copier: Any = None  # the lease checksums' hashing threads, kept between hand-offs
 
     # ------------------------------------------------------------------ router side
     def on_generate(self, msg: GenerateRequest) -> None:
@@ -74,7 +75,10 @@ class PrefillWorker(Worker):
         assert seq is not None, "a request that just sampled is running"
         from kvrelay.transport.blocks import PinnedStaging
         from kvrelay.transport.checksum import kv_checksum
+        from kvrelay.transport.copier import SlabCopier
 
+        if self._copier is None:
+            self._copier = SlabCopier()
         if self._staging is None and self.device.type == "cuda":
             self._staging = PinnedStaging()
         # the first token goes out before the lease checksum, which reads every KV byte
@@ -89,7 +93,9 @@ class PrefillWorker(Worker):
             src=self.info,
             block_ids=list(seq.block_ids),
             num_tokens=seq.num_computed_tokens,
-            checksum=kv_checksum(self.engine.runner.kv_cache, seq.block_ids, self._staging),
+            checksum=kv_checksum(
+                self.engine.runner.kv_cache, seq.block_ids, self._staging, self._copier
+            ),
             lease_deadline=deadline,
             num_cached_tokens=seq.num_cached_tokens,
             cached_tokens_by_tier=seq.cached_tokens_by_tier,
@@ -155,3 +161,5 @@ class PrefillWorker(Worker):
     def close_role(self) -> None:
         for request_id in list(self.leases):
             self._release(request_id)
+        if self._copier is not None:
+            self._copier.close()

@@ -37,30 +37,40 @@ if TYPE_CHECKING:
 
 
 def kv_checksum(
-    pool: torch.Tensor, block_ids: Sequence[int], staging: PinnedStaging | None = None
+    pool: torch.Tensor,
+    block_ids: Sequence[int],
+    staging: PinnedStaging | None = None,
+    copier: SlabCopier | None = None,
 ) -> int:
     """The checksum of the blocks ``block_ids`` of ``pool``; see the module doc.
 
     A CUDA pool is gathered on the device and copied to the host once (into ``staging``'s
-    pinned buffer when given), then hashed there.
+    pinned buffer when given), then hashed there. ``copier``: the caller's long-lived
+    threads (a worker checksums every hand-off); None starts and stops threads for this call.
     """
     if pool.device.type != "cpu":
-        return _device_checksum(pool, block_ids, staging)
-    return slabs_checksum(pool_slabs(pool), block_ids)
+        return _device_checksum(pool, block_ids, staging, copier)
+    return slabs_checksum(pool_slabs(pool), block_ids, copier)
 
 
-def slabs_checksum(slabs: Sequence[np.ndarray] | np.ndarray, block_ids: Sequence[int]) -> int:
+def slabs_checksum(
+    slabs: Sequence[np.ndarray] | np.ndarray,
+    block_ids: Sequence[int],
+    copier: SlabCopier | None = None,
+) -> int:
     """Checksum over per-(layer, K/V) ``[num_blocks, block_bytes]`` arrays, in that order.
 
-    Runs on ``torch.get_num_threads()`` threads (fewer for a small transfer), started and
-    stopped by this call.
+    Runs on ``copier``'s threads, or on ``torch.get_num_threads()`` threads (fewer for a small
+    transfer) started and stopped by this call.
     """
     runs = [Run(start, start, length) for start, length in block_runs(block_ids)]
-    copier = SlabCopier()
-    try:
+    if copier is not None:
         return copier.checksum(slabs, runs)
+    own = SlabCopier()
+    try:
+        return own.checksum(slabs, runs)
     finally:
-        copier.close()
+        own.close()
 
 
 def pool_slabs(pool: torch.Tensor) -> np.ndarray:
@@ -91,11 +101,14 @@ class SlabCache:
 
 
 def _device_checksum(
-    pool: torch.Tensor, block_ids: Sequence[int], staging: PinnedStaging | None
+    pool: torch.Tensor,
+    block_ids: Sequence[int],
+    staging: PinnedStaging | None,
+    copier: SlabCopier | None,
 ) -> int:
     """One gather on the device and one copy to the host (into ``staging`` when given; it
     waits for the kernels that wrote the blocks), then the host hash over the copy, whose ids
     are ``0 .. n-1``."""
     host = gather_device_blocks(pool, block_ids, staging).numpy()  # [L, 2, n, block_bytes]
     num_layers, _, n, row = host.shape
-    return slabs_checksum(host.reshape(num_layers * 2, n, row), range(n))
+    return slabs_checksum(host.reshape(num_layers * 2, n, row), range(n), copier)

@@ -47,6 +47,7 @@ from kvrelay.transport.blocks import (
     transfer_bytes,
 )
 from kvrelay.transport.checksum import kv_checksum
+from kvrelay.transport.copier import SlabCopier
 
 if TYPE_CHECKING:
     import torch
@@ -127,6 +128,7 @@ class CudaIpcTransport(KvTransport):
             raise TransferError("CUDA IPC needs a CUDA device")
         self._opened: dict[str, torch.Tensor] = {}
         self._staging = PinnedStaging()  # the checksum's device -> host copies
+        self._copier = SlabCopier()  # and its hashing threads
 
     def pull(
         self,
@@ -153,12 +155,14 @@ class CudaIpcTransport(KvTransport):
             for src, dst, length in paired_runs(spec.src_block_ids, dst_block_ids):
                 dst_pool[:, :, dst : dst + length].copy_(src_pool[:, :, src : src + length])
             torch.cuda.current_stream().synchronize()
-        check_checksum(spec, kv_checksum(dst_pool, dst_block_ids, self._staging))
+        actual = kv_checksum(dst_pool, dst_block_ids, self._staging, self._copier)
+        check_checksum(spec, actual)
         num_bytes = transfer_bytes(dst_layout, len(dst_block_ids))
         return TransferStats(num_bytes, time.perf_counter() - start)
 
     def close(self) -> None:
         self._opened.clear()
+        self._copier.close()
 
     def _open(self, kv_segment: str, layout: KvLayout) -> torch.Tensor:
         pool = self._opened.get(kv_segment)
