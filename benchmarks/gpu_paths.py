@@ -43,6 +43,7 @@ from kvrelay.engine.make_tiny import SIZES, make_tiny
 from kvrelay.transport import PullSpec, create_transport
 from kvrelay.transport.blocks import PinnedStaging, pool_shape, transfer_bytes
 from kvrelay.transport.checksum import kv_checksum
+from kvrelay.transport.copier import SlabCopier
 
 SECTION_TITLE = "GPU paths (CUDA IPC hand-off, weights to the device)"
 TOKENS = (16, 256, 2048)
@@ -93,7 +94,7 @@ def measure_kv(size: str, repeats: int) -> list[dict[str, Any]]:
         src = PeerInfo("src", Role.PREFILL, "h", "tcp://x:1", "", handle, layout, FINGERPRINT)
         dst = torch.zeros(pool_shape(layout), device="cuda")
         transport = create_transport("cuda_ipc")
-        staging = PinnedStaging()  # as the transport's own checksum uses
+        staging, copier = PinnedStaging(), SlabCopier()  # as the transport's checksum uses
         rng = random.Random(0)
         for tokens in TOKENS:
             n = tokens // BLOCK_SIZE
@@ -113,7 +114,9 @@ def measure_kv(size: str, repeats: int) -> list[dict[str, Any]]:
                 a = torch.empty(num_bytes // 4, device="cuda")
                 b = torch.empty_like(a)
                 memcpy_s = cuda_time(lambda a=a, b=b: b.copy_(a), repeats)
-                checksum_s = cuda_time(lambda ids=dst_ids: kv_checksum(dst, ids, staging), repeats)
+                checksum_s = cuda_time(
+                    lambda ids=dst_ids: kv_checksum(dst, ids, staging, copier), repeats
+                )
                 pull_s = cuda_time(pull, repeats)
                 rows.append(
                     {
@@ -129,6 +132,7 @@ def measure_kv(size: str, repeats: int) -> list[dict[str, Any]]:
                 )
                 print(rows[-1], flush=True)
         transport.close()
+        copier.close()
     finally:
         parent.send(None)
         source.join(timeout=30)

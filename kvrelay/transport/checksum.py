@@ -103,8 +103,8 @@ class SlabCache:
 def _device_checksum(
     pool: torch.Tensor,
     block_ids: Sequence[int],
-    staging: PinnedStaging | None,
-    copier: SlabCopier | None,
+    staging: PinnedStaging | None = None,
+    copier: SlabCopier | None = None,
 ) -> int:
     """One gather on the device and one copy to the host (into ``staging`` when given; it
     waits for the kernels that wrote the blocks), then the host hash over the copy, whose ids
