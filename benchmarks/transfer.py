@@ -362,7 +362,8 @@ def markdown_body(
         "forward steps do the same to its pulls. Measured on this machine, 3 runs each at "
         "2048 tokens: passive, shm 74-110% of memcpy (memcpy 7.4-10.7 GB/s); spinning "
         "(OMP_WAIT_POLICY=ACTIVE), 35-116% (memcpy 5.1-8.6 GB/s, shm 2.7-6.8); the engine's "
-        "decode throughput was level (median 377 vs 372 tok/s, 8 runs each). Small "
+        "throughput was level (`engine_throughput.py` kvrelay only, median of 3, two "
+        "alternating pairs: 193.0 / 190.9 tok/s passive, 183.2 / 194.7 default). Small "
         "transfers (16 tokens) are latency, not "
         "bandwidth: ~0.1-0.2 ms per shm pull. tcp is bounded by ZMQ over loopback (about 1 "
         "GB/s for 32 MiB messages on this machine) plus a gather on the source.",
