@@ -13,6 +13,7 @@ import pytest
 from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
 from kvrelay.cluster import messages
 from kvrelay.cluster.messages import (
+    KV_HANDOFF_VERSION,
     WIRE_TYPES,
     CacheEvent,
     KvLayout,
@@ -138,6 +139,32 @@ def test_placement_weights_device_above_host_and_load_above_both() -> None:
     assert _chosen(busy, {"p0": PrefixMatch(0, 4)}) == "p1"
     assert _chosen(busy, {"p0": PrefixMatch(0, 5)}) == "p1"  # 2.5 < 3
     assert _chosen(busy, {"p0": PrefixMatch(0, 7)}) == "p0"  # 3.5 outweighs 3 queued
+
+
+def test_placement_pairs_only_equal_hand_off_versions() -> None:
+    """In a rolling upgrade a prefill is paired only with a decode of its KV hand-off version;
+    with none, the request runs end to end on one instance instead of failing a pull."""
+    registry = Registry()
+
+    def add(instance_id: str, role: Role, version: int, num_waiting: int) -> None:
+        info = PeerInfo(instance_id, role, "A", "tcp://x:1", "", None, LAYOUT, b"f")
+        info = dataclasses.replace(info, kv_version=version)
+        registry.register(Register(info, "tiny", 1024, 1))
+        registry.report(LoadReport(instance_id, num_waiting, 0, 64, 64))
+
+    add("new-p", Role.PREFILL, KV_HANDOFF_VERSION, 2)
+    add("old-p", Role.PREFILL, 1, 0)  # the cheaper prefill
+    add("new-d", Role.DECODE, KV_HANDOFF_VERSION, 0)
+    placement = registry.place()
+    assert placement is not None and placement.decode is not None
+    assert (placement.prefill.instance_id, placement.decode.instance_id) == ("new-p", "new-d")
+    add("old-d", Role.DECODE, 1, 0)
+    placement = registry.place()
+    assert placement is not None and placement.decode is not None
+    assert (placement.prefill.instance_id, placement.decode.instance_id) == ("old-p", "old-d")
+    placement = registry.place(exclude=["new-d", "old-d"])  # no decode left: end to end
+    assert placement is not None and placement.decode is None
+    assert registry.instances()[0].as_dict()["kv_version"] == KV_HANDOFF_VERSION
 
 
 def test_cache_events_from_an_older_worker_are_device_events() -> None:

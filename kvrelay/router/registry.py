@@ -63,6 +63,7 @@ class Instance:
             "status_url": self.info.status_url,
             "kv_segment": self.info.kv_segment,
             "transport": self.info.transport,
+            "kv_version": self.info.kv_version,
             "seconds_since_report": round(time.monotonic() - self.last_seen, 3),
             **load,
             "draining": self.draining or self.load.draining,
@@ -143,13 +144,16 @@ class Registry:
 
         prefills = self._live(Role.PREFILL, exclude)
         decodes = self._live(Role.DECODE, exclude)
-        if prefills and decodes:
-            prefill = min(prefills, key=cost)
-            decode = min(
-                decodes,
-                key=lambda d: (-d.load.num_free_blocks, d.load.num_running + d.num_assigned),
-            )
-            return Placement(prefill, decode)
+        # a pair must share the KV hand-off version (a rolling upgrade mixes them): the
+        # cheapest prefill that has a decode of its version, else no hand-off at all
+        for prefill in sorted(prefills, key=cost):
+            peers = [d for d in decodes if d.info.kv_version == prefill.info.kv_version]
+            if peers:
+                decode = min(
+                    peers,
+                    key=lambda d: (-d.load.num_free_blocks, d.load.num_running + d.num_assigned),
+                )
+                return Placement(prefill, decode)
         # a colocated instance, or any survivor: every worker can run a request end to end
         for pool in (self._live(Role.COLOCATED, exclude), prefills + decodes):
             if pool:
