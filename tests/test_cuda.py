@@ -14,6 +14,7 @@ error without CUDA) and the gather / scatter helpers the GPU paths use run every
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -27,8 +28,12 @@ from kvrelay.engine.tokenizer import Tokenizer
 from tests.cluster_harness import metric_value, read_text, running_cluster, worker_stats
 
 NO_CUDA = "needs a CUDA device (runs where one is present)"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
-pytestmark = pytest.mark.gpu
+
+
+def needs_cuda(test: Callable[..., None]) -> Callable[..., None]:
+    """Marks a test ``gpu`` and skips it, saying why, where torch sees no CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)(test))
+
 
 LOGIT_TOL = 2e-3  # float32 logits of the tiny model: CUDA vs CPU kernels differ by ~1e-5
 MAX_TOKENS = 16
