@@ -214,3 +214,16 @@ def test_gather_and_scatter_move_exact_blocks_in_order():
     assert staging.get(100).numel() == 100
     first = staging.get(10).data_ptr()
     assert staging.get(50).data_ptr() == first  # reused while it fits
+
+
+def test_transports_a_pool_cannot_serve_are_refused():
+    from kvrelay.cluster.worker_config import check_transport_for_device
+
+    for transport in ("auto", "tcp", "shm"):
+        check_transport_for_device(transport, torch.device("cpu"))
+    for transport in ("auto", "tcp", "cuda_ipc"):
+        check_transport_for_device(transport, torch.device("cuda", 0))  # only names the device
+    with pytest.raises(ValueError, match="cuda_ipc needs a CUDA KV pool"):
+        check_transport_for_device("cuda_ipc", torch.device("cpu"))
+    with pytest.raises(ValueError, match="shm needs a CPU KV pool"):
+        check_transport_for_device("shm", torch.device("cuda", 0))

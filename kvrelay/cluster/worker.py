@@ -51,6 +51,7 @@ from kvrelay.cluster.router_links import RouterLinks, new_request_id, token_even
 from kvrelay.cluster.status import StatusServer
 from kvrelay.cluster.worker_config import (
     WorkerConfig,
+    check_transport_for_device,
     create_tiers,
     default_host_id,
     layout_from_shape,
@@ -81,14 +82,13 @@ class Worker:
         config = resolve_identity(config, socket.gethostname(), os.getpid())
         self.config = config
         self.instance_id = config.instance_id
+        engine_config = build_engine_config(config.model, **dict(config.engine_args))
+        self.device = resolve_device(engine_config.device)
+        check_transport_for_device(config.transport, self.device)
         self.ctx = zmq.Context()
         self.metrics = WorkerMetrics(config.instance_id, config.role.value)
         self._kv_segment: str | None = None
         self._shared_pool: Any = None
-        engine_config = build_engine_config(config.model, **dict(config.engine_args))
-        self.device = resolve_device(engine_config.device)
-        if config.transport == "cuda_ipc" and self.device.type != "cuda":
-            raise ValueError("transport cuda_ipc needs a CUDA KV pool: start with --device cuda")
         self.tiers = create_tiers(config, engine_config)
         self.param_pool = self._open_param_pool(engine_config.dtype)
         self.engine = LLMEngine(

@@ -54,6 +54,14 @@ class WorkerConfig:
             )
 
 
+def check_transport_for_device(transport: str, device: torch.device) -> None:
+    """Raises ValueError for a transport that a KV pool on ``device`` cannot serve."""
+    if transport == "cuda_ipc" and device.type != "cuda":
+        raise ValueError("transport cuda_ipc needs a CUDA KV pool: start with --device cuda")
+    if transport == "shm" and device.type != "cpu":
+        raise ValueError("transport shm needs a CPU KV pool: use auto, cuda_ipc or tcp on a GPU")
+
+
 def resolve_identity(config: WorkerConfig, hostname: str, pid: int) -> WorkerConfig:
     """``config`` with its instance id and advertised address filled in when unset.
 
