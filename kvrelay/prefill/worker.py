@@ -25,6 +25,8 @@ from typing import Any
 from kvrelay.cluster.messages import GenerateRequest, KvAck, KvPull, KvReady, PeerInfo
 from kvrelay.cluster.worker import Worker, token_event
 from kvrelay.engine.engine import RequestOutput
+from kvrelay.transport.blocks import PinnedStaging
+from kvrelay.transport.copier import SlabCopier
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +48,10 @@ class PrefillWorker(Worker):
         self._origin_ids: dict[str, str] = {}  # request id -> its router (GenerateRequest.origin)
         self.leases: dict[str, Lease] = {}
         self._source: Any = None  # tcp KvSource, made on the first pull
-        self._staging: Any = None  # pinned host buffer for a GPU pool's lease checksums
-        self._copier: Any = None  # the lease checksums' hashing threads, kept between hand-offs
+        # the lease checksums' hashing threads (started on first use, kept between hand-offs),
+        # and for a GPU pool the pinned host buffer its blocks are copied into
+        self._copier = SlabCopier()
+        self._staging = PinnedStaging() if self.device.type == "cuda" else None
 
     # ------------------------------------------------------------------ router side
     def on_generate(self, msg: GenerateRequest) -> None:
@@ -73,14 +77,8 @@ class PrefillWorker(Worker):
             return
         seq = self.engine.detach_request(out.request_id)
         assert seq is not None, "a request that just sampled is running"
-        from kvrelay.transport.blocks import PinnedStaging
         from kvrelay.transport.checksum import kv_checksum
-        from kvrelay.transport.copier import SlabCopier
 
-        if self._copier is None:
-            self._copier = SlabCopier()
-        if self._staging is None and self.device.type == "cuda":
-            self._staging = PinnedStaging()
         # the first token goes out before the lease checksum, which reads every KV byte
         self.send_event(token_event(self.instance_id, out, handed_off_to=target.instance_id))
         deadline = time.time() + self.config.lease_ttl
@@ -161,5 +159,4 @@ class PrefillWorker(Worker):
     def close_role(self) -> None:
         for request_id in list(self.leases):
             self._release(request_id)
-        if self._copier is not None:
-            self._copier.close()
+        self._copier.close()

@@ -17,6 +17,7 @@ blocks in one copy, hashing as it goes, on several threads (``copier.SlabCopier`
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ from kvrelay.transport.base import (
     check_pull,
 )
 from kvrelay.transport.blocks import (
+    PinnedStaging,
     Run,
     block_bytes,
     block_runs,
@@ -125,6 +127,7 @@ class TcpTransport(KvTransport):
         self._sockets: dict[str, zmq.Socket] = {}
         self._dst_slabs = SlabCache()
         self._copier = SlabCopier()
+        self._staging = PinnedStaging()  # GPU destinations: frames are verified here first
 
     def pull(
         self,
@@ -144,7 +147,8 @@ class TcpTransport(KvTransport):
             actual = self._copier.copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs)
             check_checksum(spec, actual)
         else:  # verified in host memory first: nothing unverified reaches the GPU pool
-            staging = np.empty((len(src_slabs), *src_slabs[0].shape), dtype=np.uint8)
+            shape = (len(src_slabs), *src_slabs[0].shape)
+            staging = self._staging.get(math.prod(shape)).numpy().reshape(shape)
             runs = [Run(0, 0, len(dst_block_ids))]
             check_checksum(spec, self._copier.copy_and_checksum(src_slabs, staging, runs))
             scatter_device_blocks(dst_pool, dst_block_ids, staging)
