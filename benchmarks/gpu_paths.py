@@ -38,12 +38,13 @@ from typing import Any
 import torch
 from common import command_line, markdown_table, median, update_benchmarks_md, write_json
 
-from kvrelay.cluster.messages import KvLayout, PeerInfo, Role
 from kvrelay.engine.make_tiny import SIZES, make_tiny
-from kvrelay.transport import PullSpec, create_transport
+from kvrelay.protocol.messages import KvLayout, PeerInfo, Role
+from kvrelay.transport.base import PullSpec
 from kvrelay.transport.blocks import PinnedStaging, pool_shape, transfer_bytes
 from kvrelay.transport.checksum import kv_checksum
 from kvrelay.transport.copier import SlabCopier
+from kvrelay.transport.registry import create_transport
 
 SECTION_TITLE = "GPU paths (CUDA IPC hand-off, weights to the device)"
 TOKENS = (16, 256, 2048)
@@ -153,7 +154,8 @@ def checkpoints(work: Path, cache: Path, skip_1b: bool) -> list[tuple[str, Path,
 
 def measure_weights(name: str, model_dir: Path, dtype: str, repeats: int) -> dict[str, Any]:
     from kvrelay.cachetier.param_device import copy_to_device
-    from kvrelay.cachetier.param_pool import ParamPool, remove
+    from kvrelay.cachetier.param_ops import remove
+    from kvrelay.cachetier.param_pool import ParamPool
     from kvrelay.engine.config import ModelConfig
     from kvrelay.engine.loader import load_weights
 

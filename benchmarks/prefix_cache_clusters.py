@@ -25,7 +25,7 @@ from prefix_cache_workload import (
     stream_chat,
 )
 
-from kvrelay.cluster.launcher import ClusterSpec, Launcher
+from kvrelay.cli.launcher import ClusterSpec, Launcher
 
 WARM_UP = "Hi"
 

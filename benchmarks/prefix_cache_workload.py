@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 if TYPE_CHECKING:
-    from kvrelay.engine.tokenizer import Tokenizer
+    from kvrelay.text.tokenizer import Tokenizer
 
 
 SERVED_NAME = "bench"
@@ -111,7 +111,7 @@ def question(user: int, turn: int) -> str:
 
 
 def create_workload(model_dir: Path, args: argparse.Namespace) -> Workload:
-    from kvrelay.engine.tokenizer import Tokenizer
+    from kvrelay.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(model_dir)
     text = build_system_prompt(tokenizer, args.system_tokens)

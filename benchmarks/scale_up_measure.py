@@ -32,7 +32,7 @@ from scale_up_setup import (
     stop_process,
 )
 
-from kvrelay.cluster.launcher import Launcher, free_port
+from kvrelay.cli.launcher import Launcher, free_port
 from kvrelay.transport.rate_limit import mbps_to_bytes_per_s
 
 MODES = ("disk", "build", "pool", "peer")
@@ -162,23 +162,23 @@ def start_one(
 
 def set_host_pool(ckpt: Checkpoint, is_wanted: bool) -> None:
     """Makes the host's pool of ``ckpt`` exist (built here, untimed) or not."""
-    from kvrelay.cachetier import param_pool
+    from kvrelay.cachetier import param_ops, param_pool
 
     if is_wanted:
         param_pool.ParamPool.attach_or_create(ckpt.path, ckpt.dtype).close()
     else:
-        param_pool.remove(ckpt.host_pool)  # PoolBusy if a worker still holds it
+        param_ops.remove(ckpt.host_pool)  # PoolBusy if a worker still holds it
 
 
 def run_starts(
     ckpt: Checkpoint, peer: Callable[[], str], args: argparse.Namespace, log_dir: Path
 ) -> list[StartRun]:
     """Every mode ``args.repeats`` times on one cluster; ``peer``: the pool server's address."""
-    from kvrelay.cachetier import param_pool
+    from kvrelay.cachetier import param_ops
 
     runs = []
     with contextlib.ExitStack() as stack:
-        stack.callback(lambda: param_pool.remove(ckpt.host_pool, force=True))
+        stack.callback(lambda: param_ops.remove(ckpt.host_pool, force=True))
         launcher = stack.enter_context(running_cluster(ckpt, args, log_dir))
         current = "prefill-0"
         first_token(launcher.url, "Warm-up: the decode worker's first step.")
@@ -225,7 +225,7 @@ def timings(fn: Callable[[], object], repeats: int) -> tuple[float, ...]:
 def measure_attach(ckpt: Checkpoint, args: argparse.Namespace) -> AttachResult:
     import torch
 
-    from kvrelay.cachetier import param_pool
+    from kvrelay.cachetier import param_ops, param_pool
     from kvrelay.engine.config import ModelConfig
     from kvrelay.engine.loader import load_weights, model_fingerprint
 
@@ -243,7 +243,7 @@ def measure_attach(ckpt: Checkpoint, args: argparse.Namespace) -> AttachResult:
         fp_s = timings(lambda: model_fingerprint(ckpt.path), args.attach_repeats)
     finally:
         pool.close()
-        param_pool.remove(ckpt.scoped_pool(scope), force=True)
+        param_ops.remove(ckpt.scoped_pool(scope), force=True)
     config = ModelConfig.from_dir(ckpt.path)
     loads = []
     for _ in range(args.repeats):
@@ -257,7 +257,7 @@ def measure_attach(ckpt: Checkpoint, args: argparse.Namespace) -> AttachResult:
 
 def measure_import(repeats: int) -> float:
     """Median seconds for a fresh interpreter to import what a prefill worker imports."""
-    code = "import kvrelay.cli, kvrelay.cluster.serve, kvrelay.prefill.worker"
+    code = "import kvrelay.cli, kvrelay.worker.serve, kvrelay.prefill.worker"
     return median(
         timings(lambda: subprocess.run([sys.executable, "-c", code], check=True), repeats)
     )
@@ -304,8 +304,8 @@ def run_chain(
 ) -> ChainRun:
     """One chain multicast from ``origin`` to ``num_receivers`` new receiver processes, each
     forwarding at most ``link_mbps`` (0: unlimited)."""
-    from kvrelay.cachetier import param_pool
-    from kvrelay.transport.chain import plan_chain
+    from kvrelay.cachetier import param_ops
+    from kvrelay.transport.chain_wire import plan_chain
 
     link = mbps_to_bytes_per_s(link_mbps)
     tag = f"c{os.getpid()}n{num_receivers}{uuid.uuid4().hex[:6]}"
@@ -339,7 +339,7 @@ def run_chain(
                 proc.wait(10.0)
             stop_process(proc)
         for k in range(num_receivers):
-            param_pool.remove(ckpt.scoped_pool(f"{tag}k{k}"), force=True)
+            param_ops.remove(ckpt.scoped_pool(f"{tag}k{k}"), force=True)
     sources = tuple(tuple(d["sources"]) for d in done)
     return ChainRun(
         num_receivers, repeat, max(d["end"] for d in done) - go,

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvrelay.cluster.launcher import ClusterSpec, Launcher
+from kvrelay.cli.launcher import ClusterSpec, Launcher
 
 SERVED_NAME = "bench"
 MODELS = ("tiny", "small", "medium", "1b")
@@ -59,7 +59,7 @@ class Checkpoint:
         return self.scoped_pool("")
 
     def scoped_pool(self, scope: str) -> str:
-        from kvrelay.cachetier.param_pool import pool_name
+        from kvrelay.cachetier.param_ops import pool_name
 
         return pool_name(bytes.fromhex(self.fingerprint), self.dtype, scope)
 
@@ -210,7 +210,7 @@ def pool_server(
     """Starts ``kvrelay pool serve`` of ``ckpt`` under ``scope`` (sending at most
     ``link_mbps``, 0: unlimited); yields a function that waits for it and returns its
     address. Stops it and removes its pool at exit."""
-    from kvrelay.cachetier import param_pool
+    from kvrelay.cachetier import param_ops
 
     log_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
@@ -231,7 +231,7 @@ def pool_server(
         yield address
     finally:
         stop_process(proc)
-        param_pool.remove(ckpt.scoped_pool(scope), force=True)
+        param_ops.remove(ckpt.scoped_pool(scope), force=True)
 
 
 @contextlib.contextmanager

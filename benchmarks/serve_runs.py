@@ -13,7 +13,7 @@ from pathlib import Path
 from common import cpu_times, wait_for_quiet_cpu
 
 from kvrelay.bench import LoadConfig, Slo, Summary, check_server, run_bench, warm_up
-from kvrelay.cluster.launcher import ClusterSpec, Launcher
+from kvrelay.cli.launcher import ClusterSpec, Launcher
 
 SERVED_NAME = "bench"
 DEAD_AFTER_S = 120.0  # router heartbeat timeout: a worker reports only between steps

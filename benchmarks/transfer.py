@@ -52,11 +52,13 @@ from common import (
     write_json,
 )
 
-from kvrelay.cluster.messages import KvLayout, KvPull, PeerInfo, ProtocolError, Role, decode
 from kvrelay.engine.make_tiny import SIZES
-from kvrelay.transport import PullSpec, create_transport
+from kvrelay.protocol.errors import ProtocolError
+from kvrelay.protocol.messages import KvLayout, KvPull, PeerInfo, Role, decode
+from kvrelay.transport.base import PullSpec
 from kvrelay.transport.blocks import layout_of, transfer_bytes
 from kvrelay.transport.checksum import kv_checksum
+from kvrelay.transport.registry import create_transport
 from kvrelay.transport.shm_pool import SharedKvPool, cleanup_segments, segment_name
 
 SECTION_TITLE = "KV transfer (shm / tcp vs memcpy)"

@@ -13,7 +13,7 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from kvrelay.engine.llm import LLM
-    from kvrelay.engine.sampling_params import SamplingParams
+    from kvrelay.protocol.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from kvrelay.engine.sampling_params import SamplingParams
+        from kvrelay.protocol.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'kvrelay' has no attribute {name!r}")

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvrelay.cluster.launcher import ClusterSpec, Launcher
+from kvrelay.cli.launcher import ClusterSpec, Launcher
 from kvrelay.transport.shm_pool import list_segments
 
 

@@ -25,7 +25,7 @@ def free_host_pools_made_by_the_suite() -> Iterator[None]:
     which outlive their processes on purpose. Pools that existed before the session, and any
     a live process still maps or uses, are left alone.
     """
-    from kvrelay.cachetier import host_pool, param_pool
+    from kvrelay.cachetier import host_ops, param_locks, param_ops
 
     shm = Path("/dev/shm")
     before = set(os.listdir(shm)) if shm.is_dir() else set()
@@ -38,10 +38,10 @@ def free_host_pools_made_by_the_suite() -> Iterator[None]:
             continue
         try:
             if name.startswith("kvrelay-l1-"):
-                host_pool.remove_host_pool(name)
-            elif name.startswith(param_pool.PREFIX):
-                param_pool.remove(name)
-        except (host_pool.PoolInUse, param_pool.PoolBusy, ValueError) as exc:
+                host_ops.remove_host_pool(name)
+            elif name.startswith(param_ops.PREFIX):
+                param_ops.remove(name)
+        except (host_ops.PoolInUse, param_locks.PoolBusy, ValueError) as exc:
             log.warning("left %s in %s: %s", name, shm, exc)
 
 

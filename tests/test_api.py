@@ -24,7 +24,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.router.api import ApiSettings, create_app
 from kvrelay.router.backend import (
     Backend,
@@ -34,7 +33,8 @@ from kvrelay.router.backend import (
     Overloaded,
     Unavailable,
 )
-from kvrelay.router.protocol import TokenStrings
+from kvrelay.router.responses import TokenStrings
+from kvrelay.text.tokenizer import Tokenizer
 from tests.engine_backend import API_ADMIN_TOKEN, API_MAX_MODEL_LEN, API_MODEL_NAMES, ApiServer
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -121,8 +121,8 @@ def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
 def test_router_never_imports_torch(tiny_model_dir: Any) -> None:
     code = f"""
 import sys
-from kvrelay.engine.tokenizer import Tokenizer
-from kvrelay.router import api, errors, protocol, sse
+from kvrelay.text.tokenizer import Tokenizer
+from kvrelay.router import api, errors, request_models, responses, sse
 from kvrelay.router.backend import Backend
 
 class Idle(Backend):

@@ -25,10 +25,10 @@ import pytest
 from kvrelay.autoscale.autoscaler import Autoscaler, AutoscalerSettings, UpdateError
 from kvrelay.autoscale.base import HookError, ScaleDecision, ScalingHook
 from kvrelay.autoscale.policy import Policy, PolicyConfig, RoleTarget
-from kvrelay.cluster.launcher import Launcher
-from kvrelay.cluster.messages import KvLayout, LoadReport, PeerInfo, Register, Role
-from kvrelay.engine.tokenizer import Tokenizer
-from kvrelay.router.cluster import ClusterBackend, ClusterSettings
+from kvrelay.cli.launcher import Launcher
+from kvrelay.protocol.messages import KvLayout, LoadReport, PeerInfo, Register, Role
+from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
+from kvrelay.text.tokenizer import Tokenizer
 from tests.cluster_harness import admin_request, metric_value, read_text, running_cluster
 
 TOKEN = "autoscale-s3cret"
@@ -264,12 +264,12 @@ LAYOUT = KvLayout(
 )
 
 
-def join(backend: ClusterBackend, instance_id: str, role: Role) -> None:
+def join(backend: Dispatcher, instance_id: str, role: Role) -> None:
     info = PeerInfo(instance_id, role, "host", "tcp://127.0.0.1:1", "", None, LAYOUT, b"fp")
     backend.registry.register(Register(info, "tiny", 128, 1))
 
 
-def report(backend: ClusterBackend, instance_id: str, running: int = 0) -> None:
+def report(backend: Dispatcher, instance_id: str, running: int = 0) -> None:
     backend.registry.report(LoadReport(instance_id, 0, running, 100 - running, 100))
 
 
@@ -280,7 +280,7 @@ def make_autoscaler(tiny_model_dir):
 
     def make(hook: ScalingHook, *ids: tuple[str, Role]) -> Autoscaler:
         tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
-        backend = ClusterBackend(tokenizer, "tiny", 128, ClusterSettings("tcp://127.0.0.1:1"))
+        backend = Dispatcher(tokenizer, "tiny", 128, DispatcherSettings("tcp://127.0.0.1:1"))
         for instance_id, role in ids:
             join(backend, instance_id, role)
         made.append(Autoscaler(backend, hook, Policy(QUICK), AutoscalerSettings(interval_s=0.05)))
@@ -360,7 +360,7 @@ class PlatformPicksHook(ScalingHook):
 
     name = "platform"
 
-    def __init__(self, backend: ClusterBackend) -> None:
+    def __init__(self, backend: Dispatcher) -> None:
         self.backend = backend
         self.removed: list[str] = []
         self.closed = False

@@ -6,8 +6,8 @@ import pytest
 
 from kvrelay.cachetier.block_hash import hash_block, hash_blocks
 from kvrelay.engine.block_manager import BlockManager
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.sequence import Sequence
+from kvrelay.protocol.sampling_params import SamplingParams
 
 BS = 4
 

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 import zmq
 
-from kvrelay.transport.chain import (
+from kvrelay.transport.chain_fetch import fetch
+from kvrelay.transport.chain_server import ChainServer
+from kvrelay.transport.chain_wire import (
     ChainError,
     ChainMeta,
-    ChainServer,
     chunk_checksums,
     create_meta,
-    fetch,
     plan_chain,
 )
 from kvrelay.transport.rate_limit import TokenBucket, mbps_to_bytes_per_s

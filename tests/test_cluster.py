@@ -18,8 +18,9 @@ import openai
 import pytest
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.cluster import messages
-from kvrelay.cluster.messages import WIRE_TYPES, GenerateRequest, ProtocolError, decode, encode
+from kvrelay.protocol import messages
+from kvrelay.protocol.errors import ProtocolError
+from kvrelay.protocol.messages import WIRE_TYPES, GenerateRequest, decode, encode
 from tests.cluster_harness import (
     admin_request,
     metric_value,

@@ -24,7 +24,7 @@ import torch
 from kvrelay import LLM, SamplingParams
 from kvrelay.engine.config import ConfigError
 from kvrelay.engine.engine import LLMEngine, build_engine_config
-from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.text.tokenizer import Tokenizer
 from tests.cluster_harness import metric_value, read_text, running_cluster, worker_stats
 
 NO_CUDA = "needs a CUDA device (runs where one is present)"
@@ -217,7 +217,7 @@ def test_gather_and_scatter_move_exact_blocks_in_order():
 
 
 def test_transports_a_pool_cannot_serve_are_refused():
-    from kvrelay.cluster.worker_config import check_transport_for_device
+    from kvrelay.worker.config import check_transport_for_device
 
     for transport in ("auto", "tcp", "shm"):
         check_transport_for_device(transport, torch.device("cpu"))

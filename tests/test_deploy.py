@@ -42,10 +42,10 @@ import yaml
 
 from kvrelay import envs
 from kvrelay.cli import parse_args
-from kvrelay.cluster.launcher import free_port
-from kvrelay.cluster.messages import Role
-from kvrelay.cluster.worker_config import WorkerConfig, resolve_identity
+from kvrelay.cli.launcher import free_port
+from kvrelay.protocol.messages import Role
 from kvrelay.transport.shm_pool import cleanup_segments
+from kvrelay.worker.config import WorkerConfig, resolve_identity
 from tests.cluster_harness import metric_value
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.cluster import messages
-from kvrelay.cluster.messages import (
+from kvrelay.engine.engine import LLMEngine, RequestError
+from kvrelay.protocol import messages
+from kvrelay.protocol.errors import VersionMismatch
+from kvrelay.protocol.messages import (
     KV_HANDOFF_VERSION,
     WIRE_TYPES,
     KvLayout,
@@ -23,8 +25,7 @@ from kvrelay.cluster.messages import (
     decode,
     encode,
 )
-from kvrelay.engine.engine import LLMEngine, RequestError
-from kvrelay.transport.base import PullSpec, VersionMismatch, check_pull
+from kvrelay.transport.base import PullSpec, check_pull
 
 PROMPTS = [
     "The cache moves to the decode worker",

@@ -22,10 +22,7 @@ import pytest
 
 from kvrelay.cachetier.base import BlockFormat
 from kvrelay.cachetier.block_hash import BlockHash
-from kvrelay.cachetier.host_pool import (
-    NUM_WAYS,
-    SHM_DIR,
-    HostPool,
+from kvrelay.cachetier.host_ops import (
     HostPoolInfo,
     PoolInUse,
     default_pool_name,
@@ -33,6 +30,9 @@ from kvrelay.cachetier.host_pool import (
     remove_host_pool,
     unlink_pool,
 )
+from kvrelay.cachetier.host_pool import HostPool
+from kvrelay.cachetier.host_segment import NUM_WAYS
+from kvrelay.cachetier.segments import SHM_DIR
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm (Linux)")
 

@@ -23,14 +23,17 @@ from typing import Any
 import pytest
 import torch
 
-from kvrelay.cachetier import param_pool, param_segment
-from kvrelay.cachetier.param_pool import SHM_DIR, CorruptPool, ParamPool, PoolBusy
+from kvrelay.cachetier import param_ops, param_segment
+from kvrelay.cachetier.param_locks import PoolBusy
+from kvrelay.cachetier.param_pool import ParamPool
+from kvrelay.cachetier.param_segment import CorruptPool
+from kvrelay.cachetier.segments import SHM_DIR
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.engine import LLMEngine, build_engine_config
 from kvrelay.engine.loader import load_weights, model_fingerprint
 from kvrelay.engine.make_tiny import make_tiny
-from kvrelay.engine.sampling_params import SamplingParams
-from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.protocol.sampling_params import SamplingParams
+from kvrelay.text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm (Linux)")
 
@@ -46,7 +49,7 @@ def scope() -> Iterator[str]:
     name = f"t{os.getpid()}x{time.monotonic_ns() % 10**9:09d}"
     yield name
     for entry in os.listdir(SHM_DIR):
-        if entry.startswith(f"{param_pool.PREFIX}{name}"):
+        if entry.startswith(f"{param_ops.PREFIX}{name}"):
             (SHM_DIR / entry).unlink()
 
 
@@ -57,7 +60,7 @@ def small_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _segments(scope: str) -> list[str]:
-    return sorted(e for e in os.listdir(SHM_DIR) if e.startswith(f"{param_pool.PREFIX}{scope}"))
+    return sorted(e for e in os.listdir(SHM_DIR) if e.startswith(f"{param_ops.PREFIX}{scope}"))
 
 
 def _reference(model_dir: Path, dtype: str = "float32") -> dict[str, torch.Tensor]:
@@ -143,8 +146,8 @@ def _kill(proc: Any) -> None:
     assert proc.exitcode == -signal.SIGKILL
 
 
-def _info(name: str, scope: str) -> param_pool.PoolInfo:
-    (info,) = [p for p in param_pool.list_pools(scope) if p.name == name]
+def _info(name: str, scope: str) -> param_ops.PoolInfo:
+    (info,) = [p for p in param_ops.list_pools(scope) if p.name == name]
     return info
 
 
@@ -169,12 +172,12 @@ def test_first_attach_builds_and_other_processes_attach(tiny_model_dir, scope, t
         reference = _reference(tiny_model_dir)
         _assert_bitwise_equal(pool.weights, reference)
         assert digest == digest2 == _digest(reference)
-        assert all(t.data_ptr() % param_pool.TENSOR_ALIGN == 0 for t in pool.weights.values())
+        assert all(t.data_ptr() % param_segment.TENSOR_ALIGN == 0 for t in pool.weights.values())
         info = _info(name, scope)
         assert (info.state, info.user_pids, info.dtype) == ("ready", (os.getpid(),), "float32")
         assert info.fingerprint == model_fingerprint(tiny_model_dir).hex()
     assert _info(name, scope).user_pids == ()
-    assert param_pool.remove(name) is True
+    assert param_ops.remove(name) is True
     assert _segments(scope) == []
 
 
@@ -197,7 +200,7 @@ def test_model_on_pool_weights_generates_the_disk_tokens(tiny_model_dir, scope):
     with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope) as pool:
         assert generate(pool.weights) == generate(None)
         name = pool.name
-    param_pool.remove(name)
+    param_ops.remove(name)
     assert _segments(scope) == []
 
 
@@ -242,7 +245,7 @@ def test_two_processes_share_one_resident_copy(small_model_dir, scope, tmp_path)
         for proc in procs:
             proc.join(TIMEOUT_S)
     assert [p.exitcode for p in procs] == [0, 0]
-    assert param_pool.gc(grace_s=0, scope=scope) == [name]
+    assert param_ops.gc(grace_s=0, scope=scope) == [name]
     assert _segments(scope) == []
 
 
@@ -262,7 +265,7 @@ def test_concurrent_creators_build_exactly_once(tiny_model_dir, scope, tmp_path)
     assert {(name, digest) for _, name, digest in reports} == {
         (reports[0][1], _digest(_reference(tiny_model_dir)))
     }
-    assert param_pool.gc(grace_s=0, scope=scope) == [reports[0][1]]
+    assert param_ops.gc(grace_s=0, scope=scope) == [reports[0][1]]
     assert _segments(scope) == []
 
 
@@ -276,22 +279,22 @@ def test_a_builder_killed_mid_build_is_replaced(tiny_model_dir, scope, tmp_path)
     _kill(hung)
     # killed while writing a segment (a peer-transfer fill): a stale BUILDING segment
     with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=f"{scope}.src") as source:
-        name = param_pool.pool_name(model_fingerprint(tiny_model_dir), "float32", scope)
+        name = param_ops.pool_name(model_fingerprint(tiny_model_dir), "float32", scope)
         filler = _start(_fill_child, name, source.header, bytes(source.buffer), out)
         out.get(timeout=TIMEOUT_S)
         assert _info(name, scope).state == "building"
-        assert param_pool.gc(grace_s=0, scope=scope) == []  # a live builder's
+        assert param_ops.gc(grace_s=0, scope=scope) == []  # a live builder's
         with pytest.raises(PoolBusy, match="a live builder"):
-            param_pool.remove(name)
+            param_ops.remove(name)
         _kill(filler)
         assert _info(name, scope).state == "stale"
-        param_pool.remove(source.name, force=True)
+        param_ops.remove(source.name, force=True)
     build = _recording_build(tiny_model_dir, calls)
     with ParamPool.attach_or_create(tiny_model_dir, "float32", build, scope=scope) as pool:
         assert _build_calls(calls) == [hung.pid, os.getpid()]
         _assert_bitwise_equal(pool.weights, _reference(tiny_model_dir))
         assert all(pool.verify_chunk(i) for i in range(pool.num_chunks))
-    assert param_pool.gc(grace_s=0, scope=scope) == [name]
+    assert param_ops.gc(grace_s=0, scope=scope) == [name]
     assert _segments(scope) == []
 
 
@@ -302,30 +305,30 @@ def test_killed_users_are_pruned_and_the_pool_stays_intact(tiny_model_dir, scope
     pids = sorted(out.get(timeout=TIMEOUT_S)[0] for _ in procs)
     assert sorted(_info(pool.name, scope).user_pids) == sorted([os.getpid(), *pids])
     with pytest.raises(PoolBusy, match="live users"):
-        param_pool.remove(pool.name)
+        param_ops.remove(pool.name)
     for proc in procs:
         _kill(proc)
     assert _info(pool.name, scope).user_pids == (os.getpid(),)
-    assert param_pool.gc(grace_s=0, scope=scope) == []  # the survivor still uses it
+    assert param_ops.gc(grace_s=0, scope=scope) == []  # the survivor still uses it
     assert all(pool.verify_chunk(i) for i in range(pool.num_chunks))
     _assert_bitwise_equal(pool.weights, _reference(tiny_model_dir))
     assert _build_calls(calls) == []
     pool.close()
-    assert param_pool.gc(grace_s=300, scope=scope) == []  # idle for less than the grace
-    assert param_pool.gc(grace_s=0, scope=scope) == [pool.name]
+    assert param_ops.gc(grace_s=300, scope=scope) == []  # idle for less than the grace
+    assert param_ops.gc(grace_s=0, scope=scope) == [pool.name]
     assert _segments(scope) == []
 
 
 def test_fill_from_a_peer_checks_every_chunk(tiny_model_dir, scope):
     with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=f"{scope}.src") as source:
         data = bytearray(source.buffer)
-        name = param_pool.pool_name(model_fingerprint(tiny_model_dir), "float32", scope)
+        name = param_ops.pool_name(model_fingerprint(tiny_model_dir), "float32", scope)
         with pytest.raises(CorruptPool):
             ParamPool.open_for_fill(name, source.header, source.total_bytes + 1)
         abandoned = ParamPool.open_for_fill(name, source.header, source.total_bytes)
         abandoned.close()  # closed before mark_ready: unlinked
         assert _segments(scope) == [source.name]
-        assert param_pool.list_pools(scope) == []
+        assert param_ops.list_pools(scope) == []
         pool = ParamPool.open_for_fill(name, source.header, source.total_bytes)
         assert (pool.chunk_bytes, pool.chunk_checksums) == (
             source.chunk_bytes,
@@ -346,8 +349,8 @@ def test_fill_from_a_peer_checks_every_chunk(tiny_model_dir, scope):
         assert _info(name, scope).user_pids == (os.getpid(),)
         assert pool.buffer.readonly
         pool.close()
-    assert param_pool.remove(source.name)
-    assert param_pool.gc(grace_s=0, scope=scope) == [name]
+    assert param_ops.remove(source.name)
+    assert param_ops.gc(grace_s=0, scope=scope) == [name]
     assert _segments(scope) == []
 
 
@@ -404,17 +407,17 @@ def test_pool_cli_lists_refuses_and_frees(tiny_model_dir, scope):
 
 
 def test_gc_frees_unwritten_segments_and_leaves_other_formats(scope):
-    empty, foreign = (f"{param_pool.PREFIX}{scope}-{kind}-float32" for kind in ("empty", "other"))
+    empty, foreign = (f"{param_ops.PREFIX}{scope}-{kind}-float32" for kind in ("empty", "other"))
     (SHM_DIR / empty).write_bytes(bytes(4096))  # a creator killed before its header
     (SHM_DIR / foreign).write_bytes(b"OTHERFMT" + bytes(4088))
-    assert [(p.name, p.state) for p in param_pool.list_pools(scope)] == [(empty, "stale")]
-    assert param_pool.gc(grace_s=300, scope=scope) == [empty]
+    assert [(p.name, p.state) for p in param_ops.list_pools(scope)] == [(empty, "stale")]
+    assert param_ops.gc(grace_s=300, scope=scope) == [empty]
     assert _segments(scope) == [foreign]
     with pytest.raises(ValueError, match="pool name"):
-        param_pool.remove("../etc/passwd")
+        param_ops.remove("../etc/passwd")
     with pytest.raises(CorruptPool, match="another format"):
-        param_pool.remove(foreign)
-    assert param_pool.remove(foreign, force=True)
+        param_ops.remove(foreign)
+    assert param_ops.remove(foreign, force=True)
     assert _segments(scope) == []
 
 
@@ -430,25 +433,25 @@ def test_a_pool_of_another_version_is_replaced_listed_and_collected(tiny_model_d
     with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope) as first:
         name = first.name
     _make_outdated(name)
-    [info] = param_pool.list_pools(scope)
+    [info] = param_ops.list_pools(scope)
     assert (info.name, info.state, info.user_pids) == (name, "outdated", ())
     with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope, grace_s=1e9) as pool:
         assert pool.name == name  # rebuilt in place of the outdated one
         _assert_bitwise_equal(dict(pool.weights), _reference(tiny_model_dir))
-    assert [p.state for p in param_pool.list_pools(scope)] == ["ready"]
+    assert [p.state for p in param_ops.list_pools(scope)] == ["ready"]
 
     _make_outdated(name)
     with (SHM_DIR / name).open("rb") as f:  # a process of the old version still maps it
         held = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
     try:
-        [info] = param_pool.list_pools(scope)
+        [info] = param_ops.list_pools(scope)
         assert info.state == "outdated" and os.getpid() in info.user_pids
-        assert param_pool.gc(grace_s=0, scope=scope) == []
+        assert param_ops.gc(grace_s=0, scope=scope) == []
         with pytest.raises(PoolBusy, match=str(os.getpid())):
-            param_pool.remove(name)
+            param_ops.remove(name)
     finally:
         held.close()
-    assert param_pool.gc(grace_s=300, scope=scope) == [name]  # unmapped: freed, no grace
+    assert param_ops.gc(grace_s=300, scope=scope) == [name]  # unmapped: freed, no grace
     assert _segments(scope) == []
 
 
@@ -459,7 +462,7 @@ NO_CUDA = "needs a CUDA device: the pinned pool -> device copy runs where one is
 
 def test_a_cpu_engine_gets_the_pools_own_views(tiny_model_dir, scope):
     from kvrelay.cachetier.param_device import copy_to_device
-    from kvrelay.cluster.worker_config import pool_weights
+    from kvrelay.worker.config import pool_weights
 
     with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope) as pool:
         assert pool_weights(pool, torch.device("cpu")) is pool.weights  # zero-copy, unchanged
@@ -472,7 +475,7 @@ def test_a_cpu_engine_gets_the_pools_own_views(tiny_model_dir, scope):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def test_pool_weights_reach_the_gpu_from_the_pinned_segment(tiny_model_dir, scope, caplog):
     from kvrelay.cachetier.param_device import copy_to_device
-    from kvrelay.cluster.worker_config import pool_weights
+    from kvrelay.worker.config import pool_weights
 
     pool = ParamPool.attach_or_create(tiny_model_dir, "float32", scope=scope)
     try:

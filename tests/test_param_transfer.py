@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from kvrelay.cachetier import param_pool
+from kvrelay.cachetier import param_ops, param_pool
 from kvrelay.cachetier.param_transfer import fetch_pool
 from kvrelay.engine.loader import model_fingerprint
-from kvrelay.transport.chain import ChainError
+from kvrelay.transport.chain_wire import ChainError
 
 
 def _pool_cmd(*args: str) -> list[str]:
@@ -48,9 +48,9 @@ def scopes():
     names = {h: f"t{run}{h}" for h in "abc"}
     yield names
     for scope in names.values():
-        for info in param_pool.list_pools(scope):
-            param_pool.remove(info.name, force=True)
-        assert param_pool.list_pools(scope) == []
+        for info in param_ops.list_pools(scope):
+            param_ops.remove(info.name, force=True)
+        assert param_ops.list_pools(scope) == []
 
 
 def test_chain_of_three_pools_ends_byte_identical(tiny_model_dir: Path, scopes) -> None:
@@ -100,4 +100,4 @@ def test_no_peer_raises_so_the_worker_falls_back_to_disk(tiny_model_dir: Path, s
     fingerprint = model_fingerprint(tiny_model_dir)
     with pytest.raises(ChainError):
         fetch_pool(fingerprint, "float32", ["tcp://127.0.0.1:9"], scope=scopes["a"], timeout=1)
-    assert param_pool.list_pools(scopes["a"]) == []  # nothing half-filled left behind
+    assert param_ops.list_pools(scopes["a"]) == []  # nothing half-filled left behind

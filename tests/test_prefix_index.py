@@ -11,8 +11,8 @@ import msgpack
 import pytest
 
 from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
-from kvrelay.cluster import messages
-from kvrelay.cluster.messages import (
+from kvrelay.protocol import messages
+from kvrelay.protocol.messages import (
     KV_HANDOFF_VERSION,
     WIRE_TYPES,
     CacheEvent,

@@ -9,12 +9,11 @@ import torch
 from kvrelay.engine.sampling import (
     Sampler,
     SampleRequest,
-    SamplingParams,
     apply_penalties,
     create_generator,
     filter_logits,
 )
-from kvrelay.engine.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS
+from kvrelay.protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 EOS = 2

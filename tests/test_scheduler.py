@@ -6,9 +6,9 @@ import pytest
 
 from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.config import SchedulerConfig
-from kvrelay.engine.sampling import SamplingParams
 from kvrelay.engine.scheduler import Scheduler, StepPlan, StepResult
 from kvrelay.engine.sequence import Sequence, SequenceStatus
+from kvrelay.protocol.sampling_params import SamplingParams
 
 BS = 4
 EOS = 2

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from kvrelay.text.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +69,7 @@ def hf_tok(tiny_model_dir: Path):
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, kvrelay.engine.tokenizer; sys.exit('torch' in sys.modules)"
+    code = "import sys, kvrelay.text.tokenizer; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 

@@ -28,34 +28,28 @@ import torch
 import xxhash
 import zmq
 
-from kvrelay.cluster.messages import (
-    KvData,
-    KvLayout,
-    KvPull,
-    PeerInfo,
-    ProtocolError,
-    Role,
-    decode,
-    encode,
-)
-from kvrelay.transport import (
-    TRANSPORT_NAMES,
+from kvrelay.cachetier.segments import SHM_DIR
+from kvrelay.protocol.errors import (
     ChecksumMismatch,
     FingerprintMismatch,
     LayoutMismatch,
-    PullSpec,
+    ProtocolError,
     SourceGone,
     TransferError,
-    available_transports,
-    choose_transport,
-    create_transport,
-    slabhash,
 )
+from kvrelay.protocol.messages import KvData, KvLayout, KvPull, PeerInfo, Role, decode, encode
+from kvrelay.transport import slabhash
+from kvrelay.transport.base import PullSpec
 from kvrelay.transport.blocks import Run, block_runs, paired_runs, pool_shape, torch_dtype
 from kvrelay.transport.checksum import kv_checksum, pool_slabs
 from kvrelay.transport.copier import SlabCopier
+from kvrelay.transport.registry import (
+    TRANSPORT_NAMES,
+    available_transports,
+    choose_transport,
+    create_transport,
+)
 from kvrelay.transport.shm_pool import (
-    SHM_DIR,
     SharedKvPool,
     cleanup_segments,
     list_segments,
@@ -594,7 +588,7 @@ def test_block_runs_and_paired_runs() -> None:
 
 _ATTACH_AND_EXIT = """
 import sys, torch
-from kvrelay.cluster.messages import KvLayout
+from kvrelay.protocol.messages import KvLayout
 from kvrelay.transport.shm_pool import SharedKvPool
 layout = KvLayout(2, 4, 4, 2, 8, "float32")
 pool = SharedKvPool.attach(sys.argv[1], layout)

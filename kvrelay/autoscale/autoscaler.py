@@ -44,10 +44,10 @@ from kvrelay.autoscale.policy import (
     ScaledRole,
     signals,
 )
-from kvrelay.cluster.messages import Role
+from kvrelay.protocol.messages import Role
 
 if TYPE_CHECKING:
-    from kvrelay.router.cluster import ClusterBackend, LatencySample
+    from kvrelay.router.dispatcher import Dispatcher, LatencySample
     from kvrelay.router.registry import Instance
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class _Settling:
 class Autoscaler:
     def __init__(
         self,
-        backend: ClusterBackend,
+        backend: Dispatcher,
         hook: ScalingHook,
         policy: Policy,
         settings: AutoscalerSettings | None = None,

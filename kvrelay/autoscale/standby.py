@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _PRELOAD = (
     "torch",
     "kvrelay.cli",
-    "kvrelay.cluster.serve",
+    "kvrelay.worker.serve",
     "kvrelay.prefill.worker",
     "kvrelay.decode.worker",
     "kvrelay.transport.shm_pool",

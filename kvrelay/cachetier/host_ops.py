@@ -26,12 +26,11 @@ from kvrelay.cachetier.host_segment import (
     _POOL_MAGIC,
     _STATE_MASK,
     _VALID,
-    SHM_DIR,
     _check_name,
     _Geometry,
     _lock_path,
 )
-from kvrelay.cachetier.segments import segment_mappers
+from kvrelay.cachetier.segments import SHM_DIR, segment_mappers
 
 _SCOPE = re.compile(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*")
 

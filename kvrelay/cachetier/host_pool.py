@@ -8,7 +8,7 @@ This module decides the tier: ``HostPool``'s reads, writes and LRU. The segment'
 opening are ``host_segment`` (the diagram and the way states are there); the change log that
 feeds placement (``record_changes``) is ``host_changes``; the operator functions
 (``list_host_pools``, ``remove_host_pool``, ``unlink_pool``, ``default_pool_name``) are
-``host_ops``, and their public names are importable from here too.
+``host_ops``.
 
 Writers hold the set's lock: an open-file-description record lock (``F_OFD_SETLK``) on byte
 ``1 + set`` of ``/dev/shm/<name>.lock`` plus a ``threading.Lock`` of the instance. The kernel
@@ -56,14 +56,6 @@ from kvrelay.cachetier.base import (
 )
 from kvrelay.cachetier.block_hash import HASH_BYTES, BlockHash
 from kvrelay.cachetier.host_changes import ChangeLog
-from kvrelay.cachetier.host_ops import (
-    HostPoolInfo,
-    PoolInUse,
-    default_pool_name,
-    list_host_pools,
-    remove_host_pool,
-    unlink_pool,
-)
 from kvrelay.cachetier.host_segment import (
     _EMPTY,
     _HEADER_REGION,
@@ -71,18 +63,12 @@ from kvrelay.cachetier.host_segment import (
     _VALID,
     _WRITING,
     NUM_WAYS,
-    SHM_DIR,
     _Geometry,
     _lock,
     _lock_path,
     _open_segment,
     _unlock,
 )
-
-__all__ = [
-    "NUM_WAYS", "SHM_DIR", "HostPool", "HostPoolInfo", "PoolInUse", "default_pool_name",
-    "list_host_pools", "remove_host_pool", "unlink_pool",
-]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 

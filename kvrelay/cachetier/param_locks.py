@@ -33,9 +33,9 @@ from kvrelay.cachetier.param_segment import (
     _SLOT,
     _SLOTS_POS,
     MAX_USERS,
-    SHM_DIR,
     _is_linked,
 )
+from kvrelay.cachetier.segments import SHM_DIR
 
 logger = logging.getLogger(__name__)
 

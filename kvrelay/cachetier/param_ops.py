@@ -24,14 +24,13 @@ from kvrelay.cachetier.param_segment import (
     _LAST_USED_POS,
     ITEM_SIZES,
     READY,
-    SHM_DIR,
     CorruptPool,
     OutdatedPool,
     _Header,
     _open_segment,
     _unlink,
 )
-from kvrelay.cachetier.segments import segment_mappers
+from kvrelay.cachetier.segments import SHM_DIR, segment_mappers
 
 logger = logging.getLogger(__name__)
 

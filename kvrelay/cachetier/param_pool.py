@@ -8,7 +8,7 @@ grow with the model and N instances hold one copy of the weights (shared pages).
 This module decides how a process attaches, builds and fills a pool (``ParamPool``). The
 segment's format is ``param_segment`` (the layout diagram is there), its locks and user slots
 ``param_locks``, the host-wide operations (``pool_name``, ``list_pools``, ``gc``, ``remove``)
-``param_ops``; their public names are importable from here too.
+``param_ops``.
 
 The manifest describes the data completely, so it is what a peer transfer sends first
 (``pool.header``); the receiver lays out the same segment with ``open_for_fill``, writes
@@ -34,8 +34,6 @@ from typing import TYPE_CHECKING
 import xxhash
 
 from kvrelay.cachetier.param_locks import (
-    LOCK_FILE,
-    PoolBusy,
     _build_pos,
     _deregister,
     _LockFile,
@@ -44,31 +42,19 @@ from kvrelay.cachetier.param_locks import (
 )
 from kvrelay.cachetier.param_ops import (
     DEFAULT_GRACE_S,
-    PREFIX,
-    PoolInfo,
-    PoolState,
     _check_name,
     gc,
-    list_pools,
     pool_name,
-    remove,
 )
 from kvrelay.cachetier.param_segment import (
     _MANIFEST_POS,
     _STATE,
     _STATE_POS,
-    BUILDING,
     CHUNK_BYTES,
-    EMPTY,
-    ITEM_SIZES,
-    MAX_USERS,
     READY,
-    SHM_DIR,
-    TENSOR_ALIGN,
     CorruptPool,
     Manifest,
     OutdatedPool,
-    TensorEntry,
     _chunk_checksums,
     _close_mapping,
     _create_segment,
@@ -85,12 +71,6 @@ from kvrelay.cachetier.param_segment import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "BUILDING", "CHUNK_BYTES", "DEFAULT_GRACE_S", "EMPTY", "ITEM_SIZES", "LOCK_FILE", "MAX_USERS",
-    "PREFIX", "READY", "SHM_DIR", "TENSOR_ALIGN", "CorruptPool", "Manifest", "OutdatedPool",
-    "ParamPool", "PoolBusy", "PoolInfo", "PoolState", "TensorEntry", "gc", "list_pools",
-    "pool_name", "remove",
-]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,11 @@ import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvrelay.cachetier.param_pool import ParamPool, pool_name
-from kvrelay.transport.chain import ChainError, ChainMeta, ChainServer, fetch
+from kvrelay.cachetier.param_ops import pool_name
+from kvrelay.cachetier.param_pool import ParamPool
+from kvrelay.transport.chain_fetch import fetch
+from kvrelay.transport.chain_server import ChainServer
+from kvrelay.transport.chain_wire import ChainError, ChainMeta
 
 logger = logging.getLogger(__name__)
 

@@ -158,7 +158,7 @@ def autoscale_router_args(args: argparse.Namespace, cluster_id: str) -> list[str
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from kvrelay.cluster.launcher import ClusterSpec, run_up
+    from kvrelay.cli.launcher import ClusterSpec, run_up
 
     default = 0 if args.colocated else 1
     router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
@@ -206,9 +206,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    from kvrelay.cluster.messages import Role
-    from kvrelay.cluster.serve import run_worker
-    from kvrelay.cluster.worker_config import WorkerConfig
+    from kvrelay.protocol.messages import Role
+    from kvrelay.worker.config import WorkerConfig
+    from kvrelay.worker.serve import run_worker
 
     run_worker(
         WorkerConfig(

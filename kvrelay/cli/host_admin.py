@@ -67,12 +67,12 @@ def add_cache_parser(sub: Any) -> None:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from kvrelay.cachetier import host_pool
+    from kvrelay.cachetier import host_ops
 
     if args.cache_command == "ls":
         row = "{:<44} {:>9} {:<34} {:>15} {}"
         print(row.format("NAME", "MIB", "FORMAT (L,BS,KVH,D,DTYPE)", "BLOCKS", "PIDS"))
-        for p in host_pool.list_host_pools():
+        for p in host_ops.list_host_pools():
             fmt = "?" if p.fmt is None else dataclasses.astuple(p.fmt)
             fmt_text = "unknown layout" if fmt == "?" else ",".join(map(str, fmt))
             blocks = f"{p.valid_slots}/{p.num_slots}"
@@ -80,10 +80,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
             print(row.format(p.name, f"{p.total_bytes / 2**20:.1f}", fmt_text, blocks, pids))
         return 0
     try:
-        if not host_pool.remove_host_pool(args.name, force=args.force):
+        if not host_ops.remove_host_pool(args.name, force=args.force):
             print(f"kvrelay cache rm: error: no pool named {args.name}", file=sys.stderr)
             return 1
-    except (host_pool.PoolInUse, ValueError) as e:
+    except (host_ops.PoolInUse, ValueError) as e:
         print(f"kvrelay cache rm: error: {e}", file=sys.stderr)
         return 1
     print(args.name)
@@ -98,12 +98,12 @@ def _link_mbps(text: str) -> float:
 
 
 def cmd_pool(args: argparse.Namespace) -> int:
-    from kvrelay.cachetier import param_pool
+    from kvrelay.cachetier import param_locks, param_ops
 
     if args.pool_command == "ls":
         row = "{:<52} {:<32} {:<8} {:>9} {:<8} {:<6} {}"
         print(row.format("NAME", "FINGERPRINT", "DTYPE", "MIB", "STATE", "USERS", "IDLE_S"))
-        for p in param_pool.list_pools(args.scope):
+        for p in param_ops.list_pools(args.scope):
             idle = p.idle_s()
             users = ",".join(map(str, p.user_pids)) or "-"
             size, idle_s = f"{p.num_bytes / 2**20:.1f}", "-" if idle is None else f"{idle:.0f}"
@@ -113,14 +113,14 @@ def cmd_pool(args: argparse.Namespace) -> int:
     if args.pool_command in ("serve", "fetch"):
         return _pool_transfer(args)
     if args.pool_command == "gc":
-        for name in param_pool.gc(args.grace, args.scope):
+        for name in param_ops.gc(args.grace, args.scope):
             print(name)
         return 0
     try:
-        if not param_pool.remove(args.name, force=args.force):
+        if not param_ops.remove(args.name, force=args.force):
             print(f"kvrelay pool rm: error: no pool named {args.name}", file=sys.stderr)
             return 1
-    except param_pool.PoolBusy as e:
+    except param_locks.PoolBusy as e:
         print(f"kvrelay pool rm: error: {e}", file=sys.stderr)
         return 1
     print(args.name)

@@ -58,7 +58,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def _sampling(args: argparse.Namespace):
-    from kvrelay.engine.sampling_params import SamplingParams
+    from kvrelay.protocol.sampling_params import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature,

@@ -21,9 +21,9 @@ import logging
 import time
 from typing import Any
 
-from kvrelay.cluster.messages import KvAck, KvReady
-from kvrelay.cluster.worker import Worker
 from kvrelay.engine.engine import RequestError
+from kvrelay.protocol.messages import KvAck, KvReady
+from kvrelay.worker.runtime import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +79,9 @@ class DecodeWorker(Worker):
             self._pull(ready, blocks)
 
     def _pull(self, ready: KvReady, blocks: list[int]) -> None:
-        from kvrelay.transport import choose_transport
-        from kvrelay.transport.base import PullSpec, TransferError
+        from kvrelay.protocol.errors import TransferError
+        from kvrelay.transport.base import PullSpec
+        from kvrelay.transport.registry import choose_transport
 
         name = choose_transport(ready.src, self.info, self.config.transport)
         try:
@@ -119,7 +120,7 @@ class DecodeWorker(Worker):
         """Test hook: flip bytes of a verified transfer, then verify again, as a bad wire would."""
         if self._corrupt_left <= 0:
             return
-        from kvrelay.transport.base import ChecksumMismatch
+        from kvrelay.protocol.errors import ChecksumMismatch
         from kvrelay.transport.checksum import kv_checksum
 
         self._corrupt_left -= 1
@@ -148,7 +149,7 @@ class DecodeWorker(Worker):
     def _transport(self, name: str) -> Any:
         transport = self._transports.get(name)
         if transport is None:
-            from kvrelay.transport import create_transport
+            from kvrelay.transport.registry import create_transport
 
             kwargs = {"context": self.ctx} if name == "tcp" else {}
             transport = self._transports[name] = create_transport(name, **kwargs)

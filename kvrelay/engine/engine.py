@@ -28,11 +28,12 @@ from kvrelay.engine.loader import TORCH_DTYPES, check_model_dir, load_weights, m
 from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.offload import TierConnector
 from kvrelay.engine.runner import ModelRunner, kv_cache_shape
-from kvrelay.engine.sampling import Sampler, SamplingParams, TokenLogprobs
+from kvrelay.engine.sampling import Sampler
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.sequence import Sequence, SequenceStatus
-from kvrelay.engine.stop import StopChecker
-from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
+from kvrelay.text.stop import StopChecker
+from kvrelay.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

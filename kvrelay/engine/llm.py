@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput
-from kvrelay.engine.sampling_params import SamplingParams, TokenLogprobs
-from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
+from kvrelay.text.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
 Message = dict[str, Any]

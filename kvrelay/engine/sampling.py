@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvrelay.engine.sampling_params import (
+from kvrelay.protocol.sampling_params import (
     SamplingParams,
     TokenLogprobs,
 )

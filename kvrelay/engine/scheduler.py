@@ -28,7 +28,7 @@ from kvrelay.engine.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
     from kvrelay.cachetier.block_hash import BlockHash
-    from kvrelay.engine.sampling_params import TokenLogprobs
+    from kvrelay.protocol.sampling_params import TokenLogprobs
 
 
 class ExternalPrefix(NamedTuple):

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from kvrelay.cachetier.block_hash import BlockHash
 
 if TYPE_CHECKING:
-    from kvrelay.engine.sampling_params import SamplingParams, TokenLogprobs
+    from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
 
 
 class SequenceStatus(enum.Enum):

@@ -22,11 +22,12 @@ import logging
 import time
 from typing import Any
 
-from kvrelay.cluster.messages import GenerateRequest, KvAck, KvPull, KvReady, PeerInfo
-from kvrelay.cluster.worker import Worker, token_event
 from kvrelay.engine.engine import RequestOutput
+from kvrelay.protocol.messages import GenerateRequest, KvAck, KvPull, KvReady, PeerInfo
 from kvrelay.transport.blocks import PinnedStaging
 from kvrelay.transport.copier import SlabCopier
+from kvrelay.worker.router_links import token_event
+from kvrelay.worker.runtime import Worker
 
 logger = logging.getLogger(__name__)
 

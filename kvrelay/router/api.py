@@ -25,8 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvrelay.engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
-from kvrelay.engine.tokenizer import Tokenizer, TokenizerError
+from kvrelay.protocol.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
 from kvrelay.router.backend import Backend, GenerateInput
 from kvrelay.router.errors import (
     ApiError,
@@ -35,17 +34,19 @@ from kvrelay.router.errors import (
     from_pydantic,
     install_error_handlers,
 )
-from kvrelay.router.protocol import (
-    ChatBuilder,
+from kvrelay.router.request_models import (
     ChatCompletionRequest,
-    CompletionBuilder,
     CompletionRequest,
+    resolve_max_tokens,
+    sampling_params,
+)
+from kvrelay.router.responses import (
+    ChatBuilder,
+    CompletionBuilder,
     PromptInfo,
     ResponseBuilder,
     ResponseOptions,
     TokenStrings,
-    resolve_max_tokens,
-    sampling_params,
 )
 from kvrelay.router.sse import (
     ChoiceStream,
@@ -55,6 +56,7 @@ from kvrelay.router.sse import (
     sse_events,
     until_disconnected,
 )
+from kvrelay.text.tokenizer import Tokenizer, TokenizerError
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kvrelay.engine.sampling_params import SamplingParams, TokenLogprobs
+from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
 
 
 class BackendError(RuntimeError):

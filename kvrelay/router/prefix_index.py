@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
-from kvrelay.cluster.messages import CacheEvent
+from kvrelay.protocol.messages import CacheEvent
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
-from kvrelay.cluster.messages import LoadReport, PeerInfo, Register, Role
+from kvrelay.protocol.messages import LoadReport, PeerInfo, Register, Role
 from kvrelay.router.prefix_index import PrefixMatch
 
 

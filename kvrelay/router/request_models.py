@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, PlainValidator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.protocol.sampling_params import SamplingParams
 from kvrelay.router.errors import ApiError, bad_request
 
 Prompt = list[str] | list[list[int]]  # one entry per prompt of a batch

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from kvrelay.engine.sampling_params import TokenLogprobs
-from kvrelay.engine.tokenizer import REPLACEMENT_CHAR, Tokenizer, TokenizerError
+from kvrelay.protocol.sampling_params import TokenLogprobs
 from kvrelay.router.backend import Delta
+from kvrelay.text.tokenizer import REPLACEMENT_CHAR, Tokenizer, TokenizerError
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to this too
 

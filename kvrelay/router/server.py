@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,12 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrelay.autoscale.autoscaler import Autoscaler, AutoscalerSettings, UpdateError
 from kvrelay.autoscale.policy import Policy, PolicyConfig
-from kvrelay.engine.config import ModelConfig
-from kvrelay.engine.tokenizer import Tokenizer
 from kvrelay.router.api import ApiSettings, create_app, parse_json_object
 from kvrelay.router.cache_stats import build_report, fetch_worker_stats
-from kvrelay.router.cluster import ClusterBackend, ClusterSettings
+from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
 from kvrelay.router.errors import ApiError, require_admin_token
+from kvrelay.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +51,31 @@ class RouterConfig:
         return self.served_model_name or Path(self.model).name
 
 
-def build_app(config: RouterConfig) -> tuple[FastAPI, ClusterBackend]:
+def context_window(model_dir: str | Path) -> int:
+    """The checkpoint's context window (``max_position_embeddings`` of its config.json).
+
+    The router reads only this from the model config; the workers validate the rest, and
+    each reports its own ``max_model_len`` when it registers.
+    """
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+        return int(cfg.get("max_position_embeddings", 4096))
+    except FileNotFoundError:
+        raise ValueError(f"{model_dir}: no config.json (not a checkpoint directory)") from None
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read max_position_embeddings: {e}") from None
+
+
+def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
     tokenizer = Tokenizer.from_pretrained(config.model)
-    model_config = ModelConfig.from_dir(config.model)
-    max_len = min(
-        config.max_model_len or model_config.max_position_embeddings,
-        model_config.max_position_embeddings,
-    )
-    backend = ClusterBackend(
+    window = context_window(config.model)
+    max_len = min(config.max_model_len or window, window)
+    backend = Dispatcher(
         tokenizer,
         config.model_name,
         max_len,
-        ClusterSettings(config.control_addr, config.dead_after, config.max_inflight),
+        DispatcherSettings(config.control_addr, config.dead_after, config.max_inflight),
     )
     settings = ApiSettings(
         served_model_names=(config.model_name,),
@@ -91,7 +104,7 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, ClusterBackend]:
     return app, backend
 
 
-def add_operations_routes(app: FastAPI, backend: ClusterBackend, settings: ApiSettings) -> None:
+def add_operations_routes(app: FastAPI, backend: Dispatcher, settings: ApiSettings) -> None:
     admin = [Depends(require_admin_token(settings))]
 
     @app.get("/metrics", include_in_schema=False)
@@ -127,7 +140,7 @@ def add_operations_routes(app: FastAPI, backend: ClusterBackend, settings: ApiSe
         }
 
 
-def create_autoscaler(config: RouterConfig, backend: ClusterBackend) -> Autoscaler | None:
+def create_autoscaler(config: RouterConfig, backend: Dispatcher) -> Autoscaler | None:
     """The autoscaler ``config.autoscale`` names, or None when it is off.
 
     The ``local`` hook gets the router's model, control address, cluster id and host unless

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.types import Receive, Scope, Send
 
-    from kvrelay.router.protocol import ResponseBuilder
+    from kvrelay.router.responses import ResponseBuilder
 
 logger = logging.getLogger(__name__)
 

@@ -27,40 +27,24 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-from kvrelay.cluster.messages import KV_HANDOFF_VERSION
-from kvrelay.transport.blocks import pool_shape, torch_dtype
+from kvrelay.protocol.errors import (
+    ChecksumMismatch,
+    FingerprintMismatch,
+    LayoutMismatch,
+    SourceGone,
+    VersionMismatch,
+)
+from kvrelay.protocol.messages import KV_HANDOFF_VERSION
+from kvrelay.transport.blocks import pool_shape, torch_dtype, transfer_bytes
 
 if TYPE_CHECKING:
     import torch
 
-    from kvrelay.cluster.messages import KvLayout, KvReady, PeerInfo
-
-
-class TransferError(RuntimeError):
-    """A KV transfer failed; the destination blocks hold nothing valid."""
-
-
-class ChecksumMismatch(TransferError):
-    """The bytes that arrived are not the bytes the source checksummed."""
-
-
-class LayoutMismatch(TransferError):
-    """Source and destination pools differ per block (layers, block size, heads, dtype)."""
-
-
-class FingerprintMismatch(TransferError):
-    """Source and destination serve different models."""
-
-
-class VersionMismatch(TransferError):
-    """Source and destination run different KV hand-off versions (checksum, framing)."""
-
-
-class SourceGone(TransferError):
-    """The source cannot deliver: lease expired, peer dead or silent, request unknown."""
+    from kvrelay.protocol.messages import KvLayout, KvReady, PeerInfo
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,11 +70,17 @@ class TransferStats(NamedTuple):
 
 
 class KvTransport(abc.ABC):
-    """Moves whole blocks from a source pool into a destination pool; see the module doc."""
+    """Moves whole blocks from a source pool into a destination pool; see the module doc.
+
+    ``pull`` is the one verify-and-copy path every transport shares: the checks before any
+    copy (``check_pull``, the lease where this side can see it), then the transport's own
+    ``_copy``, then the checksum of what arrived, then ``_commit`` (a transport that stages
+    bytes moves them into the destination only once they are verified).
+    """
 
     name: str
+    checks_lease: bool = True  # False where the source enforces the lease on its own clock
 
-    @abc.abstractmethod
     def pull(
         self,
         spec: PullSpec,
@@ -103,12 +93,44 @@ class KvTransport(abc.ABC):
         """Copies ``spec.src_block_ids`` into ``dst_block_ids`` (same order) and verifies them.
 
         Raises:
-            FingerprintMismatch, LayoutMismatch: before anything is copied.
+            FingerprintMismatch, LayoutMismatch, VersionMismatch: before anything is copied.
             SourceGone: lease expired, peer dead, no answer within ``timeout``, unknown request.
             ChecksumMismatch: the copied bytes are not what the source checksummed.
             TransferError: any other failure (malformed reply from the peer).
             ValueError: the caller's own arguments are inconsistent (a bug, not the peer).
         """
+        start = time.perf_counter()
+        check_pull(spec, dst_pool, dst_block_ids, dst_layout, fingerprint)
+        if self.checks_lease and time.time() >= spec.lease_deadline:
+            raise SourceGone(f"{spec.request_id}: lease expired at {spec.lease_deadline:.3f}")
+        actual = self._copy(spec, dst_pool, dst_block_ids, timeout)
+        try:
+            check_checksum(spec, actual)
+        except ChecksumMismatch:
+            self._on_mismatch(spec)
+            raise
+        self._commit(dst_pool, dst_block_ids)
+        num_bytes = transfer_bytes(dst_layout, len(dst_block_ids))
+        return TransferStats(num_bytes, time.perf_counter() - start)
+
+    @abc.abstractmethod
+    def _copy(
+        self,
+        spec: PullSpec,
+        dst_pool: torch.Tensor,
+        dst_block_ids: Sequence[int],
+        timeout: float,
+    ) -> int:
+        """Moves the source blocks into ``dst_block_ids`` (or a staging buffer that
+        ``_commit`` empties) and returns the KV checksum of the bytes as they arrived."""
+
+    def _commit(self, dst_pool: torch.Tensor, dst_block_ids: Sequence[int]) -> None:
+        """Called only after the checksum matched; moves staged bytes into the pool."""
+        return None
+
+    def _on_mismatch(self, spec: PullSpec) -> None:
+        """Called when the checksum did not match, before ``ChecksumMismatch`` propagates."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None:

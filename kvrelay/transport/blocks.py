@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from kvrelay.cluster.messages import KvLayout
+    from kvrelay.protocol.messages import KvLayout
 
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -77,7 +77,7 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 def layout_of(pool: torch.Tensor) -> KvLayout:
     """The layout of an existing pool tensor."""
-    from kvrelay.cluster.messages import KvLayout
+    from kvrelay.protocol.messages import KvLayout
 
     num_layers, two, num_blocks, block_size, num_kv_heads, head_dim = pool.shape
     if two != 2:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from kvrelay.transport.base import TransferError
+from kvrelay.protocol.errors import TransferError
 
 if TYPE_CHECKING:
     from typing import TypeAlias

@@ -23,28 +23,18 @@ from __future__ import annotations
 
 import base64
 import binascii
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from kvrelay.transport.base import (
-    KvTransport,
-    LayoutMismatch,
-    PullSpec,
-    SourceGone,
-    TransferError,
-    TransferStats,
-    check_checksum,
-    check_pull,
-)
+from kvrelay.protocol.errors import LayoutMismatch, TransferError
+from kvrelay.transport.base import KvTransport, PullSpec
 from kvrelay.transport.blocks import (
     PinnedStaging,
     paired_runs,
     pool_shape,
     torch_dtype,
-    transfer_bytes,
 )
 from kvrelay.transport.checksum import kv_checksum
 from kvrelay.transport.copier import SlabCopier
@@ -52,7 +42,7 @@ from kvrelay.transport.copier import SlabCopier
 if TYPE_CHECKING:
     import torch
 
-    from kvrelay.cluster.messages import KvLayout
+    from kvrelay.protocol.messages import KvLayout
 
 CUDA_HANDLE_PREFIX = "cuda-ipc:"
 _FIELDS = (
@@ -130,35 +120,26 @@ class CudaIpcTransport(KvTransport):
         self._staging = PinnedStaging()  # the checksum's device -> host copies
         self._copier = SlabCopier()  # and its hashing threads
 
-    def pull(
+    def _copy(
         self,
         spec: PullSpec,
         dst_pool: torch.Tensor,
         dst_block_ids: Sequence[int],
-        dst_layout: KvLayout,
-        fingerprint: bytes,
         timeout: float,
-    ) -> TransferStats:
+    ) -> int:
         import torch
 
-        start = time.perf_counter()
-        check_pull(spec, dst_pool, dst_block_ids, dst_layout, fingerprint)
         if not dst_pool.is_cuda:
             raise ValueError(f"cuda_ipc needs a CUDA destination pool, got {dst_pool.device}")
         segment = spec.src.kv_segment
         if segment is None or not is_cuda_handle(segment):
             raise TransferError(f"{spec.request_id}: {spec.src.instance_id} exports no CUDA pool")
-        if time.time() >= spec.lease_deadline:
-            raise SourceGone(f"{spec.request_id}: lease expired at {spec.lease_deadline:.3f}")
         src_pool = self._open(segment, spec.src.layout)
         with torch.cuda.device(dst_pool.device):
             for src, dst, length in paired_runs(spec.src_block_ids, dst_block_ids):
                 dst_pool[:, :, dst : dst + length].copy_(src_pool[:, :, src : src + length])
             torch.cuda.current_stream().synchronize()
-        actual = kv_checksum(dst_pool, dst_block_ids, self._staging, self._copier)
-        check_checksum(spec, actual)
-        num_bytes = transfer_bytes(dst_layout, len(dst_block_ids))
-        return TransferStats(num_bytes, time.perf_counter() - start)
+        return kv_checksum(dst_pool, dst_block_ids, self._staging, self._copier)
 
     def close(self) -> None:
         self._opened.clear()

@@ -27,7 +27,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvrelay.cluster.messages import PeerInfo
+    from kvrelay.protocol.messages import PeerInfo
     from kvrelay.transport.base import KvTransport
 
 _REGISTRY: dict[str, tuple[str, str]] = {

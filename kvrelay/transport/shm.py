@@ -13,21 +13,12 @@ process exiting never unlinks it) and cached until a checksum mismatch or ``clos
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvrelay.transport.base import (
-    ChecksumMismatch,
-    KvTransport,
-    PullSpec,
-    SourceGone,
-    TransferError,
-    TransferStats,
-    check_checksum,
-    check_pull,
-)
-from kvrelay.transport.blocks import paired_runs, transfer_bytes
+from kvrelay.protocol.errors import SourceGone, TransferError
+from kvrelay.transport.base import KvTransport, PullSpec
+from kvrelay.transport.blocks import paired_runs
 from kvrelay.transport.checksum import SlabCache, pool_slabs
 from kvrelay.transport.copier import SlabCopier
 from kvrelay.transport.shm_pool import SharedKvPool
@@ -36,7 +27,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from kvrelay.cluster.messages import KvLayout
+    from kvrelay.protocol.messages import KvLayout
 
 logger = logging.getLogger(__name__)
 
@@ -54,32 +45,23 @@ class ShmTransport(KvTransport):
         self._dst_slabs = SlabCache()
         self._copier = SlabCopier()
 
-    def pull(
+    def _copy(
         self,
         spec: PullSpec,
         dst_pool: torch.Tensor,
         dst_block_ids: Sequence[int],
-        dst_layout: KvLayout,
-        fingerprint: bytes,
         timeout: float,
-    ) -> TransferStats:
-        start = time.perf_counter()
-        check_pull(spec, dst_pool, dst_block_ids, dst_layout, fingerprint)
+    ) -> int:
         segment = spec.src.kv_segment
         if not segment:
             raise TransferError(f"{spec.request_id}: {spec.src.instance_id} shares no KV segment")
-        if time.time() >= spec.lease_deadline:
-            raise SourceGone(f"{spec.request_id}: lease expired at {spec.lease_deadline:.3f}")
         src_slabs = self._source_slabs(segment, spec.src.layout)
         runs = paired_runs(spec.src_block_ids, dst_block_ids)
-        actual = self._copier.copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs)
-        try:
-            check_checksum(spec, actual)
-        except ChecksumMismatch:
-            self._forget(segment)  # a restarted peer may have replaced the segment
-            raise
-        num_bytes = transfer_bytes(dst_layout, len(dst_block_ids))
-        return TransferStats(num_bytes, time.perf_counter() - start)
+        return self._copier.copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs)
+
+    def _on_mismatch(self, spec: PullSpec) -> None:
+        if spec.src.kv_segment:
+            self._forget(spec.src.kv_segment)  # a restarted peer may have replaced the segment
 
     def close(self) -> None:
         for segment in list(self._attached):

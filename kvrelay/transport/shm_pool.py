@@ -30,13 +30,13 @@ from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.cachetier.segments import SHM_DIR
-from kvrelay.transport.base import LayoutMismatch
+from kvrelay.protocol.errors import LayoutMismatch
 from kvrelay.transport.blocks import pool_bytes, pool_shape, torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
-    from kvrelay.cluster.messages import KvLayout
+    from kvrelay.protocol.messages import KvLayout
 
 try:
     import _posixshmem

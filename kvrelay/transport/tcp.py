@@ -25,16 +25,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import zmq
 
-from kvrelay.cluster.messages import KvData, KvPull, ProtocolError, decode, encode
-from kvrelay.transport.base import (
-    KvTransport,
-    PullSpec,
-    SourceGone,
-    TransferError,
-    TransferStats,
-    check_checksum,
-    check_pull,
-)
+from kvrelay.protocol.errors import ProtocolError, SourceGone, TransferError
+from kvrelay.protocol.messages import KvData, KvPull, decode, encode
+from kvrelay.transport.base import KvTransport, PullSpec
 from kvrelay.transport.blocks import (
     PinnedStaging,
     Run,
@@ -44,7 +37,6 @@ from kvrelay.transport.blocks import (
     gather_device_blocks,
     paired_runs,
     scatter_device_blocks,
-    transfer_bytes,
 )
 from kvrelay.transport.checksum import SlabCache
 from kvrelay.transport.copier import SlabCopier
@@ -52,7 +44,6 @@ from kvrelay.transport.copier import SlabCopier
 if TYPE_CHECKING:
     import torch
 
-    from kvrelay.cluster.messages import KvLayout
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +111,7 @@ class TcpTransport(KvTransport):
     """
 
     name = "tcp"
+    checks_lease = False  # the source checks it (``lookup``) on its own clock
 
     def __init__(self, context: zmq.Context | None = None) -> None:
         self._context = context if context is not None else zmq.Context()
@@ -128,32 +120,34 @@ class TcpTransport(KvTransport):
         self._dst_slabs = SlabCache()
         self._copier = SlabCopier()
         self._staging = PinnedStaging()  # GPU destinations: frames are verified here first
+        self._staged: np.ndarray | None = None  # this pull's verified-before-commit frames
 
-    def pull(
+    def _copy(
         self,
         spec: PullSpec,
         dst_pool: torch.Tensor,
         dst_block_ids: Sequence[int],
-        dst_layout: KvLayout,
-        fingerprint: bytes,
         timeout: float,
-    ) -> TransferStats:
-        start = time.perf_counter()
-        check_pull(spec, dst_pool, dst_block_ids, dst_layout, fingerprint)
+    ) -> int:
         frames = self._request(spec, timeout)
         src_slabs = _frame_slabs(spec, frames)
         if dst_pool.device.type == "cpu":
             runs = paired_runs(range(len(dst_block_ids)), dst_block_ids)
-            actual = self._copier.copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs)
-            check_checksum(spec, actual)
-        else:  # verified in host memory first: nothing unverified reaches the GPU pool
-            shape = (len(src_slabs), *src_slabs[0].shape)
-            staging = self._staging.get(math.prod(shape)).numpy().reshape(shape)
-            runs = [Run(0, 0, len(dst_block_ids))]
-            check_checksum(spec, self._copier.copy_and_checksum(src_slabs, staging, runs))
-            scatter_device_blocks(dst_pool, dst_block_ids, staging)
-        num_bytes = transfer_bytes(dst_layout, len(dst_block_ids))
-        return TransferStats(num_bytes, time.perf_counter() - start)
+            return self._copier.copy_and_checksum(src_slabs, self._dst_slabs.get(dst_pool), runs)
+        # a GPU pool: verified in host memory first, so nothing unverified reaches the device
+        shape = (len(src_slabs), *src_slabs[0].shape)
+        self._staged = self._staging.get(math.prod(shape)).numpy().reshape(shape)
+        return self._copier.copy_and_checksum(
+            src_slabs, self._staged, [Run(0, 0, len(dst_block_ids))]
+        )
+
+    def _commit(self, dst_pool: torch.Tensor, dst_block_ids: Sequence[int]) -> None:
+        if self._staged is not None:
+            staged, self._staged = self._staged, None
+            scatter_device_blocks(dst_pool, dst_block_ids, staged)
+
+    def _on_mismatch(self, spec: PullSpec) -> None:
+        self._staged = None
 
     def close(self) -> None:
         for addr in list(self._sockets):

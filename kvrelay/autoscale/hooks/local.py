@@ -44,7 +44,7 @@ from typing import IO, Any
 from kvrelay import envs
 from kvrelay.autoscale.base import HookError, ScaleDecision, ScalingHook
 from kvrelay.autoscale.standby import Activation
-from kvrelay.cluster.launcher import free_port
+from kvrelay.cli.launcher import free_port
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import zmq
 
-from kvrelay.cluster.messages import LoadReport, TokenEvent, encode
 from kvrelay.engine.engine import RequestOutput
+from kvrelay.protocol.messages import LoadReport, TokenEvent, encode
 
 logger = logging.getLogger(__name__)
 

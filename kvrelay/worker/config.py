@@ -13,9 +13,9 @@ import torch
 
 from kvrelay.cachetier.manager import TieredCache
 from kvrelay.cachetier.param_pool import ParamPool
-from kvrelay.cluster.messages import KvLayout, Role
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.loader import TORCH_DTYPES, model_fingerprint
+from kvrelay.protocol.messages import KvLayout, Role
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,8 @@ def create_tiers(config: WorkerConfig, engine_config: EngineConfig) -> TieredCac
     )  # fmt: skip
     tiers: list[Any] = []
     if config.host_pool:
-        from kvrelay.cachetier.host_pool import HostPool, default_pool_name
+        from kvrelay.cachetier.host_ops import default_pool_name
+        from kvrelay.cachetier.host_pool import HostPool
 
         name = config.host_pool
         if name == "auto":
@@ -119,9 +120,10 @@ def layout_from_shape(shape: tuple[int, ...], dtype: torch.dtype) -> KvLayout:
 def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
     """This host's parameter pool: attached if ready, else filled from ``param_peers``
     (a chain), else built from the checkpoint on disk."""
-    from kvrelay.cachetier.param_pool import ParamPool, list_pools, pool_name
+    from kvrelay.cachetier.param_ops import list_pools, pool_name
+    from kvrelay.cachetier.param_pool import ParamPool
     from kvrelay.cachetier.param_transfer import fetch_pool
-    from kvrelay.transport.chain import ChainError
+    from kvrelay.transport.chain_wire import ChainError
 
     peers = [a.strip() for a in config.param_peers.split(",") if a.strip()]
     if peers:

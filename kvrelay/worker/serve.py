@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvrelay.cluster.messages import Role
-from kvrelay.cluster.worker import Worker
-from kvrelay.cluster.worker_config import WorkerConfig
+from kvrelay.protocol.messages import Role
+from kvrelay.worker.config import WorkerConfig
+from kvrelay.worker.runtime import Worker
 
 
 def create_worker(config: WorkerConfig) -> Worker:

@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from kvrelay.cluster.messages import encode
+from kvrelay.protocol.messages import encode
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvrelay.engine.tokenizer import IncrementalDetokenizer
+from kvrelay.text.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from kvrelay.engine.sampling_params import SamplingParams
-    from kvrelay.engine.tokenizer import Tokenizer
+    from kvrelay.protocol.sampling_params import SamplingParams
+    from kvrelay.text.tokenizer import Tokenizer
 
 
 class StopChecker:

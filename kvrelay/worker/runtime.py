@@ -27,8 +27,15 @@ import torch
 import zmq
 
 from kvrelay.cachetier.param_pool import ParamPool
-from kvrelay.cluster import worker_stats
-from kvrelay.cluster.messages import (
+from kvrelay.engine.engine import (
+    LLMEngine,
+    RequestError,
+    RequestOutput,
+    build_engine_config,
+    resolve_device,
+)
+from kvrelay.protocol.errors import ProtocolError
+from kvrelay.protocol.messages import (
     KV_HANDOFF_VERSION,
     Abort,
     CacheEvent,
@@ -38,7 +45,6 @@ from kvrelay.cluster.messages import (
     KvLayout,
     LoadReport,
     PeerInfo,
-    ProtocolError,
     Register,
     RegisterAck,
     Shutdown,
@@ -46,10 +52,9 @@ from kvrelay.cluster.messages import (
     Undrain,
     decode,
 )
-from kvrelay.cluster.peer_links import PeerLinks
-from kvrelay.cluster.router_links import RouterLinks, new_request_id, token_event
-from kvrelay.cluster.status import StatusServer
-from kvrelay.cluster.worker_config import (
+from kvrelay.worker import stats as worker_stats
+from kvrelay.worker.cache_feed import DeviceCacheFeed
+from kvrelay.worker.config import (
     WorkerConfig,
     check_transport_for_device,
     create_tiers,
@@ -59,16 +64,10 @@ from kvrelay.cluster.worker_config import (
     pool_weights,
     resolve_identity,
 )
-from kvrelay.cluster.worker_metrics import WorkerMetrics
-from kvrelay.engine.engine import (
-    LLMEngine,
-    RequestError,
-    RequestOutput,
-    build_engine_config,
-    resolve_device,
-)
-
-__all__ = ["Worker", "new_request_id", "token_event"]
+from kvrelay.worker.metrics import WorkerMetrics
+from kvrelay.worker.peer_links import PeerLinks
+from kvrelay.worker.router_links import RouterLinks, token_event
+from kvrelay.worker.status import StatusServer
 
 logger = logging.getLogger(__name__)
 
@@ -113,8 +112,7 @@ class Worker:
         for ctrl in self.routers.links:
             self._poller.register(ctrl, zmq.POLLIN)
         self._poller.register(self.peer, zmq.POLLIN)
-        self._cache_stored: list[bytes] = []
-        self._cache_evicted: list[bytes] = []
+        self._cache_feed = DeviceCacheFeed()  # device-cache changes for the routers
         self._running = True
         self.registered = False
         self.draining = False
@@ -351,9 +349,10 @@ class Worker:
         self.metrics.observe_step(time.perf_counter() - started)
         for out in outputs:
             self.on_output(out)
-        events = self.engine.flush_cache_events()  # after the tokens went out
-        self._cache_stored.extend(bytes(h) for h, _ in events.stored)
-        self._cache_evicted.extend(bytes(h) for h in events.evicted)
+        self._collect_cache_changes()  # after the tokens went out
+
+    def _collect_cache_changes(self) -> None:
+        self._cache_feed.note(self.engine.flush_cache_events())
 
     def on_output(self, out: RequestOutput) -> None:
         self.send_event(token_event(self.instance_id, out))
@@ -369,10 +368,10 @@ class Worker:
     def _send_cache_events(self) -> None:
         """The device cache's changes since the last heartbeat, then the host pool's
         (the L1 keys this instance wrote or evicted, tagged with this host's id)."""
-        if self._cache_stored or self._cache_evicted:
-            event = CacheEvent(self.instance_id, self._cache_stored, self._cache_evicted)
-            self.routers.send(event)
-            self._cache_stored, self._cache_evicted = [], []
+        self._collect_cache_changes()  # blocks also change between steps (KV intake, aborts)
+        changes = self._cache_feed.take()
+        if changes is not None:
+            self.routers.send(CacheEvent(self.instance_id, *changes))
         if self.tiers is None:
             return
         host_id = self.info.host_id

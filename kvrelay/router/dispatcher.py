@@ -28,13 +28,13 @@ from typing import Any, NamedTuple, cast
 import zmq
 import zmq.asyncio
 
-from kvrelay.cluster.messages import (
+from kvrelay.protocol.errors import ProtocolError
+from kvrelay.protocol.messages import (
     Abort,
     CacheEvent,
     Drain,
     GenerateRequest,
     LoadReport,
-    ProtocolError,
     Register,
     RegisterAck,
     TokenEvent,
@@ -42,9 +42,7 @@ from kvrelay.cluster.messages import (
     decode,
     encode,
 )
-from kvrelay.engine.sampling_params import TokenLogprobs
-from kvrelay.engine.stop import StopChecker
-from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.protocol.sampling_params import TokenLogprobs
 from kvrelay.router.backend import (
     Backend,
     Delta,
@@ -56,6 +54,8 @@ from kvrelay.router.backend import (
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.prefix_index import CacheIndex, PrefixMatch, reusable_block_keys
 from kvrelay.router.registry import Instance, Placement, Registry
+from kvrelay.text.stop import StopChecker
+from kvrelay.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class LatencySample(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ClusterSettings:
+class DispatcherSettings:
     control_addr: str  # ZMQ address the router binds for workers, e.g. tcp://127.0.0.1:5557
     dead_after: float = 2.0  # seconds without a load report before an instance is dead
     max_inflight: int = 1024  # requests in flight before 429
@@ -98,13 +98,13 @@ class _Tracked:
     last_token: float = 0.0
 
 
-class ClusterBackend(Backend):
+class Dispatcher(Backend):
     def __init__(
         self,
         tokenizer: Tokenizer,
         model_name: str,
         max_model_len: int,
-        settings: ClusterSettings,
+        settings: DispatcherSettings,
         metrics: RouterMetrics | None = None,
     ) -> None:
         self.tokenizer = tokenizer

@@ -34,7 +34,8 @@ from typing import Any, Literal, TypeVar
 
 import msgpack
 
-from kvrelay.engine.sampling_params import SamplingParams
+from kvrelay.protocol.errors import ProtocolError
+from kvrelay.protocol.sampling_params import SamplingParams
 
 _EXT_CODE = 1
 
@@ -261,10 +262,6 @@ _NUM_REQUIRED = {
 _ABSENT: dict[type, dict[str, Any]] = {PeerInfo: {"kv_version": 1}}
 
 T = TypeVar("T")
-
-
-class ProtocolError(ValueError):
-    """Bytes from a peer that are not a valid message."""
 
 
 def _default(obj: Any) -> Any:
