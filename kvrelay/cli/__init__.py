@@ -96,12 +96,26 @@ def parse_args(
     """The command line with options left unset filled from ``environ`` (default: this
     process's environment), then from the defaults in ``kvrelay.envs``."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    _remember_parsers(parser)
+    args, extra = parser.parse_known_args(argv)
+    command_parser = args.__dict__.pop("_parser", parser)
+    if extra:  # the command's own usage, not the top level's
+        command_parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         envs.apply(args, args.command, environ)
     except envs.EnvError as e:
-        parser.error(str(e))
+        command_parser.error(str(e))
     return args
+
+
+def _remember_parsers(parser: argparse.ArgumentParser) -> None:
+    """Each (sub)command's parser records itself in the namespace (``_parser``), the deepest
+    one last, so an error can show the usage of the command that was typed."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                subparser.set_defaults(_parser=subparser)
+                _remember_parsers(subparser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,6 +42,31 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raises LaunchError when ``host:port`` is taken: a readiness probe would otherwise
+    reach whatever already listens there (another cluster) and report it as ours."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise LaunchError(
+                f"port {port} on {host} is in use ({e.strerror}); another cluster may be "
+                "serving there: stop it or pick another --port"
+            ) from None
+
+
+def check_model_dir(model: str) -> None:
+    """Raises LaunchError unless ``model`` is a checkpoint directory (before any start)."""
+    path = Path(model)
+    if not path.is_dir():
+        raise LaunchError(f"model directory {model} does not exist")
+    if not (path / "config.json").is_file():
+        raise LaunchError(
+            f"{model} is not a checkpoint directory (no config.json); "
+            "`kvrelay model get` or `kvrelay model make-tiny` writes one"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
     model: str  # checkpoint directory
@@ -106,6 +131,9 @@ class Launcher:
     # ------------------------------------------------------------------ start
     def start(self, timeout: float = 120.0) -> None:
         """Starts the routers and the workers; returns when all are ready."""
+        check_model_dir(self.spec.model)
+        if self.spec.port:
+            check_port_free(self.spec.host, self.spec.port)
         self.start_router()
         for i, (port, addr) in enumerate(self.more_routers, start=1):
             args = ["--port", str(port), *self.spec.router_args]
@@ -182,7 +210,7 @@ class Launcher:
             if all(j is not None and wanted <= j for j in joined):
                 return
             time.sleep(0.2)
-        raise LaunchError(f"cluster not ready after {timeout:.0f}s; logs: {self.spec.log_dir}")
+        raise LaunchError(f"cluster not ready after {timeout:.0f}s{self._where_logs()}")
 
     def worker_names(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.role != "router"]
@@ -209,7 +237,12 @@ class Launcher:
         for proc in self.procs.values():
             code = proc.popen.poll()
             if code is not None and proc.role == "router":
-                raise LaunchError(f"{proc.name} exited with code {code}; logs: {self.spec.log_dir}")
+                raise LaunchError(f"{proc.name} exited with code {code}{self._where_logs()}")
+
+    def _where_logs(self) -> str:
+        if self.spec.log_dir:
+            return f"; logs: {self.spec.log_dir}"
+        return "; its log is above"
 
     # ------------------------------------------------------------------ stop
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
@@ -283,4 +316,10 @@ def run_up(spec: ClusterSpec, timeout: float = 300.0) -> int:
     finally:
         removed = launcher.stop()
         logger.info("stopped; removed %d shared-memory segment(s)", len(removed))
+        if code == 0:  # it served: the pool it built or attached outlives it, on purpose
+            logger.info(
+                "the host's parameter pool stays for the next start (attach in milliseconds "
+                "instead of reading the checkpoint): `kvrelay pool ls` shows it, "
+                "`kvrelay pool gc --grace 0` frees unused ones"
+            )
     return code
