@@ -426,3 +426,20 @@ def test_force_removes_a_mapped_pool_and_the_user_keeps_its_mapping(pool_name: s
         assert remove_host_pool(pool_name, force=True) is True
         assert leftovers(pool_name) == []
         assert pool.get([key])[0].tobytes() == payload_of(key).tobytes()
+
+
+def test_the_default_pool_is_scoped_to_the_cluster_and_the_host() -> None:
+    """Two clusters on one machine, or two hosts sharing /dev/shm, never share an L1 pool
+    unless told to (an explicit ``--host-pool NAME``)."""
+    from kvrelay.worker.config import l1_scope
+
+    names = {
+        default_pool_name(FMT, b"fp-1", l1_scope(cluster, host))
+        for cluster in ("default", "c2")
+        for host in ("hostA", "hostB", "3f9a/odd:id")
+    }
+    assert len(names) == 6
+    assert l1_scope("default", "hostA") == l1_scope("default", "hostA")
+    assert default_pool_name(FMT, b"fp-1", l1_scope("c2", "3f9a/odd:id")).startswith(
+        "kvrelay-l1-c2.3f9a_odd_id-"
+    )

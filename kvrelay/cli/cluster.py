@@ -71,8 +71,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host-pool",
         default="auto",
-        help="worker: L1 host shared-memory KV pool name ('auto': one per host and model; "
-        "'off': none)",
+        help="worker: L1 host shared-memory KV pool name ('auto': one per cluster id, host id "
+        "and model; 'off': none; a NAME shares one on purpose)",
     )
     p.add_argument(
         "--host-pool-memory", type=float, default=0.25, help="worker: L1 pool size in GiB"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import socket
 from collections.abc import Mapping
 from pathlib import Path
@@ -76,6 +77,13 @@ def resolve_identity(config: WorkerConfig, hostname: str, pid: int) -> WorkerCon
     return dataclasses.replace(config, instance_id=instance_id, advertise_host=public)
 
 
+def l1_scope(cluster_id: str, host_id: str) -> str:
+    """The scope of the default L1 pool name: the cluster and the host. Two clusters on one
+    machine, or two "hosts" that share /dev/shm (containers, network namespaces), get pools
+    of their own; only an explicit ``--host-pool NAME`` shares one on purpose."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "_", f"{cluster_id}.{host_id}").strip("_") or "host"
+
+
 def default_host_id() -> str:
     """Same value for every process on one machine (and one IPC namespace)."""
     for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
@@ -101,8 +109,9 @@ def create_tiers(config: WorkerConfig, engine_config: EngineConfig) -> TieredCac
         from kvrelay.cachetier.host_pool import HostPool
 
         name = config.host_pool
-        if name == "auto":
-            name = default_pool_name(fmt, model_fingerprint(config.model))
+        if name == "auto":  # one per cluster, host and model: never shared by accident
+            scope = l1_scope(config.cluster_id, config.host_id or default_host_id())
+            name = default_pool_name(fmt, model_fingerprint(config.model), scope)
         tiers.append(HostPool.open(name, config.host_pool_bytes, fmt, record_changes=True))
     if config.redis_url:
         from kvrelay.cachetier.redis_tier import RedisTier
