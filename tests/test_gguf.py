@@ -29,7 +29,7 @@ from kvrelay.cli import main
 from kvrelay.engine import catalog
 from kvrelay.engine.catalog import CatalogEntry, FetchError, fetch_gguf, get_model
 from kvrelay.engine.gguf import IMPORT_RECORD, GGUFImportError, import_gguf, unpermute_rows
-from kvrelay.engine.gguf_tokenizer import merges_from_scores
+from kvrelay.engine.gguf_tokenizer import Metadata, build_tokenizer_files, merges_from_scores
 from kvrelay.engine.make_tiny import make_tiny
 from kvrelay.engine.tokenizer import Tokenizer
 from tests.gguf_writer import Q, permute_rows, write_gguf
@@ -222,6 +222,48 @@ def test_every_tensor_type_dequantizes_as_transformers_does(tmp_path, arch):
     for name, g in got.items():
         # both dequantize in float32 from the same bytes; the order of operations may differ
         torch.testing.assert_close(g, ref[name], rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_transformers_does(tmp_path):
+    """tokenizer.ggml.model "llama": byte fallback, ``▁`` for spaces, merges from scores."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers.implementations import SentencePieceBPETokenizer
+
+    trainer = SentencePieceBPETokenizer()
+    trainer.train_from_iterator(CORPUS * 20, vocab_size=400, min_frequency=1, show_progress=False)
+    vocab = trainer.get_vocab()
+    pieces = sorted(vocab, key=vocab.__getitem__)
+    writer = gguf.GGUFWriter(str(tmp_path / "sp.gguf"), "llama")
+    for key, value in (("block_count", 1), ("context_length", 256), ("embedding_length", 64),
+                       ("feed_forward_length", 128), ("attention.head_count", 4)):  # fmt: skip
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    writer.add_string("tokenizer.ggml.model", "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["<unk>", "<s>", "</s>"]
+                     + [f"<0x{b:02X}>" for b in range(256)] + pieces)  # fmt: skip
+    writer.add_array("tokenizer.ggml.scores", [0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    writer.add_array("tokenizer.ggml.token_type", [2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    for key, value in (("bos", 1), ("eos", 2), ("unknown", 0)):
+        writer.add_uint32(f"tokenizer.ggml.{key}_token_id", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    meta = Metadata.from_reader(gguf.GGUFReader(tmp_path / "sp.gguf"))
+    (tmp_path / "out").mkdir()
+    build_tokenizer_files(meta, model_max_length=256).write(tmp_path / "out")
+
+    ours = Tokenizer.from_pretrained(tmp_path / "out")
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="sp.gguf")
+    for text in [*CORPUS, "Hello</s> <s>the  router"]:
+        for special in (True, False):
+            ids = hf(text, add_special_tokens=special)["input_ids"]
+            assert ours.encode(text, add_special_tokens=special) == ids, (text, special)
+        assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids)
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+    assert ours.encode("日本")[0] == 1 and "<0xE6>" in ours.convert_ids_to_tokens(
+        ours.encode("日本")
+    )
 
 
 def test_merges_from_scores_rank_by_the_merged_tokens_score():
