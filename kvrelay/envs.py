@@ -110,6 +110,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var("KVRELAY_ADMIN_TOKEN", str, None,
          "router: bearer token for /admin/* (unset: open); also sent by `kvrelay up`",
          "--admin-token"),
+    _var("KVRELAY_CACHE_DIR", str, "~/.cache/kvrelay",
+         "where `kvrelay model get` keeps the models it downloads", "--cache-dir",
+         commands=("model",)),
     _var("KVRELAY_LOG_LEVEL", str, "info", "log level of every command (-v: debug)",
          "--log-level", commands=(), choices=LOG_LEVELS),
 )  # fmt: skip

@@ -52,6 +52,22 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF, downloaded once per machine (``tests/real_model.py``)."""
+    from tests.real_model import real_gguf
+
+    return real_gguf()
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(real_gguf_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``real_gguf_path`` imported by ``kvrelay model import-gguf`` (float32), for the session."""
+    from kvrelay.engine.gguf import import_gguf
+
+    return import_gguf(real_gguf_path, tmp_path_factory.mktemp("real") / "smollm2")
+
+
+@pytest.fixture(scope="session")
 def api_server(tiny_model_dir: Path) -> Iterator[ApiServer]:
     """The HTTP API over a real in-process engine (tiny model), served by uvicorn on a free port.
 

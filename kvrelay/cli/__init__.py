@@ -3,6 +3,7 @@
 Decides which subcommands exist and how one runs: options left unset are filled from the
 environment (``kvrelay.envs``), and a ``ValueError`` is a one-line error with exit status 2.
 Each command group lives in its own module: ``offline`` (model make-tiny, generate, chat),
+``model`` (model import-gguf, get, ls),
 ``cluster`` (up, serve), ``host_admin`` (pool, cache); ``engine_args`` holds the engine flags
 they share. ``kvrelay = kvrelay.cli:main`` is the console script.
 """
@@ -25,6 +26,7 @@ from kvrelay.cli.cluster import (
 )
 from kvrelay.cli.engine_args import engine_cli_args, engine_kwargs
 from kvrelay.cli.host_admin import add_cache_parser, add_pool_parser, cmd_cache, cmd_pool
+from kvrelay.cli.model import cmd_model
 from kvrelay.cli.offline import add_offline_parsers, cmd_chat, cmd_generate, cmd_make_tiny
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "cmd_chat",
     "cmd_generate",
     "cmd_make_tiny",
+    "cmd_model",
     "cmd_pool",
     "cmd_serve",
     "cmd_up",
@@ -87,6 +90,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "pool": cmd_pool,
     "cache": cmd_cache,
+    "model": cmd_model,
 }
 
 
@@ -126,8 +130,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        if args.command == "model":
-            return cmd_make_tiny(args)
         return COMMANDS[args.command](args)
     except ValueError as e:  # ConfigError, CheckpointError, TokenizerError and bad values
         print(f"kvrelay {args.command}: error: {e}", file=sys.stderr)

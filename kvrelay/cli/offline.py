@@ -11,10 +11,11 @@ import sys
 from typing import Any
 
 from kvrelay.cli.engine_args import add_engine_args, engine_kwargs
+from kvrelay.cli.model import add_model_parsers
 
 
 def add_offline_parsers(sub: Any) -> None:
-    """``model make-tiny``, ``generate`` and ``chat``."""
+    """``model make-tiny`` (and the GGUF commands of ``cli.model``), ``generate`` and ``chat``."""
     model = sub.add_parser("model", help="checkpoint utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser(
@@ -25,6 +26,7 @@ def add_offline_parsers(sub: Any) -> None:
     tiny.add_argument("--size", default="tiny", choices=["tiny", "small", "medium"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    add_model_parsers(model_sub)
 
     gen = sub.add_parser("generate", help="complete prompts with the offline engine")
     add_engine_args(gen)
