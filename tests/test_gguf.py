@@ -28,10 +28,15 @@ from kvrelay import LLM, SamplingParams
 from kvrelay.cli import main
 from kvrelay.engine import catalog
 from kvrelay.engine.catalog import CatalogEntry, FetchError, fetch_gguf, get_model
-from kvrelay.engine.gguf import IMPORT_RECORD, GGUFImportError, import_gguf, unpermute_rows
-from kvrelay.engine.gguf_tokenizer import Metadata, build_tokenizer_files, merges_from_scores
+from kvrelay.engine.gguf import IMPORT_RECORD, import_gguf, unpermute_rows
+from kvrelay.engine.gguf_tokenizer import (
+    GGUFImportError,
+    Metadata,
+    build_tokenizer_files,
+    merges_from_scores,
+)
 from kvrelay.engine.make_tiny import make_tiny
-from kvrelay.engine.tokenizer import Tokenizer
+from kvrelay.text.tokenizer import Tokenizer
 from tests.gguf_writer import Q, permute_rows, write_gguf
 
 CORPUS = [
