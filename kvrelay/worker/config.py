@@ -129,21 +129,22 @@ def layout_from_shape(shape: tuple[int, ...], dtype: torch.dtype) -> KvLayout:
 def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
     """This host's parameter pool: attached if ready, else filled from ``param_peers``
     (a chain), else built from the checkpoint on disk."""
+    from kvrelay.cachetier.param_locks import interest
     from kvrelay.cachetier.param_ops import list_pools, pool_name
     from kvrelay.cachetier.param_pool import ParamPool
     from kvrelay.cachetier.param_transfer import fetch_pool
     from kvrelay.transport.chain_wire import ChainError
 
     peers = [a.strip() for a in config.param_peers.split(",") if a.strip()]
-    if peers:
-        fingerprint = model_fingerprint(config.model)
-        name = pool_name(fingerprint, dtype)
-        if not any(p.name == name and p.state == "ready" for p in list_pools()):
+    fingerprint = model_fingerprint(config.model)
+    name = pool_name(fingerprint, dtype)
+    with interest(name):  # no gc frees a pool found ready here before the attach below
+        if peers and not any(p.name == name and p.state == "ready" for p in list_pools()):
             try:
                 return fetch_pool(fingerprint, dtype, peers).pool
             except (ChainError, FileExistsError) as e:  # no peer, or another process fills it
                 logger.warning("weights from peers failed (%s); using the host pool or disk", e)
-    return ParamPool.attach_or_create(config.model, dtype)
+        return ParamPool.attach_or_create(config.model, dtype)
 
 
 def pool_weights(pool: ParamPool, device: torch.device) -> Mapping[str, torch.Tensor]:
