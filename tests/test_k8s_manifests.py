@@ -234,6 +234,8 @@ def test_router_autoscales_the_worker_deployments_its_role_may_patch() -> None:
     scale_rule = next(r for r in rules if r["resources"] == ["deployments/scale"])
     assert (scale_rule["apiGroups"], set(scale_rule["verbs"])) == (["apps"], {"get", "patch"})
     assert set(scale_rule["resourceNames"]) == deployments
+    pod_rule = next(r for r in rules if r["resources"] == ["pods"])  # pod-deletion-cost
+    assert (pod_rule["apiGroups"], pod_rule["verbs"]) == ([""], ["patch"])
     binding = objects_of_kind("RoleBinding")["kvrelay-autoscaler"]
     assert binding["roleRef"]["name"] == "kvrelay-autoscaler"
     assert binding["subjects"] == [
