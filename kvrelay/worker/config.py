@@ -44,6 +44,7 @@ class WorkerConfig:
     corrupt_transfers: int = 0  # test hook: corrupt this many received transfers
     param_peers: str = ""  # hosts serving the weights (`kvrelay pool serve`), nearest first
     param_pool: bool = True  # attach weights from the host's parameter pool (made once per host)
+    drain_timeout: float = 30.0  # on SIGTERM: seconds to finish running requests before exiting
     engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,8 @@ class WorkerConfig:
             raise ValueError(
                 f"transport must be auto, shm, tcp or cuda_ipc, got {self.transport!r}"
             )
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
 
 
 def check_transport_for_device(transport: str, device: torch.device) -> None:
