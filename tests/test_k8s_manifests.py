@@ -40,7 +40,8 @@ _SHELL_OPERATORS = {"||", "&&", ";", "|", "&"}
 
 
 def manifest_files() -> list[Path]:
-    return sorted(K8S_DIR.glob("*.yaml"))
+    """The base's manifests (not its kustomization.yaml; overlays: test_k8s_overlays.py)."""
+    return sorted(p for p in K8S_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
 def load_objects() -> list[tuple[str, dict[str, Any]]]:
