@@ -100,7 +100,7 @@ def check_pod_monitor(obj: dict[str, Any]) -> None:
     assert obj["apiVersion"] == "monitoring.coreos.com/v1"
     assert set(obj["spec"]) == {"selector", "podMetricsEndpoints"}
     for endpoint in obj["spec"]["podMetricsEndpoints"]:
-        assert set(endpoint) <= {"port", "path", "interval"}
+        assert set(endpoint) <= {"port", "path", "interval", "honorLabels"}
         assert endpoint["path"] == "/metrics"
 
 
