@@ -179,10 +179,19 @@ def serve_args(deployment: str) -> Any:
     return parse_args(words, environ=env)
 
 
+def router_container() -> dict[str, Any]:
+    (container,) = objects_of_kind("Deployment")["kvrelay-router"]["spec"]["template"]["spec"][
+        "containers"
+    ]
+    return container
+
+
 def test_workers_reach_the_router_through_its_service() -> None:
     router = serve_args("kvrelay-router")
     assert (router.role, router.control_addr, router.port) == ("router", "tcp://0.0.0.0:5557", 8000)
     assert (router.admin_token, router.host) == (SAMPLE_SECRET, "0.0.0.0")
+    (token,) = [e for e in router_container()["env"] if e["name"] == "KVRELAY_ADMIN_TOKEN"]
+    assert not token["valueFrom"]["secretKeyRef"].get("optional", False)  # /admin never open
     service = objects_of_kind("Service")["kvrelay-router"]
     assert service["spec"]["publishNotReadyAddresses"] is True
     assert {p["port"] for p in service["spec"]["ports"]} == {8000, 5557}
