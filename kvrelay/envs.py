@@ -110,6 +110,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var("KVRELAY_ADMIN_TOKEN", str, None,
          "router: bearer token for /admin/* (unset: open); also sent by `kvrelay up`",
          "--admin-token"),
+    _var("KVRELAY_DRAIN_TIMEOUT", float, 30.0,
+         "seconds a SIGTERM leaves to finish what runs (router: its streams; worker: its "
+         "requests) before exiting; a second SIGTERM exits at once", "--drain-timeout"),
     _var("KVRELAY_CACHE_DIR", str, "~/.cache/kvrelay",
          "where `kvrelay model get` keeps the models it downloads", "--cache-dir",
          commands=("model",)),

@@ -47,6 +47,7 @@ from kvrelay.protocol.messages import Role
 from kvrelay.transport.shm_pool import cleanup_segments
 from kvrelay.worker.config import WorkerConfig, resolve_identity
 from tests.cluster_harness import metric_value
+from tests.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
@@ -200,6 +201,14 @@ def test_bare_up_starts_redis_model_init_router_and_one_worker_pair() -> None:
     for name in ("router", "prefill", "decode"):
         deps = services[name]["depends_on"]
         assert deps["model-init"]["condition"] == "service_completed_successfully", name
+        assert deps["redis"]["condition"] == "service_healthy", name
+
+
+def test_workers_get_the_redis_service_as_their_l2_tier() -> None:
+    services = load_compose()["services"]
+    for name in ("prefill", "decode", "prefill-gpu", "decode-gpu"):
+        env = container_env(services[name], {})
+        assert env["KVRELAY_REDIS_URL"] == "redis://redis:6379/0", name
 
 
 def test_every_kvrelay_image_is_built_by_exactly_one_service() -> None:
@@ -318,6 +327,7 @@ class ComposeRun:
         self.cluster_id = f"deploy{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.ports: dict[str, dict[int, int]] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.redis: RedisServer | None = None  # the redis service, as a real redis-server
         self.batches: list[list[str]] = []  # started together, in start order
         self.hostnames = {name: uuid.uuid4().hex[:12] for name in self.services}
         self.logs = root / "logs"
@@ -353,6 +363,11 @@ class ComposeRun:
             return f"tcp://127.0.0.1:{self.port(owner, int(port))}"
         if flag == "--cluster-id":
             return self.cluster_id
+        if flag == "--redis-url" and value:
+            host, _, rest = value.removeprefix("redis://").partition(":")
+            port, _, db = rest.partition("/")
+            assert host in self.services, f"{name}: redis URL {value} names no service"
+            return f"redis://127.0.0.1:{self.port(host, int(port))}/{db}"
         return value
 
     def healthcheck_argv(self, name: str) -> list[str]:
@@ -373,6 +388,13 @@ class ComposeRun:
                 env=self.env(name),
                 start_new_session=True,
             )
+
+    def start_redis(self) -> None:
+        """The redis service as a local redis-server on its port (skips where none)."""
+        if shutil.which("redis-server") is None:
+            pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
+        self.redis = RedisServer(self.root, port=self.port("redis", 6379))
+        self.redis.start()
 
     def env(self, name: str) -> dict[str, str]:
         """The service's ``environment`` (interpolated, its ``KVRELAY_*`` settings localized
@@ -449,7 +471,9 @@ def compose_up(tmp_path: Path, bin_dir: Path) -> Iterator[ComposeRun]:
     kvrelay = kvrelay_services(compose)
     try:
         for batch in start_order(compose["services"]):
-            names = [n for n in batch if n in kvrelay]  # redis: no kvrelay process uses it yet
+            if "redis" in batch:
+                run.start_redis()
+            names = [n for n in batch if n in kvrelay]
             run.batches.append(names)
             for name in names:
                 if compose["services"][name].get("restart") == "no":
@@ -462,6 +486,8 @@ def compose_up(tmp_path: Path, bin_dir: Path) -> Iterator[ComposeRun]:
         yield run
     finally:
         run.stop()
+        if run.redis is not None:
+            run.redis.stop()
         leftover = cleanup_segments(f"kvrelay-{run.cluster_id}-")
     assert leftover == [], f"shared memory left behind: {leftover}"
 
@@ -501,6 +527,12 @@ def test_compose_services_serve_a_completion(tmp_path: Path, fake_kvrelay: Path)
         metrics = httpx.get(f"http://127.0.0.1:{run.port('decode', 8001)}/metrics", timeout=5)
         shm_bytes = metric_value(metrics.text, "kvrelay_kv_transfer_bytes_total", transport="shm")
         assert shm_bytes > 0, "the KV hand-off did not use shared memory"
+        assert run.redis is not None
+        with run.redis.client() as redis_client:  # the workers got the redis service's URL
+            deadline = time.monotonic() + 30
+            while redis_client.dbsize() == 0:  # written behind the request path
+                assert time.monotonic() < deadline, "no worker wrote a KV block to redis"
+                time.sleep(0.2)
 
 
 # ---------------------------------------------------------------------------- Dockerfile

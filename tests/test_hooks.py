@@ -348,15 +348,20 @@ class FakeApiServer(LoopbackServer):
     """Just enough of the API server: the scale subresource of Deployments in ``NAMESPACE``.
 
     ``replicas`` holds each Deployment's ``spec.replicas``; a PATCH merges into it.
+    ``annotations`` holds each pod's annotations; a PATCH of a pod merges into them.
     ``forbid_patch`` answers every PATCH with 403, as RBAC without ``patch`` would.
     """
 
-    def __init__(self, replicas: dict[str, int]) -> None:
+    def __init__(self, replicas: dict[str, int], pods: tuple[str, ...] = ()) -> None:
         self.replicas = replicas
+        self.annotations: dict[str, dict[str, str]] = {pod: {} for pod in pods}
         self.forbid_patch = False
         super().__init__(self._respond)
 
     def _respond(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
+        pods = f"/api/v1/namespaces/{NAMESPACE}/pods/"
+        if path.startswith(pods):
+            return self._respond_pod(method, path.removeprefix(pods), body)
         prefix = f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/"
         name = path.removeprefix(prefix).removesuffix("/scale")
         if not (path.startswith(prefix) and path.endswith("/scale") and name in self.replicas):
@@ -370,6 +375,17 @@ class FakeApiServer(LoopbackServer):
                 return 403, _status(403, "Forbidden", message)
             self.replicas[name] = json.loads(body)["spec"]["replicas"]
         return 200, _scale(name, self.replicas[name])
+
+    def _respond_pod(self, method: str, name: str, body: bytes) -> tuple[int, Any]:
+        if name not in self.annotations:
+            return 404, _status(404, "NotFound", f'pods "{name}" not found')
+        if method == "PATCH" and self.forbid_patch:
+            message = f'pods "{name}" is forbidden: cannot patch resource "pods"'
+            return 403, _status(403, "Forbidden", message)
+        if method == "PATCH":
+            self.annotations[name].update(json.loads(body)["metadata"]["annotations"])
+        meta = {"name": name, "namespace": NAMESPACE, "annotations": self.annotations[name]}
+        return 200, {"kind": "Pod", "apiVersion": "v1", "metadata": meta}
 
 
 def _scale(name: str, replicas: int) -> dict[str, Any]:
@@ -461,6 +477,65 @@ def test_kubernetes_patches_both_roles_with_custom_names(tmp_path) -> None:
         (scale_path("dc"), {"spec": {"replicas": 0}}),
     ]
     assert server.replicas == {"pf": 1, "dc": 0}
+
+
+def test_kubernetes_gives_drained_pods_the_lowest_deletion_cost_before_scaling_down(
+    tmp_path,
+) -> None:
+    pytest.importorskip("kubernetes", reason="the kubernetes client is not installed")
+    from kvrelay.autoscale.hooks.kubernetes import DELETION_COST
+
+    pods = ("kvrelay-decode-7f9-a", "kvrelay-decode-7f9-b", "kvrelay-decode-7f9-c")
+    server = FakeApiServer({"kvrelay-prefill": 1, "kvrelay-decode": 3}, pods)
+    drain = ("kvrelay-decode-7f9-b", "not-a-pod")  # the second: an instance with no pod
+    try:
+        hook = kubernetes_hook(server, tmp_path)
+        hook.apply(ScaleDecision(1, 2, current_prefill=1, current_decode=3, drain=drain))
+        hook.close()
+    finally:
+        server.stop()
+    pod_path = f"/api/v1/namespaces/{NAMESPACE}/pods/"
+    assert [(r.method, r.path) for r in server.requests] == [
+        ("GET", scale_path("kvrelay-prefill")),
+        ("GET", scale_path("kvrelay-decode")),
+        ("PATCH", pod_path + "kvrelay-decode-7f9-b"),  # before the Deployment goes down
+        ("PATCH", pod_path + "not-a-pod"),  # 404: skipped, the scale-down still happens
+        ("PATCH", scale_path("kvrelay-decode")),
+    ]
+    assert server.requests[2].headers["content-type"] == "application/strategic-merge-patch+json"
+    assert server.annotations == {
+        "kvrelay-decode-7f9-a": {},
+        "kvrelay-decode-7f9-b": {DELETION_COST: str(-(2**31))},
+        "kvrelay-decode-7f9-c": {},
+    }
+    assert server.replicas == {"kvrelay-prefill": 1, "kvrelay-decode": 2}
+
+
+def test_kubernetes_marks_no_pod_when_scaling_up(tmp_path) -> None:
+    pytest.importorskip("kubernetes", reason="the kubernetes client is not installed")
+    server = FakeApiServer({"kvrelay-prefill": 1, "kvrelay-decode": 1}, ("p",))
+    try:
+        hook = kubernetes_hook(server, tmp_path)
+        hook.apply(ScaleDecision(1, 2, current_prefill=1, current_decode=1, drain=("p",)))
+        hook.close()
+    finally:
+        server.stop()
+    assert [r.method for r in server.requests] == ["GET", "GET", "PATCH"]
+    assert server.annotations == {"p": {}} and server.replicas["kvrelay-decode"] == 2
+
+
+def test_kubernetes_forbidden_pod_patch_is_a_hook_error_and_nothing_scales(tmp_path) -> None:
+    pytest.importorskip("kubernetes", reason="the kubernetes client is not installed")
+    server = FakeApiServer({"kvrelay-prefill": 1, "kvrelay-decode": 2}, ("p",))
+    server.forbid_patch = True
+    try:
+        hook = kubernetes_hook(server, tmp_path)
+        with pytest.raises(HookError, match=r"PATCH pods/p in namespace kvrelay-test: 403"):
+            hook.apply(ScaleDecision(1, 1, current_prefill=1, current_decode=2, drain=("p",)))
+        hook.close()
+    finally:
+        server.stop()
+    assert server.replicas == {"kvrelay-prefill": 1, "kvrelay-decode": 2}
 
 
 def test_kubernetes_sends_no_patch_when_nothing_changes(api_server, tmp_path) -> None:

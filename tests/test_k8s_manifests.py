@@ -40,7 +40,8 @@ _SHELL_OPERATORS = {"||", "&&", ";", "|", "&"}
 
 
 def manifest_files() -> list[Path]:
-    return sorted(K8S_DIR.glob("*.yaml"))
+    """The base's manifests (not its kustomization.yaml; overlays: test_k8s_overlays.py)."""
+    return sorted(p for p in K8S_DIR.glob("*.yaml") if p.name != "kustomization.yaml")
 
 
 def load_objects() -> list[tuple[str, dict[str, Any]]]:
@@ -178,10 +179,19 @@ def serve_args(deployment: str) -> Any:
     return parse_args(words, environ=env)
 
 
+def router_container() -> dict[str, Any]:
+    (container,) = objects_of_kind("Deployment")["kvrelay-router"]["spec"]["template"]["spec"][
+        "containers"
+    ]
+    return container
+
+
 def test_workers_reach_the_router_through_its_service() -> None:
     router = serve_args("kvrelay-router")
     assert (router.role, router.control_addr, router.port) == ("router", "tcp://0.0.0.0:5557", 8000)
     assert (router.admin_token, router.host) == (SAMPLE_SECRET, "0.0.0.0")
+    (token,) = [e for e in router_container()["env"] if e["name"] == "KVRELAY_ADMIN_TOKEN"]
+    assert not token["valueFrom"]["secretKeyRef"].get("optional", False)  # /admin never open
     service = objects_of_kind("Service")["kvrelay-router"]
     assert service["spec"]["publishNotReadyAddresses"] is True
     assert {p["port"] for p in service["spec"]["ports"]} == {8000, 5557}
@@ -234,6 +244,8 @@ def test_router_autoscales_the_worker_deployments_its_role_may_patch() -> None:
     scale_rule = next(r for r in rules if r["resources"] == ["deployments/scale"])
     assert (scale_rule["apiGroups"], set(scale_rule["verbs"])) == (["apps"], {"get", "patch"})
     assert set(scale_rule["resourceNames"]) == deployments
+    pod_rule = next(r for r in rules if r["resources"] == ["pods"])  # pod-deletion-cost
+    assert (pod_rule["apiGroups"], pod_rule["verbs"]) == ([""], ["patch"])
     binding = objects_of_kind("RoleBinding")["kvrelay-autoscaler"]
     assert binding["roleRef"]["name"] == "kvrelay-autoscaler"
     assert binding["subjects"] == [

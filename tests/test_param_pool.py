@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from kvrelay.cachetier import param_ops, param_segment
-from kvrelay.cachetier.param_locks import PoolBusy
+from kvrelay.cachetier.param_locks import PoolBusy, interest
 from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.cachetier.param_segment import CorruptPool
 from kvrelay.cachetier.segments import SHM_DIR
@@ -132,6 +132,41 @@ def _fill_child(name: str, header: bytes, data: bytes, out: Any) -> None:
     pool.buffer[:half] = data[:half]
     out.put(os.getpid())
     time.sleep(TIMEOUT_S)
+
+
+def _gc_child(scope: str, stop: Any, out: Any) -> None:
+    """Sweeps ``scope`` with no grace, as fast as it can, until ``stop``; reports the frees."""
+    num_freed = 0
+    while not stop.is_set():
+        num_freed += len(param_ops.gc(grace_s=0, scope=scope))
+    out.put(num_freed)
+
+
+def _reattach_child(model_dir: Path, scope: str, calls: Path, rounds: int, out: Any) -> None:
+    """``rounds`` times: attach (building when the pool is gone, slowly, so that a sweep
+    meets the build), then, having declared interest, detach (the pool idle, past a zero
+    grace) and attach again, which must find the same segment: its build raises. Reports
+    (number of rebuilds, every digest, every (first, second) inode pair)."""
+    torch.set_num_threads(1)
+    build = _recording_build(model_dir, calls, delay_s=0.02)
+    name = param_ops.pool_name(model_fingerprint(model_dir), "float32", scope)
+    digests, inodes = set(), []
+
+    def never() -> dict[str, torch.Tensor]:
+        raise AssertionError("a pool that a process declared interest in was freed")
+
+    for _ in range(rounds):
+        first = ParamPool.attach_or_create(model_dir, "float32", build, scope=scope)
+        assert param_segment._is_linked(first._fd, name)  # not freed while built or attached
+        digests.add(_digest(first.weights))
+        with interest(name):
+            first_inode = os.fstat(first._fd).st_ino
+            first.close()  # no user now: only the interest keeps the sweep off it
+            time.sleep(0.005)
+            with ParamPool.attach_or_create(model_dir, "float32", never, scope=scope) as again:
+                digests.add(_digest(again.weights))
+                inodes.append((first_inode, os.fstat(again._fd).st_ino))
+    out.put((len(_build_calls(calls)), sorted(digests), inodes))
 
 
 def _start(target: Callable[..., None], *args: Any, **kwargs: Any) -> Any:
@@ -316,6 +351,27 @@ def test_killed_users_are_pruned_and_the_pool_stays_intact(tiny_model_dir, scope
     pool.close()
     assert param_ops.gc(grace_s=300, scope=scope) == []  # idle for less than the grace
     assert param_ops.gc(grace_s=0, scope=scope) == [pool.name]
+    assert _segments(scope) == []
+
+
+def test_gc_never_frees_a_pool_being_built_or_about_to_be_attached(tiny_model_dir, scope, tmp_path):
+    """A sweeper with no grace races a process that builds, detaches and re-attaches: every
+    attach gets the checkpoint's weights, a pool is never freed under its builder, and one
+    that a process declared interest in survives until it attaches."""
+    rounds, calls, out, stop = 25, tmp_path / "calls", CTX.Queue(), CTX.Event()
+    sweeper = _start(_gc_child, scope, stop, out)
+    attacher = _start(_reattach_child, tiny_model_dir, scope, calls, rounds, out)
+    attacher.join(4 * TIMEOUT_S)  # its report is small: it fits the queue's pipe
+    assert attacher.exitcode == 0, "the attacher failed (its traceback is above)"
+    num_builds, digests, inodes = out.get(timeout=TIMEOUT_S)
+    stop.set()
+    num_freed = out.get(timeout=TIMEOUT_S)
+    sweeper.join(TIMEOUT_S)
+    assert sweeper.exitcode == 0
+    assert digests == [_digest(_reference(tiny_model_dir))]
+    assert len(inodes) == rounds and all(first == again for first, again in inodes)
+    assert 1 <= num_builds <= rounds and num_freed >= num_builds - 1  # the sweeper did sweep
+    param_ops.gc(grace_s=0, scope=scope)
     assert _segments(scope) == []
 
 

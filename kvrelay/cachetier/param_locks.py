@@ -8,6 +8,10 @@ the pool name, ``base = (48 bits of blake2b(name)) << 9``::
     base + 0        build lock: held for a whole build or fill; creators wait on it
     base + 1        table lock: held briefly to change the state or the user slots, or unlink
     base + 2 + i    user slot i: held by the attachment in slot i for as long as it lasts
+    base + 2 + MAX_USERS
+                    interest: read-locked (shared) by every process from the moment it means
+                    to attach, fill or build until it has (``interest``); ``gc`` frees no pool
+                    while anyone holds it
 
 The kernel drops an OFD lock when its holder dies, so liveness needs no pid checks and is
 right across pid namespaces and pid reuse: a slot whose lock is free belongs to a dead user
@@ -91,6 +95,18 @@ def _live_users(fd: int, name: str, locks: _LockFile, prune: bool) -> list[int]:
     return live
 
 
+@contextlib.contextmanager
+def interest(name: str) -> Iterator[None]:
+    """Declares that this process is about to attach to, fill or build pool ``name``: while
+    held, ``gc`` frees no pool of that name, so one that is READY now is still there when the
+    attach comes (the table lock taken on entry waits out a sweep that judged it before)."""
+    with _LockFile() as locks:
+        locks.share(_interest_pos(name))
+        with locks.held(_table_pos(name)):
+            pass
+        yield
+
+
 def _base(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=6).digest(), "little") << 9
 
@@ -105,6 +121,10 @@ def _table_pos(name: str) -> int:
 
 def _slot_pos(name: str, slot: int) -> int:
     return _base(name) + 2 + slot
+
+
+def _interest_pos(name: str) -> int:
+    return _base(name) + 2 + MAX_USERS
 
 
 class _LockFile:
@@ -127,6 +147,10 @@ class _LockFile:
                 return False
             raise
         return True
+
+    def share(self, pos: int) -> None:
+        """Takes a read (shared) lock on ``pos``; nobody write-locks it, so it never waits."""
+        fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, pos, 1, 0))
 
     def unlock(self, pos: int) -> None:
         fcntl.fcntl(self.fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, pos, 1, 0))

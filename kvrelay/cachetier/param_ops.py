@@ -3,7 +3,12 @@
 Decides when a segment is freed. No process owns a segment (none registers it with a
 resource tracker). ``gc`` unlinks a pool with no live user that has been idle for ``grace_s``
 (``last_used`` is stamped at every attach and detach, and when a dead user is found) and any
-stale one; ``remove`` unlinks one on request; every ``attach_or_create`` runs ``gc`` first. A
+stale one, but never one that a live process builds or fills (build lock) or has declared it
+is about to attach to (``param_locks.interest``: ``attach_or_create`` and a worker's chain
+fetch hold it from before they look at the pool until they are registered users);
+``remove`` unlinks one on request; every ``attach_or_create`` runs ``gc`` first, with a grace
+far longer than a start takes (``ATTACH_GC_GRACE_S``), so a cluster's restart, or another
+cluster's, finds its idle pool still there. A
 pool of another format version is freed once ``/proc/*/maps`` shows no process mapping it (its
 user table is not this version's to trust). Unlinking only removes the name: mapped memory
 stays valid until its last mapper unmaps it.
@@ -18,7 +23,14 @@ import re
 import time
 from typing import Literal
 
-from kvrelay.cachetier.param_locks import PoolBusy, _build_pos, _live_users, _LockFile, _table_pos
+from kvrelay.cachetier.param_locks import (
+    PoolBusy,
+    _build_pos,
+    _interest_pos,
+    _live_users,
+    _LockFile,
+    _table_pos,
+)
 from kvrelay.cachetier.param_segment import (
     _LAST_USED,
     _LAST_USED_POS,
@@ -35,7 +47,8 @@ from kvrelay.cachetier.segments import SHM_DIR, segment_mappers
 logger = logging.getLogger(__name__)
 
 PREFIX = "kvrelay-params-"
-DEFAULT_GRACE_S = 300.0
+DEFAULT_GRACE_S = 300.0  # `kvrelay pool gc`: an operator's sweep
+ATTACH_GC_GRACE_S = 24 * 3600.0  # the sweep every attach runs: only pools nobody came back to
 PoolState = Literal["building", "ready", "stale", "outdated"]  # outdated: another version's
 _SCOPE = re.compile(r"[A-Za-z0-9_.]{1,64}")
 _NAME = re.compile(re.escape(PREFIX) + r"[A-Za-z0-9_.-]{1,180}")
@@ -101,7 +114,8 @@ def list_pools(scope: str = "") -> list[PoolInfo]:
 
 def gc(grace_s: float = DEFAULT_GRACE_S, scope: str = "") -> list[str]:
     """Unlinks the stale pools of ``scope`` and the ready ones with no live user idle for
-    ``grace_s``; returns their names. Pools being built are left alone."""
+    ``grace_s``; returns their names. Pools being built or filled, and pools a process has
+    declared it will attach to (``param_locks.interest``), are left alone."""
     removed = []
     now = time.time()
     with _LockFile() as locks:
@@ -159,7 +173,10 @@ def remove(name: str, force: bool = False) -> bool:
 
 
 def _is_collectable(name: str, grace_s: float, now: float, locks: _LockFile) -> bool:
-    """Under the build and table locks: stale, or ready, unused and idle for ``grace_s``."""
+    """Under the build and table locks: nobody's declared interest, and stale, or ready,
+    unused and idle for ``grace_s``."""
+    if locks.is_held(_interest_pos(name)):
+        return False  # a process is about to attach (or fill, or build): the interest lock
     fd = _open_segment(name)
     if fd is None:
         return False

@@ -39,9 +39,10 @@ from kvrelay.cachetier.param_locks import (
     _LockFile,
     _register,
     _table_pos,
+    interest,
 )
 from kvrelay.cachetier.param_ops import (
-    DEFAULT_GRACE_S,
+    ATTACH_GC_GRACE_S,
     _check_name,
     gc,
     pool_name,
@@ -117,18 +118,20 @@ class ParamPool:
         *,
         scope: str = "",
         wait_s: float = 600.0,
-        grace_s: float = DEFAULT_GRACE_S,
+        grace_s: float = ATTACH_GC_GRACE_S,
     ) -> ParamPool:
         """Attaches to the host's pool of ``model_dir`` in ``dtype``, building it if needed.
 
         Exactly one of several concurrent callers builds; the others wait for it and attach.
-        A builder that dies is replaced by the next caller.
+        A builder that dies is replaced by the next caller. The caller's interest is declared
+        (``param_locks.interest``) before anything else, so no ``gc`` frees the pool between
+        finding it READY and attaching to it.
 
         Args:
             build: returns the runtime weights; default ``load_weights(model_dir, ...)``.
             scope: namespaces the pool name (tests); "" for the host-wide pool.
             wait_s: how long to wait for another process's build.
-            grace_s: for the ``gc`` sweep run first.
+            grace_s: for the ``gc`` sweep run first (of other pools: never this one).
 
         Raises:
             TimeoutError: another process was still building after ``wait_s``.
@@ -138,8 +141,21 @@ class ParamPool:
 
         fingerprint = model_fingerprint(model_dir)
         name = pool_name(fingerprint, dtype, scope)
-        gc(grace_s, scope=scope)
         build = build or functools.partial(_load_from_disk, model_dir, dtype)
+        with interest(name):
+            gc(grace_s, scope=scope)
+            return cls._attach_or_build(name, fingerprint, dtype, build, wait_s)
+
+    @classmethod
+    def _attach_or_build(
+        cls,
+        name: str,
+        fingerprint: bytes,
+        dtype: str,
+        build: Callable[[], Mapping[str, torch.Tensor]],
+        wait_s: float,
+    ) -> ParamPool:
+        """Attaches if READY, else builds under the build lock, else waits for the builder."""
         deadline = time.monotonic() + wait_s
         pause = 1e-3
         with _LockFile() as locks:

@@ -63,7 +63,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "KVRELAY_HOST", "KVRELAY_ADVERTISE_HOST", "KVRELAY_PORT", "KVRELAY_CONTROL_ADDR",
         "KVRELAY_STATUS_PORT", "KVRELAY_PEER_PORT", "KVRELAY_CLUSTER_ID", "KVRELAY_INSTANCE_ID",
         "KVRELAY_TRANSPORT", "KVRELAY_HOST_ID", "KVRELAY_SERVED_MODEL_NAME",
-        "KVRELAY_ADMIN_TOKEN",
+        "KVRELAY_ADMIN_TOKEN", "KVRELAY_DRAIN_TIMEOUT",
     ):  # fmt: skip
         envs.add_option(p, name)
     p.add_argument("--dead-after", type=float, default=2.0, help="router: heartbeat timeout (s)")
@@ -198,6 +198,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 admin_token=args.admin_token or None,
                 max_model_len=args.max_model_len,
                 dead_after=args.dead_after,
+                drain_timeout=args.drain_timeout,
                 cluster_id=args.cluster_id,
                 autoscale=args.autoscale,
                 autoscale_options=_json_object(args.autoscale_options, "--autoscale-options"),
@@ -231,6 +232,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             corrupt_transfers=args.corrupt_transfers,
             param_pool=not args.no_param_pool,
             param_peers=args.param_peers,
+            drain_timeout=args.drain_timeout,
             engine_args=engine_kwargs(args),
         )
     )

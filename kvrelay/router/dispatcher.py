@@ -113,6 +113,7 @@ class Dispatcher(Backend):
         self.settings = settings
         self.router_id = f"router-{uuid.uuid4().hex[:12]}"  # what requests carry as origin
         self.registry = Registry(settings.dead_after, settings.cache_weight)
+        self._is_stopping = False
         self.cache_index = CacheIndex()
         self.metrics = metrics or RouterMetrics()
         self.metrics.watch_registry(self.registry)
@@ -148,7 +149,16 @@ class Dispatcher(Backend):
         self._ctx.term()
 
     def is_ready(self) -> bool:
-        return self.registry.is_ready()
+        return not self.is_stopping and self.registry.is_ready()
+
+    @property
+    def is_stopping(self) -> bool:
+        """Shutting down: not ready, new requests get 503, the ones in flight finish."""
+        return self._is_stopping
+
+    def stop_accepting(self) -> None:
+        """Begins a graceful shutdown (SIGTERM): see ``is_stopping``."""
+        self._is_stopping = True
 
     @property
     def num_inflight(self) -> int:
@@ -165,6 +175,8 @@ class Dispatcher(Backend):
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request: GenerateInput) -> AsyncIterator[Delta]:
+        if self._is_stopping:
+            raise Unavailable("this router is shutting down", self.settings.retry_after)
         if len(self._tracked) >= self.settings.max_inflight:
             raise Overloaded("too many requests in flight", self.settings.retry_after)
         if request.request_id in self._tracked:

@@ -1,5 +1,9 @@
 """The router process: OpenAI HTTP API over the cluster backend, plus operations routes.
 
+SIGTERM (or Ctrl-C) shuts down gracefully: ``/ready`` fails and new requests get 503 at
+once, the streams in flight finish, then the server exits; after ``drain_timeout`` it exits
+regardless, and a second signal exits at once.
+
 Never imports torch: the tokenizer, sampling parameters and messages are torch-free.
 """
 
@@ -10,10 +14,13 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -38,6 +45,7 @@ class RouterConfig:
     admin_token: str | None = None  # bearer token for /admin/*; None = open
     max_model_len: int | None = None  # cap on the context window
     dead_after: float = 2.0  # seconds without a heartbeat before a worker is dead
+    drain_timeout: float = 30.0  # on SIGTERM: seconds for the streams in flight to finish
     max_inflight: int = 1024  # requests in flight before 429
     max_body_bytes: int = 4 << 20  # larger bodies get 413
     cluster_id: str = "default"  # the cluster's id (the local scaling hook's workers get it)
@@ -194,9 +202,7 @@ def add_autoscaler_routes(
 
 
 def run_router(config: RouterConfig) -> None:
-    import uvicorn
-
-    app, _ = build_app(config)
+    app, backend = build_app(config)
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
     uv_config = uvicorn.Config(
         app,
@@ -207,4 +213,42 @@ def run_router(config: RouterConfig) -> None:
         timeout_graceful_shutdown=5,
     )
     logger.info("router: serving %s on http://%s:%d", config.model_name, config.host, config.port)
-    uvicorn.Server(uv_config).run()
+    _DrainingServer(uv_config, backend, config.drain_timeout).run()
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT only stops taking requests
+    (``Dispatcher.stop_accepting``); the server exits once nothing is in flight or
+    ``drain_timeout`` has passed; a second signal exits at once."""
+
+    def __init__(self, config: Any, backend: Dispatcher, drain_timeout: float) -> None:
+        super().__init__(config)
+        self._backend = backend
+        self._drain_timeout = drain_timeout
+        self._drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_deadline is None:
+            self._drain_deadline = time.monotonic() + self._drain_timeout
+            self._backend.stop_accepting()
+            logger.info(
+                "router: signal %d; finishing %d request(s) in flight",
+                sig,
+                self._backend.num_inflight,
+            )
+            return
+        logger.warning("router: second signal %d; exiting now", sig)
+        self.force_exit = True
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_deadline is not None and not self.should_exit:
+            if self._backend.num_inflight == 0:
+                self.should_exit = True
+            elif time.monotonic() >= self._drain_deadline:
+                logger.warning(
+                    "router: drain timeout with %d request(s) in flight; exiting",
+                    self._backend.num_inflight,
+                )
+                self.should_exit = True
+        return await super().on_tick(counter)

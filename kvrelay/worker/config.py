@@ -44,6 +44,7 @@ class WorkerConfig:
     corrupt_transfers: int = 0  # test hook: corrupt this many received transfers
     param_peers: str = ""  # hosts serving the weights (`kvrelay pool serve`), nearest first
     param_pool: bool = True  # attach weights from the host's parameter pool (made once per host)
+    drain_timeout: float = 30.0  # on SIGTERM: seconds to finish running requests before exiting
     engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,8 @@ class WorkerConfig:
             raise ValueError(
                 f"transport must be auto, shm, tcp or cuda_ipc, got {self.transport!r}"
             )
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
 
 
 def check_transport_for_device(transport: str, device: torch.device) -> None:
@@ -129,21 +132,22 @@ def layout_from_shape(shape: tuple[int, ...], dtype: torch.dtype) -> KvLayout:
 def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
     """This host's parameter pool: attached if ready, else filled from ``param_peers``
     (a chain), else built from the checkpoint on disk."""
+    from kvrelay.cachetier.param_locks import interest
     from kvrelay.cachetier.param_ops import list_pools, pool_name
     from kvrelay.cachetier.param_pool import ParamPool
     from kvrelay.cachetier.param_transfer import fetch_pool
     from kvrelay.transport.chain_wire import ChainError
 
     peers = [a.strip() for a in config.param_peers.split(",") if a.strip()]
-    if peers:
-        fingerprint = model_fingerprint(config.model)
-        name = pool_name(fingerprint, dtype)
-        if not any(p.name == name and p.state == "ready" for p in list_pools()):
+    fingerprint = model_fingerprint(config.model)
+    name = pool_name(fingerprint, dtype)
+    with interest(name):  # no gc frees a pool found ready here before the attach below
+        if peers and not any(p.name == name and p.state == "ready" for p in list_pools()):
             try:
                 return fetch_pool(fingerprint, dtype, peers).pool
             except (ChainError, FileExistsError) as e:  # no peer, or another process fills it
                 logger.warning("weights from peers failed (%s); using the host pool or disk", e)
-    return ParamPool.attach_or_create(config.model, dtype)
+        return ParamPool.attach_or_create(config.model, dtype)
 
 
 def pool_weights(pool: ParamPool, device: torch.device) -> Mapping[str, torch.Tensor]:

@@ -8,6 +8,11 @@ One thread runs everything that touches the engine::
            engine.step()        -> TokenEvents to the router (role hook: prefill hands off)
            housekeeping         heartbeat LoadReport, lease expiry, pending imports (roles)
 
+SIGTERM drains (``begin_exit``): the instance reports ``draining`` at once, so the routers
+place nothing new on it; it finishes what it runs, its hand-offs included, and exits 0 once
+idle, or when ``drain_timeout`` runs out (the routers retry what was left elsewhere). A second
+SIGTERM exits at once. The routers' Drain / Undrain (the autoscaler's) never undo an exit.
+
 The colocated role is this class as it is; ``prefill/worker.py`` and ``decode/worker.py``
 add the KV hand-off. The links live apart: ``router_links`` (which router hears what, the
 heartbeat thread) and ``peer_links`` (messages between workers).
@@ -116,6 +121,7 @@ class Worker:
         self._running = True
         self.registered = False
         self.draining = False
+        self._exit_deadline: float | None = None  # set by SIGTERM: drain, then exit
         self._last_report = 0.0
 
     # ------------------------------------------------------------------ set-up
@@ -188,7 +194,7 @@ class Worker:
 
     def is_ready(self) -> bool:
         """Up, registered with a router, and taking requests."""
-        return self._running and self.registered and not self.draining
+        return self._running and self.registered and not self.is_draining
 
     def stats(self) -> dict[str, Any]:
         bm = self.engine.block_manager
@@ -218,7 +224,7 @@ class Worker:
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: self.stop())
+        signal.signal(signal.SIGTERM, lambda *_: self.on_sigterm())
         self.status.start()
         self.register()
         logger.info(
@@ -237,8 +243,43 @@ class Worker:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self.housekeeping()
+                self._check_exit()
         finally:
             self.close()
+
+    @property
+    def is_draining(self) -> bool:
+        """Takes no new requests: drained by a router, or exiting."""
+        return self.draining or self._exit_deadline is not None
+
+    def on_sigterm(self) -> None:
+        """The first SIGTERM drains then exits (``begin_exit``); a second exits at once."""
+        if self._exit_deadline is None:
+            self.begin_exit()
+        else:
+            logger.warning("%s: second SIGTERM; exiting without draining", self.instance_id)
+            self.stop()
+
+    def begin_exit(self) -> None:
+        """Stops taking requests and exits once idle or after ``drain_timeout``. Only sets
+        state: the loop thread sends the draining report and checks for the exit."""
+        self._exit_deadline = time.monotonic() + self.config.drain_timeout
+        self._last_report = 0.0  # the next housekeeping reports ``draining`` to the routers
+
+    def _check_exit(self) -> None:
+        """While exiting: stop once nothing runs, waits or is handed off, or at the deadline."""
+        if self._exit_deadline is None:
+            return
+        is_idle = not self.engine.has_unfinished_requests() and self.num_pending_kv() == 0
+        if is_idle:
+            logger.info("%s: drained; exiting", self.instance_id)
+            self.stop()
+        elif time.monotonic() >= self._exit_deadline:
+            logger.warning(
+                "%s: drain timeout (%.0f s) with %d request(s) left; exiting",
+                self.instance_id, self.config.drain_timeout, self.engine.scheduler.num_running,
+            )  # fmt: skip
+            self.stop()
 
     def register(self, links: list[zmq.Socket] | None = None) -> None:
         """Sends Register and the full device-cache state (deltas follow on heartbeats)."""
@@ -394,7 +435,7 @@ class Worker:
             num_total_blocks=bm.num_blocks,
             num_pending_kv=self.num_pending_kv(),
             num_leaked_blocks=self.num_leaked_blocks(),
-            draining=self.draining,
+            draining=self.is_draining,
         )
 
     def num_pending_kv(self) -> int:

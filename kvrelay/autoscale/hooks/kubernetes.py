@@ -9,13 +9,20 @@ wanted count gets no write, so a repeated decision changes nothing and leaves no
 entries. The comparison is with the Deployment's desired count, not with the instances the
 router has counted (``decision.current_*``): pods still starting are already asked for.
 
-Kubernetes picks which pods go on a scale-down, so ``decision.drain`` is not used here.
+On a scale-down the platform, not the autoscaler, picks which pods the ReplicaSet deletes;
+it deletes the pods with the lowest ``controller.kubernetes.io/pod-deletion-cost`` first. So
+before lowering any Deployment's replicas the hook ``PATCH``es every pod named in
+``decision.drain`` (the instances the autoscaler drained; a pod's instance id is its name,
+``deploy/``) with the lowest cost, so those pods, and not busy ones, are the ones deleted. A
+drained instance that is no pod of this namespace (404) is logged and skipped: the scale-down
+still happens, with the platform's choice.
 
 Credentials: ``kubeconfig`` (a path) when given; otherwise the pod's service account when
 running in a cluster (``KUBERNETES_SERVICE_HOST`` is set); otherwise the default kubeconfig
 (``~/.kube/config`` or ``$KUBECONFIG``). They load into this hook's own client
 configuration, never the process-wide default. RBAC needed: ``get`` and ``patch`` on
-``deployments/scale`` in the namespace (``deploy/k8s/rbac.yaml``).
+``deployments/scale`` and ``patch`` on ``pods`` in the namespace (``deploy/k8s/rbac.yaml``,
+the Helm chart's Role).
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from kubernetes.config.config_exception import ConfigException
 from kvrelay.autoscale.base import HookError, ScaleDecision, ScalingHook
 
 logger = logging.getLogger(__name__)
+
+DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+LOWEST_COST = str(-(2**31))  # the annotation is an int32; lower goes first
 
 
 class KubernetesHook(ScalingHook):
@@ -72,6 +82,7 @@ class KubernetesHook(ScalingHook):
         self.timeout = timeout
         self._api_client = client.ApiClient(_load_configuration(kubeconfig, context))
         self._apps = client.AppsV1Api(self._api_client)
+        self._core = client.CoreV1Api(self._api_client)
 
     def apply(self, decision: ScaleDecision) -> None:
         deadline = time.monotonic() + self.timeout
@@ -79,6 +90,9 @@ class KubernetesHook(ScalingHook):
         current = {
             role: self._read_replicas(name, deadline) for role, name in self.deployments.items()
         }
+        if any(wanted[role] < current[role] for role in wanted):
+            for pod in decision.drain:
+                self._mark_for_deletion(pod, deadline)
         for role, name in self.deployments.items():
             if current[role] == wanted[role]:
                 logger.debug("kubernetes hook: %s already at %d", name, wanted[role])
@@ -110,6 +124,23 @@ class KubernetesHook(ScalingHook):
             )
         except (ApiException, urllib3.exceptions.HTTPError, ValueError) as e:
             raise HookError(f"kubernetes: PATCH {self._where(name)}: {_describe(e)}") from e
+
+    def _mark_for_deletion(self, pod: str, deadline: float) -> None:
+        """Gives drained pod ``pod`` the lowest deletion cost; a missing pod is skipped."""
+        body = {"metadata": {"annotations": {DELETION_COST: LOWEST_COST}}}
+        try:
+            self._core.patch_namespaced_pod(
+                pod, self.namespace, body=body, _request_timeout=_left(deadline, pod)
+            )
+        except ApiException as e:
+            if e.status != 404:
+                where = f"pods/{pod} in namespace {self.namespace}"
+                raise HookError(f"kubernetes: PATCH {where}: {_describe(e)}") from e
+            logger.warning("kubernetes hook: drained instance %s is no pod here; skipped", pod)
+            return
+        except (urllib3.exceptions.HTTPError, ValueError) as e:
+            raise HookError(f"kubernetes: PATCH pods/{pod}: {_describe(e)}") from e
+        logger.info("kubernetes hook: pod %s/%s goes first on the scale-down", self.namespace, pod)
 
     def _where(self, name: str) -> str:
         return f"deployments/{name}/scale in namespace {self.namespace}"

@@ -1,0 +1,121 @@
+"""SIGTERM with real processes: a worker or a router drains, then exits 0.
+
+A decode worker terminated mid-stream finishes the stream itself (no retry elsewhere, the
+same greedy text as the offline engine) and exits 0; the routers stop placing requests on it.
+A router terminated mid-stream (another router beside it) answers new requests with 503,
+finishes the stream, and exits 0; the other router serves on. Afterwards the harness's leak
+checks run on the surviving workers and no shared-memory segment remains.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import openai
+import pytest
+
+from kvrelay import LLM, SamplingParams
+from kvrelay.cli.launcher import Launcher
+from tests.cluster_harness import metric_value, read_text, running_cluster, worker_stats
+
+PROMPT = "The cache moves to the decode worker"
+LONG = 400
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    llm = LLM(tiny_model_dir, num_blocks=512)
+    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
+    return llm.generate(PROMPT, params)[0].outputs[0].text
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def _stream(c: openai.OpenAI, max_tokens: int = LONG):
+    return c.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        stream=True,
+    )
+
+
+def _terminate(launcher: Launcher, name: str) -> object:
+    """Sends SIGTERM to process ``name`` without waiting; the launcher forgets it."""
+    proc = launcher.procs.pop(name)
+    proc.popen.send_signal(signal.SIGTERM)
+    return proc
+
+
+def _wait_exit(proc: object) -> int:
+    code = proc.popen.wait(timeout=60)  # type: ignore[attr-defined]
+    if proc.log:  # type: ignore[attr-defined]
+        proc.log.close()  # type: ignore[attr-defined]
+    return int(code)
+
+
+def _wait_gone(launcher: Launcher, instance_id: str, timeout: float = 30.0) -> None:
+    """Waits until the router no longer lists ``instance_id`` (its heartbeats stopped)."""
+    deadline = time.monotonic() + timeout
+    while instance_id in (launcher.joined_instances() or {instance_id}):
+        assert time.monotonic() < deadline, f"the router still lists {instance_id}"
+        time.sleep(0.1)
+
+
+def test_sigterm_drains_a_decode_worker_mid_stream(tiny_model_dir, tmp_path, reference):
+    with running_cluster(tiny_model_dir, tmp_path, num_prefill=1, num_decode=2) as launcher:
+        parts, victim, proc = [], None, None
+        for chunk in _stream(_client(launcher.url)):
+            parts.append(chunk.choices[0].text)
+            if victim is None and len(parts) == 5:
+                busy = [i for i, s in worker_stats(launcher).items() if s["num_running"]]
+                assert len(busy) == 1 and busy[0].startswith("decode"), busy
+                victim = busy[0]
+                proc = _terminate(launcher, victim)
+        assert victim is not None
+        assert "".join(parts) == reference
+        assert _wait_exit(proc) == 0
+        log = (tmp_path / f"{victim}.log").read_text()
+        assert "drained; exiting" in log
+        metrics = read_text(launcher.url + "/metrics")
+        assert metric_value(metrics, "kvrelay_request_retries_total") == 0  # it finished there
+        _wait_gone(launcher, victim)
+        again = "".join(c.choices[0].text for c in _stream(_client(launcher.url), 16))
+        assert again == reference[: len(again)] and again
+
+
+def test_sigterm_lets_a_router_finish_its_stream(tiny_model_dir, tmp_path, reference):
+    with running_cluster(tiny_model_dir, tmp_path, num_routers=2) as launcher:
+        second = launcher.router_urls[1]
+        parts, proc, refused = [], None, None
+        for chunk in _stream(_client(second)):
+            parts.append(chunk.choices[0].text)
+            if proc is None and len(parts) == 5:
+                proc = _terminate(launcher, "router-1")
+                refused = _new_request_on(second)
+        assert "".join(parts) == reference
+        assert _wait_exit(proc) == 0
+        assert refused in ("503 shutting down", "refused"), refused
+        log = (tmp_path / "router-1.log").read_text()
+        assert "finishing 1 request(s) in flight" in log
+        again = "".join(c.choices[0].text for c in _stream(_client(launcher.url), 16))
+        assert again == reference[: len(again)] and again
+
+
+def _new_request_on(url: str) -> str:
+    """What a new request to a terminated router meets: 503 while it drains, a refused
+    connection once it has gone (the stream may finish first on a fast machine)."""
+    try:
+        _client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+    except openai.APIStatusError as e:
+        if e.status_code == 503 and "shutting down" in str(e.message):
+            return "503 shutting down"
+        return f"{e.status_code} {e.message}"
+    except openai.APIConnectionError:
+        return "refused"
+    return "served"
