@@ -14,6 +14,7 @@ import redis
 from kvrelay.cachetier.base import BlockFormat
 from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
 from kvrelay.cachetier.redis_tier import RedisTier, redact_url
+from kvrelay.protocol.credential import ClusterCredential
 from tests.redis_server import RedisServer, free_port
 from tests.redis_server import redis_server as redis_server  # the fixture
 
@@ -194,7 +195,8 @@ def test_redis_absent_is_a_counted_miss(
     make_tier: MakeTier, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
-    tier = make_tier(f"redis://:hunter2@127.0.0.1:{free_port()}/0")  # nothing listens there
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"  # nothing listens there
+    tier = make_tier(url, credential=ClusterCredential.generate())  # no "unkeyed" warning
     keys, payloads = make_keys(2), make_payloads(2)
     for _ in range(5):
         assert tier.lookup(keys) == 0
