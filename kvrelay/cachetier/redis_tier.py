@@ -237,13 +237,14 @@ class RedisTier(KvTier):
         if values is None:
             return []
         out: list[np.ndarray] = []
-        for key, value in zip(keys, values):
+        for i, (key, value) in enumerate(zip(keys, values)):
             if value is None:
                 break
             try:
                 payload = self._sealer.open_value(key, value)
             except CorruptBlock as exc:
                 self._discard_corrupt(key, exc)
+                self._sweep(keys[i + 1 :], values[i + 1 :])
                 break
             out.append(np.frombuffer(payload, dtype=np.uint8).copy())
         self._stats.add(hit_blocks=len(out), bytes_read=len(out) * self._fmt.payload_bytes)
@@ -258,6 +259,18 @@ class RedisTier(KvTier):
         for key in keys:
             pipe.exists(self._key(key))
         return pipe.execute()
+
+    def _sweep(self, keys: Sequence[BlockHash], values: Sequence[bytes | None]) -> None:
+        """Checks the values after a rejected one and discards the bad ones too: where one
+        block was forged, others likely were, and the writer's ``SET NX`` would otherwise
+        keep them (only refreshing their TTL) however often the good block is recomputed.
+        Costs nothing unless a value was already rejected."""
+        for key, value in zip(keys, values):
+            if value is not None:
+                try:
+                    self._sealer.open_value(key, value)
+                except CorruptBlock as exc:
+                    self._discard_corrupt(key, exc)
 
     def _discard_corrupt(self, key: BlockHash, exc: CorruptBlock) -> None:
         """Counts the error and has the writer delete the value (NX would keep it forever);
