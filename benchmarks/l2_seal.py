@@ -98,9 +98,10 @@ def time_blocks(reps: int) -> dict[str, tuple[float, float]]:
             t0 = time.perf_counter()
             value = sealer.seal_value(key, buf)
             t1 = time.perf_counter()
-            np.frombuffer(sealer.open_value(key, value), dtype=np.uint8).copy()
+            sealer.open_value(key, value)
             t2 = time.perf_counter()
             seals.append(t1 - t0)
+            buf[start : start + SMOLLM2.payload_bytes] = payload.tobytes()  # sealed in place
             opens.append(t2 - t1)
         out[form] = (median(seals) * 1e3, median(opens) * 1e3)
     return out
@@ -177,7 +178,7 @@ def run_form(form: str, model_dir: Path, args: argparse.Namespace, log_dir: Path
             for text in cached:
                 ttft(client, text)
             wait_for_write_behind(launcher.url, server)
-            cold = launcher.add_worker("prefill", ["--host-pool", "off"])
+            cold = launcher.add_worker("prefill", [])
             launcher.wait_ready(timeout=300, names=[cold])
             drain(launcher.url, warm)
             ttft(client, "warm up the cold worker")
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     body = (
         f"Per block (SmolLM2-135M format, {SMOLLM2.payload_bytes:,} bytes; median of "
         f"{args.block_reps}; seal = what the writer thread does, open = what a read does, "
-        "the copy out included):\n\n"
+        "a fresh copy out included):\n\n"
         + markdown_table(block_headers, block_rows)
         + f"\n\nL2 TTFT (make_tiny `{args.size}` llama, {args.prompts} prompts of about "
         f"{args.prompt_tokens} words, each read from Redis by a cold prefill worker, vs as many "

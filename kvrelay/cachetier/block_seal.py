@@ -24,6 +24,7 @@ import hmac
 import secrets
 from typing import TYPE_CHECKING
 
+import numpy as np
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -86,31 +87,32 @@ class BlockSealer:
         when encrypting)."""
         return HEADER_BYTES + (NONCE_BYTES if self.seal is Seal.AEAD else 0)
 
-    def seal_value(self, key: BlockHash, buf: bytearray) -> bytes | bytearray:
-        """The stored value of the payload at ``buf[payload_offset:][:payload_bytes]``.
-
-        ``buf`` is ``value_bytes`` long and may be changed (the header and trailer are written
-        in place); the result is ``buf`` itself, or new bytes when encrypting.
-        """
+    def seal_value(self, key: BlockHash, buf: bytearray) -> bytearray:
+        """Seals the payload at ``buf[payload_offset:][:payload_bytes]`` in place and returns
+        ``buf``, now the stored value (``value_bytes`` long: header, trailer and, when
+        encrypting, the nonce and ciphertext are written into it)."""
         view = memoryview(buf)
         end = HEADER_BYTES + self.fmt.payload_bytes
         if self.seal is Seal.UNKEYED:
             view[:HEADER_BYTES] = pack_header(self.fmt, key, view[HEADER_BYTES:end])
             return buf
         header = pack_header(self.fmt, key, None, self.seal.value)
+        view[:HEADER_BYTES] = header
         if self.seal is Seal.MAC:
-            view[:HEADER_BYTES] = header
             view[end:] = self._mac(key, view[:end])
             return buf
         assert self._aead is not None
+        start = self.payload_offset
         nonce = secrets.token_bytes(NONCE_BYTES)
-        payload = view[self.payload_offset : self.payload_offset + self.fmt.payload_bytes]
-        sealed = self._aead.encrypt(nonce, payload, key_bytes(key) + header)
-        return header + nonce + sealed
+        view[HEADER_BYTES:start] = nonce
+        payload = view[start : start + self.fmt.payload_bytes]
+        self._aead.encrypt_into(nonce, payload, key_bytes(key) + header, view[start:])
+        return buf
 
-    def open_value(self, key: BlockHash, value: bytes | memoryview) -> memoryview:
-        """The payload of ``value`` stored under ``key``; raises CorruptBlock (with a reason)
-        for a value of another format, key or seal, or one whose tag does not verify."""
+    def open_value(self, key: BlockHash, value: bytes | memoryview) -> np.ndarray:
+        """A fresh copy (uint8, owned by the caller) of the payload of ``value`` stored under
+        ``key``; raises CorruptBlock (with a reason) for a value of another format, key or
+        seal, or one whose tag does not verify."""
         buf = memoryview(value).cast("B")
         if len(buf) < HEADER_BYTES:
             raise CorruptBlock(f"value is {len(buf)} bytes, shorter than a header")
@@ -121,19 +123,21 @@ class BlockSealer:
         if len(buf) != self.value_bytes:
             raise CorruptBlock(f"value is {len(buf)} bytes, expected {self.value_bytes}")
         if self.seal is Seal.UNKEYED:
-            return check_value(self.fmt, key, buf)
+            return np.frombuffer(check_value(self.fmt, key, buf), dtype=np.uint8).copy()
         end = HEADER_BYTES + self.fmt.payload_bytes
         if self.seal is Seal.MAC:
             if not hmac.compare_digest(self._mac(key, buf[:end]), buf[end:]):
                 raise CorruptBlock("MAC does not verify", "bad_mac")
-            return buf[HEADER_BYTES:end]
+            return np.frombuffer(buf[HEADER_BYTES:end], dtype=np.uint8).copy()
         assert self._aead is not None
-        nonce = buf[HEADER_BYTES : self.payload_offset]
+        nonce = bytes(buf[HEADER_BYTES : self.payload_offset])
         ad = key_bytes(key) + bytes(buf[:HEADER_BYTES])
+        out = np.empty(self.fmt.payload_bytes, dtype=np.uint8)
         try:
-            return memoryview(self._aead.decrypt(nonce, buf[self.payload_offset :], ad))
+            self._aead.decrypt_into(nonce, buf[self.payload_offset :], ad, out.data)
         except InvalidTag:
             raise CorruptBlock("AEAD tag does not verify", "decrypt_failed") from None
+        return out
 
     def _mac(self, key: BlockHash, header_and_payload: memoryview) -> bytes:
         mac = hmac.new(self._mac_key, key_bytes(key), "sha256")

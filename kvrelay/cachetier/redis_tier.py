@@ -246,7 +246,7 @@ class RedisTier(KvTier):
                 self._discard_corrupt(key, exc)
                 self._sweep(keys[i + 1 :], values[i + 1 :])
                 break
-            out.append(np.frombuffer(payload, dtype=np.uint8).copy())
+            out.append(payload)
         self._stats.add(hit_blocks=len(out), bytes_read=len(out) * self._fmt.payload_bytes)
         self._stats.observe(time.perf_counter() - start)
         return out
