@@ -51,7 +51,7 @@ from tests.cluster_harness import metric_value
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
-DEFAULT_SERVICES = {"redis", "model-init", "router", "prefill", "decode"}
+DEFAULT_SERVICES = {"redis-secret", "redis", "model-init", "router", "prefill", "decode"}
 # The image's default entrypoint (the Dockerfile's ENTRYPOINT, checked below).
 IMAGE_ENTRYPOINT = ["kvrelay"]
 _VAR = re.compile(r"\$(?:\{(?P<braced>\w+)(?::?-(?P<default>[^}]*))?\}|(?P<plain>\w+))")

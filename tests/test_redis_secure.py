@@ -171,5 +171,6 @@ def test_wrong_password_shows_in_cache_stats(
         assert len(workers) == 2
         assert all(w["tiers"]["redis"]["available"] is False for w in workers)
         assert report["tiers"]["redis"]["available"] is False
+        assert report["tiers"]["redis"]["errors_by_reason"]["unavailable"] >= 2
         logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
         assert "WARNING" in logs and "unavailable" in logs and "AuthenticationError" in logs
