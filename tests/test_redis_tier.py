@@ -300,3 +300,34 @@ def test_redact_url() -> None:
 def test_invalid_options_raise() -> None:
     with pytest.raises(ValueError, match="queue_blocks must be > 0"):
         RedisTier("redis://127.0.0.1:1/0", FMT, queue_blocks=0)
+
+
+def test_rejections_are_logged_at_most_once_a_minute(
+    server: RedisServer, make_tier: MakeTier, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    tier = make_tier(server.url, credential=ClusterCredential.generate())
+    keys, payloads = make_keys(4), make_payloads(4)
+    store(tier, keys, payloads)
+    raw = server.client()
+    for key in keys[1:]:
+        raw.set(NS + key, raw_value(raw, keys[0]))  # replayed under other keys
+    assert len(tier.get(keys)) == 1
+    assert tier.stats()["errors_by_reason"] == {"bad_header": 3}  # the whole chain swept
+    assert len(tier.get(keys)) == 1  # deleted now, or still there: a miss either way
+    rejected = [r for r in caplog.records if "rejected block" in r.getMessage()]
+    assert len(rejected) == 1 and rejected[0].levelno == logging.WARNING
+    assert tier.flush(10.0)
+    assert raw.exists(*[NS + k for k in keys[1:]]) == 0
+
+
+def test_no_credential_is_a_loud_warning(
+    server: RedisServer, make_tier: MakeTier, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    tier = make_tier(server.url)
+    assert tier.stats()["seal"] == "unkeyed"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "unauthenticated" in warnings[0]
+    keyed = make_tier(server.url, credential=ClusterCredential.generate(), encrypt=True)
+    assert keyed.stats()["seal"] == "aead"
