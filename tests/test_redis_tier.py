@@ -13,7 +13,8 @@ import redis
 
 from kvrelay.cachetier.base import BlockFormat
 from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
-from kvrelay.cachetier.redis_tier import RedisTier, redact_url
+from kvrelay.cachetier.redis_conn import redact_url
+from kvrelay.cachetier.redis_tier import RedisTier
 from kvrelay.protocol.credential import ClusterCredential
 from tests.redis_server import RedisServer, free_port
 from tests.redis_server import redis_server as redis_server  # the fixture

@@ -1,4 +1,5 @@
-"""How the L2 tier reaches Redis: the address, who it is (AUTH / ACL user) and TLS.
+"""How the L2 tier reaches Redis: the address, who it is (AUTH / ACL user), TLS, and the
+circuit breaker that decides when to try a Redis that failed (``CircuitBreaker``).
 
 ``redis://[user[:password]@]host:port/db`` names the server; ``rediss://`` is the same over
 TLS; ``unix:///path?db=0`` a local socket. A secured Redis is reached with::
@@ -17,6 +18,10 @@ error, not a silent plaintext connection.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
+import threading
+import time
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,12 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+logger = logging.getLogger("kvrelay.cachetier.redis_tier")  # one logger for the tier's lines
+
 HEALTH_CHECK_INTERVAL_S = 30
+BACKOFF_MIN_S = 0.5
+BACKOFF_MAX_S = 10.0
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,3 +102,57 @@ def create_client(endpoint: RedisEndpoint, timeout: float) -> redis.Redis:
         retry=Retry(NoBackoff(), 0),
         **endpoint.client_options(),
     )
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (in the authority or a ``password=`` query) shown as ``***``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is not None:
+        host = parts.netloc.rpartition("@")[2]
+        url = url.replace(parts.netloc, f"{parts.username or ''}:***@{host}", 1)
+    return _QUERY_PASSWORD.sub(r"\1***", url)
+
+
+class CircuitBreaker:
+    """Closed / open / half-open state of one remote, shared by the loop and writer threads."""
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._lock = threading.Lock()
+        self._open_until = 0.0
+        self._backoff = 0.0
+        self._num_failures = 0  # in the current outage
+        self.is_available = True
+
+    def allows(self) -> bool:
+        """Whether a call may try the remote now (closed, or open with the backoff elapsed)."""
+        return time.monotonic() >= self._open_until
+
+    def record_success(self) -> None:
+        with self._lock:
+            if not self.is_available:
+                logger.info(
+                    "redis tier %s is back after %d failed calls", self._label, self._num_failures
+                )
+            self.is_available = True
+            self._open_until = 0.0
+            self._backoff = 0.0
+            self._num_failures = 0
+
+    def record_failure(self, op: str, exc: BaseException) -> None:
+        with self._lock:
+            self._backoff = min(max(2 * self._backoff, BACKOFF_MIN_S), BACKOFF_MAX_S)
+            self._open_until = time.monotonic() + self._backoff
+            self._num_failures += 1
+            if self.is_available:
+                logger.warning(
+                    "redis tier %s unavailable (%s: %s: %s); reads miss and writes drop until "
+                    "it answers (retry after %.1f s, backoff up to %.0f s)",
+                    self._label,
+                    op,
+                    type(exc).__name__,
+                    exc,
+                    self._backoff,
+                    BACKOFF_MAX_S,
+                )
+            self.is_available = False

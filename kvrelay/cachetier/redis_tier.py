@@ -41,10 +41,8 @@ from __future__ import annotations
 
 import collections
 import logging
-import re
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -60,7 +58,7 @@ from kvrelay.cachetier.base import (
 )
 from kvrelay.cachetier.block_hash import BlockHash
 from kvrelay.cachetier.block_seal import BlockSealer
-from kvrelay.cachetier.redis_conn import RedisEndpoint, create_client
+from kvrelay.cachetier.redis_conn import CircuitBreaker, RedisEndpoint, create_client, redact_url
 
 if TYPE_CHECKING:
     from kvrelay.protocol.credential import ClusterCredential
@@ -69,58 +67,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-BACKOFF_MIN_S = 0.5
-BACKOFF_MAX_S = 10.0
 INFO_CACHE_S = 1.0
 CORRUPT_LOG_INTERVAL_S = 60.0
 CLOSE_FLUSH_S = 1.0
 _FAILURES = (RedisError, OSError)
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*")
-
-
-class CircuitBreaker:
-    """Closed / open / half-open state of one remote, shared by the loop and writer threads."""
-
-    def __init__(self, label: str) -> None:
-        self._label = label
-        self._lock = threading.Lock()
-        self._open_until = 0.0
-        self._backoff = 0.0
-        self._num_failures = 0  # in the current outage
-        self.is_available = True
-
-    def allows(self) -> bool:
-        """Whether a call may try the remote now (closed, or open with the backoff elapsed)."""
-        return time.monotonic() >= self._open_until
-
-    def record_success(self) -> None:
-        with self._lock:
-            if not self.is_available:
-                logger.info(
-                    "redis tier %s is back after %d failed calls", self._label, self._num_failures
-                )
-            self.is_available = True
-            self._open_until = 0.0
-            self._backoff = 0.0
-            self._num_failures = 0
-
-    def record_failure(self, op: str, exc: BaseException) -> None:
-        with self._lock:
-            self._backoff = min(max(2 * self._backoff, BACKOFF_MIN_S), BACKOFF_MAX_S)
-            self._open_until = time.monotonic() + self._backoff
-            self._num_failures += 1
-            if self.is_available:
-                logger.warning(
-                    "redis tier %s unavailable (%s: %s: %s); reads miss and writes drop until "
-                    "it answers (retry after %.1f s, backoff up to %.0f s)",
-                    self._label,
-                    op,
-                    type(exc).__name__,
-                    exc,
-                    self._backoff,
-                    BACKOFF_MAX_S,
-                )
-            self.is_available = False
 
 
 class _Write(NamedTuple):
@@ -457,15 +407,6 @@ class RedisTier(KvTier):
             return None
         self._breaker.record_success()
         return result
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password (in the authority or a ``password=`` query) shown as ``***``."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is not None:
-        host = parts.netloc.rpartition("@")[2]
-        url = url.replace(parts.netloc, f"{parts.username or ''}:***@{host}", 1)
-    return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def _leading_true(flags: Sequence[Any]) -> int:
