@@ -8,14 +8,14 @@ rows are also what L1 would pay per block read and write with and without a MAC 
 
 Part 2, the L2 TTFT gain (a cluster per form; make_tiny ``--size`` llama, 1 prefill + 1
 decode worker, ``--host-pool off``): ``--prompts`` distinct prompts of about
-``--prompt-tokens`` tokens are served once by prefill A (filling Redis); once the write-behind
+``--prompt-words`` words are served once by prefill A (filling Redis); once the write-behind
 queue is empty, a cold prefill B joins and A is drained. B then serves each of them (every
 full block read from Redis: the L2 TTFT) and as many fresh prompts of the same length
 (computed: the no-cache TTFT). Gain = no-cache p50 - L2 p50. TTFT is client-side: sending a
 streaming completion to its first chunk with text.
 
     python benchmarks/l2_seal.py                      # writes BENCHMARKS.md
-    python benchmarks/l2_seal.py --size tiny --prompts 2 --no-write
+    python benchmarks/l2_seal.py --size tiny --prompts 2 --prompt-words 100 --no-write
 """
 
 from __future__ import annotations
@@ -71,11 +71,12 @@ WORDS = [
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", default="small", help="make_tiny size of the cluster's model")
-    p.add_argument("--prompts", type=int, default=4, help="prompts per form (L2 and fresh)")
-    p.add_argument("--prompt-tokens", type=int, default=1024, help="about this many tokens")
+    p.add_argument("--prompts", type=int, default=3, help="prompts per form (L2 and fresh)")
+    p.add_argument("--prompt-words", type=int, default=512, help="words per prompt")
     p.add_argument("--block-reps", type=int, default=200, help="runs per block timing")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md")
+    p.add_argument("--log-dir", type=Path, default=None, help="keep the processes' logs here")
     return p.parse_args(argv)
 
 
@@ -110,9 +111,9 @@ def time_blocks(reps: int) -> dict[str, tuple[float, float]]:
 # ---------------------------------------------------------------------------- TTFT
 
 
-def prompt(i: int, num_tokens: int) -> str:
+def prompt(i: int, num_words: int) -> str:
     rng = random.Random(i)
-    return f"Prompt {i}: " + " ".join(rng.choice(WORDS) for _ in range(num_tokens))
+    return f"Prompt {i}: " + " ".join(rng.choice(WORDS) for _ in range(num_words))
 
 
 def ttft(client: httpx.Client, text: str) -> tuple[float, int]:
@@ -171,8 +172,8 @@ def run_form(form: str, model_dir: Path, args: argparse.Namespace, log_dir: Path
     try:
         launcher.start(timeout=300)
         [warm] = [n for n, p in launcher.procs.items() if p.role == "prefill"]
-        cached = [prompt(i, args.prompt_tokens) for i in range(args.prompts)]
-        fresh = [prompt(1000 + i, args.prompt_tokens) for i in range(args.prompts)]
+        cached = [prompt(i, args.prompt_words) for i in range(args.prompts)]
+        fresh = [prompt(1000 + i, args.prompt_words) for i in range(args.prompts)]
         with httpx.Client(base_url=launcher.url, timeout=600) as client:
             ttft(client, "warm up")
             for text in cached:
@@ -220,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny(Path(tmp) / args.size, arch="llama", size=args.size)
         for form in FORMS:
-            runs[form] = run_form(form, model_dir, args, Path(tmp) / f"logs-{form}")
+            logs = (args.log_dir or Path(tmp)) / f"logs-{form}"
+            runs[form] = run_form(form, model_dir, args, logs)
     base_gain = runs["unkeyed"]["computed_ms"] - runs["unkeyed"]["l2_ms"]
     ttft_rows = []
     for form, r in runs.items():
@@ -239,8 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.block_reps}; seal = what the writer thread does, open = what a read does, "
         "a fresh copy out included):\n\n"
         + markdown_table(block_headers, block_rows)
-        + f"\n\nL2 TTFT (make_tiny `{args.size}` llama, {args.prompts} prompts of about "
-        f"{args.prompt_tokens} words, each read from Redis by a cold prefill worker, vs as many "
+        + f"\n\nL2 TTFT (make_tiny `{args.size}` llama, {args.prompts} prompts of "
+        f"{args.prompt_words} words, each read from Redis by a cold prefill worker, vs as many "
         "fresh prompts it computes; p50):\n\n" + markdown_table(ttft_headers, ttft_rows)
     )
     update_benchmarks_md("L2 block sealing (MAC, encryption)", body, command_line())

@@ -332,3 +332,15 @@ def test_no_credential_is_a_loud_warning(
     assert len(warnings) == 1 and "unauthenticated" in warnings[0]
     keyed = make_tier(server.url, credential=ClusterCredential.generate(), encrypt=True)
     assert keyed.stats()["seal"] == "aead"
+
+
+def test_get_reads_a_long_prefix_in_batches(server: RedisServer, make_tier: MakeTier) -> None:
+    tier = make_tier(server.url, batch_blocks=4)
+    keys, payloads = make_keys(11), make_payloads(11)
+    store(tier, keys[:9], payloads[:9])
+    assert [a.tobytes() for a in tier.get(keys)] == [p.tobytes() for p in payloads[:9]]
+    raw = server.client()
+    before = int(raw.info("stats")["total_commands_processed"])
+    assert len(tier.get(keys[:3] + keys[10:] + keys[3:9])) == 3  # stops at the gap
+    calls = int(raw.info("stats")["total_commands_processed"]) - before - 1  # the INFO itself
+    assert calls == 1  # one MGET of the first 4 keys; the batches after the gap never sent

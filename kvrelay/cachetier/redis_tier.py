@@ -17,10 +17,12 @@ Every value is written with ``SET key value EX ttl NX``: a block is never rewrit
 mean equal KV), its TTL is refreshed when it is written again, and the server evicts the least
 recently used blocks on its own (``maxmemory-policy allkeys-lru``).
 
-Reads (``lookup``, ``get``) are one pipelined round trip on the caller's thread. Writes are
-write-behind: ``put`` copies the payloads into a bounded queue and returns; a daemon thread
-(``kvrelay-redis-writer``) drains it in pipelined batches, so no write is ever on the TTFT
-path. A Redis that is absent, slow or down is a miss, never a failed request:
+Reads are on the caller's thread: ``lookup`` one pipelined round trip, ``get`` one ``MGET`` per
+``batch_blocks`` keys, stopping at the first gap (a reply of a long prefix would otherwise be
+one 50+ MB reply that no per-call timeout fits). Writes are write-behind: ``put`` copies the
+payloads into a bounded queue and returns; a daemon thread (``kvrelay-redis-writer``) drains
+it in pipelined batches, so no write is ever on the TTFT path. A Redis that is absent, slow
+or down is a miss, never a failed request:
 
     closed ──failure──▶ open: every call skips Redis (reads miss, puts drop) for the backoff
       ▲                  │    (0.5 s after the first failure, doubling up to 10 s)
@@ -40,6 +42,7 @@ connection pool is thread-safe. Memory: the queue holds at most ``queue_blocks``
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 import time
@@ -95,7 +98,7 @@ class RedisTier(KvTier):
         ttl_seconds: expiry of a block, refreshed whenever it is written again.
         timeout: socket connect and read timeout of every call, in seconds.
         queue_blocks: blocks the write-behind queue holds; more are dropped and counted.
-        batch_blocks: blocks the writer sends per pipeline.
+        batch_blocks: blocks the writer sends per pipeline, and a read asks for per MGET.
     """
 
     name = "redis"
@@ -183,23 +186,30 @@ class RedisTier(KvTier):
         if not keys:
             return []
         start = time.perf_counter()
-        values = self._call("get", lambda: self._mget(keys))
-        if values is None:
-            return []
         out: list[np.ndarray] = []
-        for i, (key, value) in enumerate(zip(keys, values)):
-            if value is None:
+        for first in range(0, len(keys), self._batch_blocks):
+            chunk = keys[first : first + self._batch_blocks]
+            values = self._call("get", functools.partial(self._mget, chunk))
+            if values is None or not self._open_prefix(chunk, values, out):
                 break
-            try:
-                payload = self._sealer.open_value(key, value)
-            except CorruptBlock as exc:
-                self._discard_corrupt(key, exc)
-                self._sweep(keys[i + 1 :], values[i + 1 :])
-                break
-            out.append(payload)
         self._stats.add(hit_blocks=len(out), bytes_read=len(out) * self._fmt.payload_bytes)
         self._stats.observe(time.perf_counter() - start)
         return out
+
+    def _open_prefix(
+        self, keys: Sequence[BlockHash], values: Sequence[bytes | None], out: list[np.ndarray]
+    ) -> bool:
+        """Appends the payloads of the leading valid values to ``out``; False at a gap."""
+        for i, (key, value) in enumerate(zip(keys, values)):
+            if value is None:
+                return False
+            try:
+                out.append(self._sealer.open_value(key, value))
+            except CorruptBlock as exc:
+                self._discard_corrupt(key, exc)
+                self._sweep(keys[i + 1 :], values[i + 1 :])
+                return False
+        return True
 
     def _mget(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
         return self._client.mget([self._key(k) for k in keys])  # type: ignore[return-value]
