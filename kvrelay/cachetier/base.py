@@ -226,7 +226,9 @@ class KvTier(abc.ABC):
 
     Contract:
     - Keys are 16-byte ``BlockHash`` values; every value is checked on read (header and
-      checksum, ``check_value``); a bad value counts as an error and reads as a miss.
+      checksum, ``check_value``; a tier outside the trust boundary checks a keyed tag,
+      ``block_seal.py``); a bad value counts as an error (``TierStats.error`` with its
+      reason) and reads as a miss.
     - ``lookup`` and ``get`` answer for the longest *prefix* of ``keys``: a chain of blocks
       is only useful up to its first gap.
     - ``get`` returns fresh copies (the caller owns them); the tier keeps nothing borrowed.
