@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.tls_ca import TestCa
+
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
 
@@ -30,18 +32,37 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RedisServer:
-    """One ``redis-server`` process: no persistence, ``maxmemory`` with ``allkeys-lru``."""
+    """One ``redis-server`` process: no persistence, ``maxmemory`` with ``allkeys-lru``.
 
-    def __init__(self, workdir: Path, port: int | None = None, maxmemory: str = "64mb") -> None:
+    ``password``: ``requirepass`` (and the probe client authenticates with it; with
+    ``username``, as that ACL user, defined in ``extra_args``); ``tls``: the
+    port speaks TLS only (``TestCa`` files; clients must show a certificate of that CA);
+    ``extra_args``: more ``redis-server`` arguments (e.g. ``--user`` ACL rules).
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        port: int | None = None,
+        maxmemory: str = "64mb",
+        password: str | None = None,
+        username: str | None = None,
+        tls: TestCa | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.workdir = workdir
         self.host = "127.0.0.1"
         self.port = port or free_port(self.host)
         self.maxmemory = maxmemory
+        self.password = password
+        self.username = username
+        self.tls = tls
+        self.extra_args = extra_args
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}/0"
 
     @property
     def log_path(self) -> Path:
@@ -53,22 +74,48 @@ class RedisServer:
 
     def client(self, timeout: float = 5.0) -> redis.Redis:
         """A raw client (bytes in, bytes out) for checking and tampering with what is stored."""
+        tls: dict[str, object] = {}
+        if self.tls is not None:
+            tls = {
+                "ssl": True,
+                "ssl_ca_certs": str(self.tls.ca_cert),
+                "ssl_certfile": str(self.tls.client_cert),
+                "ssl_keyfile": str(self.tls.client_key),
+            }
         return redis.Redis(
-            host=self.host, port=self.port, socket_timeout=timeout, socket_connect_timeout=timeout
+            host=self.host,
+            port=self.port,
+            username=self.username,
+            password=self.password,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            **tls,  # type: ignore[arg-type]
         )
 
     def start(self) -> None:
         """Starts the server and waits until it answers PING; raises with its log if not."""
         assert not self.is_running, "already running"
+        port = ["--port", str(self.port)]
+        if self.tls is not None:
+            port = [
+                "--port", "0", "--tls-port", str(self.port),
+                "--tls-cert-file", str(self.tls.server_cert),
+                "--tls-key-file", str(self.tls.server_key),
+                "--tls-ca-cert-file", str(self.tls.ca_cert),
+                "--tls-auth-clients", "yes",
+            ]  # fmt: skip
+        if self.password is not None and self.username is None:
+            port += ["--requirepass", self.password]
         cmd = [
             "redis-server",
-            "--port", str(self.port),
+            *port,
             "--bind", self.host,
             "--dir", str(self.workdir),
             "--save", "",
             "--appendonly", "no",
             "--maxmemory", self.maxmemory,
             "--maxmemory-policy", "allkeys-lru",
+            *self.extra_args,
         ]  # fmt: skip
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -78,7 +125,7 @@ class RedisServer:
                 try:
                     if probe.ping():
                         return
-                except redis.ConnectionError:
+                except (redis.ConnectionError, redis.AuthenticationError):
                     pass
                 if not self.is_running or time.monotonic() > deadline:
                     self.stop()

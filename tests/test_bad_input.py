@@ -98,6 +98,9 @@ CASES = [
     Case("temperature_negative", CHAT, _with(OK_CHAT, temperature=-1), 400, "temperature"),
     Case("presence_penalty", CHAT, _with(OK_CHAT, presence_penalty=5), 400, "presence_penalty"),
     Case("seed_too_big", COMPLETIONS, _with(OK_PROMPT, seed=2**70), 400, "seed"),
+    Case("cache_salt_int", COMPLETIONS, _with(OK_PROMPT, cache_salt=7), 400, "cache_salt"),
+    Case("cache_salt_empty", CHAT, _with(OK_CHAT, cache_salt=""), 400, "cache_salt"),
+    Case("cache_salt_long", COMPLETIONS, _with(OK_PROMPT, cache_salt="x" * 257), 400, "cache_salt"),
     Case("min_over_max", COMPLETIONS, _with(OK_PROMPT, min_tokens=5), 400, "min_tokens"),
     Case("logprobs_100", COMPLETIONS, _with(OK_PROMPT, logprobs=100), 400, "logprobs"),
     Case(

@@ -25,6 +25,7 @@ import io
 import json
 import os
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -52,7 +53,7 @@ from tests.redis_server import RedisServer
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
-DEFAULT_SERVICES = {"redis", "model-init", "router", "prefill", "decode"}
+DEFAULT_SERVICES = {"redis-secret", "redis", "model-init", "router", "prefill", "decode"}
 # The image's default entrypoint (the Dockerfile's ENTRYPOINT, checked below).
 IMAGE_ENTRYPOINT = ["kvrelay"]
 _VAR = re.compile(r"\$(?:\{(?P<braced>\w+)(?::?-(?P<default>[^}]*))?\}|(?P<plain>\w+))")
@@ -393,7 +394,13 @@ class ComposeRun:
         """The redis service as a local redis-server on its port (skips where none)."""
         if shutil.which("redis-server") is None:
             pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
-        self.redis = RedisServer(self.root, port=self.port("redis", 6379))
+        # what the one-shot redis-secret does (it runs no kvrelay): a password in its volume,
+        # which Redis requires and the workers read (KVRELAY_REDIS_PASSWORD_FILE)
+        secret = self.root / "run/kvrelay/redis/password"
+        secret.parent.mkdir(parents=True, exist_ok=True)
+        password = secrets.token_hex(16)
+        secret.write_text(password)
+        self.redis = RedisServer(self.root, port=self.port("redis", 6379), password=password)
         self.redis.start()
 
     def env(self, name: str) -> dict[str, str]:

@@ -142,3 +142,24 @@ def test_kvrelay_commands_start_with_passive_openmp_wait() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "PASSIVE"
+
+
+def test_up_passes_the_l2_options_on_to_its_workers() -> None:
+    from kvrelay.cli.cluster import redis_worker_args
+
+    argv = ["up", "--model", "/m", "--redis-url", "rediss://kvrelay@r:6380/0"]
+    argv += ["--redis-password-file", "/s/pw", "--redis-ca-file", "/s/ca.pem"]
+    argv += ["--no-l2-encrypt"]
+    assert redis_worker_args(parse_args(argv, environ={})) == [
+        "--redis-url", "rediss://kvrelay@r:6380/0",
+        "--redis-password-file", "/s/pw",
+        "--redis-ca-file", "/s/ca.pem",
+        "--no-l2-encrypt",
+    ]  # fmt: skip
+    assert redis_worker_args(parse_args(["up", "--model", "/m"], environ={})) == []
+    serve = parse_args(
+        ["serve", "--role", "prefill", "--l2-encrypt"],
+        environ={"KVRELAY_MODEL": "/m", "KVRELAY_CONTROL_ADDR": "tcp://r:1",
+                 "KVRELAY_REDIS_PASSWORD_FILE": "/s/pw"},
+    )  # fmt: skip
+    assert (serve.l2_encrypt, serve.redis_password_file) == (True, "/s/pw")

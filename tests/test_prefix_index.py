@@ -211,3 +211,26 @@ def test_the_block_holding_the_last_prompt_token_is_never_scored(
     tokens = list(range(100, 100 + num_tokens))
     keys = reusable_block_keys(tokens, 16, b"f" * 16)
     assert keys == hash_blocks(tokens, 16, b"f" * 16)[:num_keys]
+
+
+def test_cache_salt_gives_its_own_keys_in_the_placement_index(index: CacheIndex) -> None:
+    """The same prompt under another salt (or none) matches nothing another salt cached."""
+    from kvrelay.engine.block_manager import BlockManager
+    from kvrelay.engine.sequence import Sequence
+    from kvrelay.protocol.sampling_params import SamplingParams
+
+    tokens, fp = list(range(100, 165)), b"f" * 16
+    salted = reusable_block_keys(tokens, 16, fp, "tenant-a")
+    assert len(salted) == 4
+    assert reusable_block_keys(tokens, 16, fp, "tenant-a") == salted
+    others = [reusable_block_keys(tokens, 16, fp, s) for s in ("tenant-b", None)]
+    assert all(not set(salted) & set(keys) for keys in others)
+    # The engine's keys are the router's: placement credits exactly what the engine reuses.
+    bm = BlockManager(num_blocks=8, block_size=16, fingerprint=fp)
+    seq = Sequence("s", tokens, SamplingParams(cache_salt="tenant-a"))
+    bm.update_hashes(seq)
+    assert seq.block_hashes[:4] == salted
+
+    index.apply(CacheEvent("a0", [bytes(k) for k in salted], []))
+    assert index.match(salted) == {"a0": PrefixMatch(4, 0)}
+    assert index.match(others[0]) == index.match(others[1]) == {}

@@ -13,7 +13,9 @@ import redis
 
 from kvrelay.cachetier.base import BlockFormat
 from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
-from kvrelay.cachetier.redis_tier import RedisTier, redact_url
+from kvrelay.cachetier.redis_conn import redact_url
+from kvrelay.cachetier.redis_tier import RedisTier
+from kvrelay.protocol.credential import ClusterCredential
 from tests.redis_server import RedisServer, free_port
 from tests.redis_server import redis_server as redis_server  # the fixture
 
@@ -194,7 +196,8 @@ def test_redis_absent_is_a_counted_miss(
     make_tier: MakeTier, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
-    tier = make_tier(f"redis://:hunter2@127.0.0.1:{free_port()}/0")  # nothing listens there
+    url = f"redis://:hunter2@127.0.0.1:{free_port()}/0"  # nothing listens there
+    tier = make_tier(url, credential=ClusterCredential.generate())  # no "unkeyed" warning
     keys, payloads = make_keys(2), make_payloads(2)
     for _ in range(5):
         assert tier.lookup(keys) == 0
@@ -298,3 +301,46 @@ def test_redact_url() -> None:
 def test_invalid_options_raise() -> None:
     with pytest.raises(ValueError, match="queue_blocks must be > 0"):
         RedisTier("redis://127.0.0.1:1/0", FMT, queue_blocks=0)
+
+
+def test_rejections_are_logged_at_most_once_a_minute(
+    server: RedisServer, make_tier: MakeTier, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    tier = make_tier(server.url, credential=ClusterCredential.generate())
+    keys, payloads = make_keys(4), make_payloads(4)
+    store(tier, keys, payloads)
+    raw = server.client()
+    for key in keys[1:]:
+        raw.set(NS + key, raw_value(raw, keys[0]))  # replayed under other keys
+    assert len(tier.get(keys)) == 1
+    assert tier.stats()["errors_by_reason"] == {"bad_header": 3}  # the whole chain swept
+    assert len(tier.get(keys)) == 1  # deleted now, or still there: a miss either way
+    rejected = [r for r in caplog.records if "rejected block" in r.getMessage()]
+    assert len(rejected) == 1 and rejected[0].levelno == logging.WARNING
+    assert tier.flush(10.0)
+    assert raw.exists(*[NS + k for k in keys[1:]]) == 0
+
+
+def test_no_credential_is_a_loud_warning(
+    server: RedisServer, make_tier: MakeTier, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    tier = make_tier(server.url)
+    assert tier.stats()["seal"] == "unkeyed"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "unauthenticated" in warnings[0]
+    keyed = make_tier(server.url, credential=ClusterCredential.generate(), encrypt=True)
+    assert keyed.stats()["seal"] == "aead"
+
+
+def test_get_reads_a_long_prefix_in_batches(server: RedisServer, make_tier: MakeTier) -> None:
+    tier = make_tier(server.url, batch_blocks=4)
+    keys, payloads = make_keys(11), make_payloads(11)
+    store(tier, keys[:9], payloads[:9])
+    assert [a.tobytes() for a in tier.get(keys)] == [p.tobytes() for p in payloads[:9]]
+    raw = server.client()
+    before = int(raw.info("stats")["total_commands_processed"])
+    assert len(tier.get(keys[:3] + keys[10:] + keys[3:9])) == 3  # stops at the gap
+    calls = int(raw.info("stats")["total_commands_processed"]) - before - 1  # the INFO itself
+    assert calls == 1  # one MGET of the first 4 keys; the batches after the gap never sent

@@ -11,13 +11,17 @@ the block's raw bytes::
     8       4     num_layers          12  4  block_size
     16      4     num_kv_heads        20  4  head_dim
     24      8     payload bytes
-    32      8     xxh3-64 of the payload
+    32      8     xxh3-64 of the payload (0 in a sealed value)
     40      16    the block's key (BlockHash)
-    56      8     reserved (0)
+    56      1     seal: 0 unkeyed (the xxh3 checksum), 1 HMAC, 2 AEAD (``block_seal.py``)
+    57      7     reserved (0)
 
 A reader checks every field against what it expects before using the payload; anything
-off is a miss, never an error to the request. Tiers are caches: a ``get`` may miss what a
-``lookup`` just reported (eviction in between), and callers must handle that.
+off is a miss, never an error to the request. The xxh3 checksum finds accidents (a torn
+write, a bug), not forgeries: anyone who can write the store can recompute it. Values that
+leave the process (L2) are sealed with a key instead, see ``block_seal.py``. Tiers are
+caches: a ``get`` may miss what a ``lookup`` just reported (eviction in between), and callers
+must handle that.
 """
 
 from __future__ import annotations
@@ -39,12 +43,24 @@ FORMAT_VERSION = 1
 HEADER_BYTES = 64
 DTYPE_CODES = {"float32": 0, "bfloat16": 1, "float16": 2}
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_HEADER = struct.Struct("<4sHHIIIIQQ16s8x")
+_HEADER = struct.Struct("<4sHHIIIIQQ16sB7x")
+SEAL_CHECKSUM = 0  # unkeyed: xxh3-64 of the payload in the header
+SEAL_MAC = 1  # HMAC-SHA256 trailer over header, key and payload
+SEAL_AEAD = 2  # AES-256-GCM: nonce, ciphertext, tag after the header
 assert _HEADER.size == HEADER_BYTES
 
 
 class CorruptBlock(ValueError):
-    """A stored block whose header or checksum does not match what the reader expects."""
+    """A stored block whose header or checksum does not match what the reader expects.
+
+    ``reason`` labels the rejection in metrics: ``bad_header`` (format, size or key),
+    ``bad_checksum``, ``bad_mac``, ``decrypt_failed``, ``unkeyed`` (an unsealed value where
+    a key was expected) or ``wrong_seal``.
+    """
+
+    def __init__(self, message: str, reason: str = "bad_header") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,8 +88,17 @@ class BlockFormat:
         return HEADER_BYTES + self.payload_bytes
 
 
-def pack_header(fmt: BlockFormat, key: BlockHash, payload: np.ndarray | memoryview) -> bytes:
-    """The 64-byte header for ``payload`` (uint8, ``fmt.payload_bytes`` long) under ``key``."""
+def pack_header(
+    fmt: BlockFormat,
+    key: BlockHash,
+    payload: np.ndarray | memoryview | None,
+    seal: int = SEAL_CHECKSUM,
+) -> bytes:
+    """The 64-byte header for ``payload`` (uint8, ``fmt.payload_bytes`` long) under ``key``;
+    a sealed header (``payload`` None) carries no checksum."""
+    checksum = 0
+    if payload is not None:
+        checksum = xxhash.xxh3_64_intdigest(memoryview(payload))  # type: ignore[arg-type]
     return _HEADER.pack(
         MAGIC,
         FORMAT_VERSION,
@@ -83,8 +108,9 @@ def pack_header(fmt: BlockFormat, key: BlockHash, payload: np.ndarray | memoryvi
         fmt.num_kv_heads,
         fmt.head_dim,
         fmt.payload_bytes,
-        xxhash.xxh3_64_intdigest(memoryview(payload)),  # type: ignore[arg-type]
+        checksum,
         bytes(key),
+        seal,
     )
 
 
@@ -98,8 +124,21 @@ def check_value(
     buf = memoryview(value).cast("B")  # type: ignore[arg-type]
     if len(buf) != fmt.value_bytes:
         raise CorruptBlock(f"value is {len(buf)} bytes, expected {fmt.value_bytes}")
-    magic, version, dtype, layers, bs, heads, dim, nbytes, checksum, stored_key = _HEADER.unpack(
-        buf[:HEADER_BYTES]
+    seal, checksum = check_header(fmt, key, buf[:HEADER_BYTES])
+    if seal != SEAL_CHECKSUM:
+        raise CorruptBlock(
+            f"a sealed value (seal {seal}) where a checksum was expected", "wrong_seal"
+        )
+    payload = buf[HEADER_BYTES:]
+    if xxhash.xxh3_64_intdigest(payload) != checksum:
+        raise CorruptBlock("payload checksum mismatch", "bad_checksum")
+    return payload
+
+
+def check_header(fmt: BlockFormat, key: BlockHash, header: memoryview) -> tuple[int, int]:
+    """``(seal, checksum)`` of a 64-byte header after checking it names ``fmt`` and ``key``."""
+    magic, version, dtype, layers, bs, heads, dim, nbytes, checksum, stored_key, seal = (
+        _HEADER.unpack(header)
     )
     expected = (MAGIC, FORMAT_VERSION, DTYPE_CODES[fmt.dtype], fmt.num_layers, fmt.block_size)
     if (magic, version, dtype, layers, bs) != expected or (heads, dim) != (
@@ -109,10 +148,7 @@ def check_value(
         raise CorruptBlock("header does not match the expected block format")
     if nbytes != fmt.payload_bytes or stored_key != bytes(key):
         raise CorruptBlock("header names another key or size")
-    payload = buf[HEADER_BYTES:]
-    if xxhash.xxh3_64_intdigest(payload) != checksum:
-        raise CorruptBlock("payload checksum mismatch")
-    return payload
+    return seal, checksum
 
 
 class TierStats:
@@ -136,8 +172,15 @@ class TierStats:
             ),
             0,
         )
+        self.errors_by_reason: dict[str, int] = {}  # the ``errors`` counter split by reason
         self._latencies: list[float] = []
         self._next = 0
+
+    def error(self, reason: str) -> None:
+        """Counts one failed operation or rejected value under ``reason`` (a metric label)."""
+        with self._lock:
+            self.counters["errors"] += 1
+            self.errors_by_reason[reason] = self.errors_by_reason.get(reason, 0) + 1
 
     def add(self, **deltas: int) -> None:
         with self._lock:
@@ -155,6 +198,7 @@ class TierStats:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             out: dict[str, Any] = dict(self.counters)
+            out["errors_by_reason"] = dict(self.errors_by_reason)
             lat = sorted(self._latencies)
         out["hit_rate"] = out["hit_blocks"] / out["query_blocks"] if out["query_blocks"] else 0.0
         out["latency_p50_ms"] = _quantile(lat, 0.5) * 1e3
@@ -182,7 +226,9 @@ class KvTier(abc.ABC):
 
     Contract:
     - Keys are 16-byte ``BlockHash`` values; every value is checked on read (header and
-      checksum, ``check_value``); a bad value counts as an error and reads as a miss.
+      checksum, ``check_value``; a tier outside the trust boundary checks a keyed tag,
+      ``block_seal.py``); a bad value counts as an error (``TierStats.error`` with its
+      reason) and reads as a miss.
     - ``lookup`` and ``get`` answer for the longest *prefix* of ``keys``: a chain of blocks
       is only useful up to its first gap.
     - ``get`` returns fresh copies (the caller owns them); the tier keeps nothing borrowed.

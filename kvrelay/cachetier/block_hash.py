@@ -1,8 +1,11 @@
 """Chained 128-bit block hashes: the one key that names a KV block in every tier and host.
 
-``h_i = blake2b-128(h_{i-1} || fingerprint || tokens of block i)``. The chain makes a block's
-key depend on every token before it, so equal keys mean equal KV; the model fingerprint keeps
-two models (or two tokenizers) from ever sharing an entry.
+``h_i = blake2b-128(h_{i-1} || seed || tokens of block i)``. The chain makes a block's
+key depend on every token before it, so equal keys mean equal KV. The seed
+(``chain_seed``) is the model fingerprint, which keeps two models (or two tokenizers) from
+ever sharing an entry, followed by a digest of the request's ``cache_salt`` when it has one:
+requests share cached prefixes (device, L1, L2, the router's placement index) only with
+requests of the same salt, so one tenant cannot learn by timing what another sent.
 """
 
 from __future__ import annotations
@@ -17,6 +20,15 @@ BlockHash = NewType("BlockHash", bytes)
 
 HASH_BYTES = 16
 _ROOT = b"\x00" * HASH_BYTES
+
+
+def chain_seed(fingerprint: bytes, cache_salt: str | None) -> bytes:
+    """What every block hash of a request mixes in: the fingerprint, then the salt's digest
+    (the fingerprint has a fixed length, so no two (fingerprint, salt) pairs collide)."""
+    if cache_salt is None:
+        return fingerprint
+    salt = hashlib.blake2b(cache_salt.encode(), digest_size=HASH_BYTES, person=b"kvrelay-salt")
+    return fingerprint + salt.digest()
 
 
 def hash_block(parent: BlockHash | None, fingerprint: bytes, token_ids: Sequence[int]) -> BlockHash:

@@ -303,7 +303,7 @@ class HostPool(KvTier):
         """Re-checks the value in place under the set lock: still bad, it is invalidated and
         counted as an error; rewritten or fine, the copy was torn (a plain miss)."""
         if not self._acquire(s):
-            self._stats.add(errors=1)  # cannot tell: count it
+            self._stats.error("lock_timeout")  # cannot tell: count it
             return
         try:
             if int(self._seq[i]) != seq or self._key_at(i) != key:
@@ -314,7 +314,7 @@ class HostPool(KvTier):
                 self._seq[i] = ((seq >> 2) + 1) << 2 | _EMPTY
                 if self._changes is not None:
                     self._changes.note(key, None)
-                self._stats.add(errors=1)
+                self._stats.error(exc.reason)
                 logger.warning("pool %s: corrupt block %s: %s", self.pool_name, key.hex(), exc)
         finally:
             self._release(s)

@@ -3,16 +3,26 @@
 Layout, one Redis string per block::
 
     key    namespace + BlockHash          b"kvrelay:" + 16 raw bytes, never a joined string
-    value  pack_header(...) + payload     64 + fmt.payload_bytes bytes, checked on every read
+    value  a sealed block                 ``block_seal.py``: header + payload + HMAC, or
+                                          header + nonce + AES-GCM ciphertext + tag (default),
+                                          or header(xxh3) + payload without a credential
+
+Redis is outside the trust boundary: every value read is opened with the cluster's key
+(``BlockSealer.open_value``) before the engine sees it. One that fails (a forged, replayed,
+foreign or unkeyed block) is a miss: counted under ``errors_by_reason`` (``bad_mac``,
+``decrypt_failed``, ``unkeyed``, ...), logged (at most one line a minute), deleted, and the
+engine recomputes the block.
 
 Every value is written with ``SET key value EX ttl NX``: a block is never rewritten (equal keys
 mean equal KV), its TTL is refreshed when it is written again, and the server evicts the least
 recently used blocks on its own (``maxmemory-policy allkeys-lru``).
 
-Reads (``lookup``, ``get``) are one pipelined round trip on the caller's thread. Writes are
-write-behind: ``put`` copies the payloads into a bounded queue and returns; a daemon thread
-(``kvrelay-redis-writer``) drains it in pipelined batches, so no write is ever on the TTFT
-path. A Redis that is absent, slow or down is a miss, never a failed request:
+Reads are on the caller's thread: ``lookup`` one pipelined round trip, ``get`` one ``MGET`` per
+``batch_blocks`` keys, stopping at the first gap (a reply of a long prefix would otherwise be
+one 50+ MB reply that no per-call timeout fits). Writes are write-behind: ``put`` copies the
+payloads into a bounded queue and returns; a daemon thread (``kvrelay-redis-writer``) drains
+it in pipelined batches, so no write is ever on the TTFT path. A Redis that is absent, slow
+or down is a miss, never a failed request:
 
     closed ──failure──▶ open: every call skips Redis (reads miss, puts drop) for the backoff
       ▲                  │    (0.5 s after the first failure, doubling up to 10 s)
@@ -26,99 +36,49 @@ Threads: ``lookup``/``get``/``put``/``stats``/``flush``/``close`` are called fro
 loop thread (``stats`` may also come from an admin thread); the writer thread is internal. The
 breaker, the queue, the counters and the INFO cache are each guarded by a lock; the redis-py
 connection pool is thread-safe. Memory: the queue holds at most ``queue_blocks`` copies of
-``fmt.value_bytes`` each, owned by the tier until written or dropped.
+``BlockSealer.value_bytes`` each, owned by the tier until written or dropped.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
-import re
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
-import redis
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
-from redis.retry import Retry
 
 from kvrelay.cachetier.base import (
-    HEADER_BYTES,
     BlockFormat,
     CorruptBlock,
     KvTier,
     TierStats,
-    check_value,
     key_bytes,
-    pack_header,
 )
 from kvrelay.cachetier.block_hash import BlockHash
+from kvrelay.cachetier.block_seal import BlockSealer
+from kvrelay.cachetier.redis_conn import CircuitBreaker, RedisEndpoint, create_client, redact_url
+
+if TYPE_CHECKING:
+    from kvrelay.protocol.credential import ClusterCredential
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-BACKOFF_MIN_S = 0.5
-BACKOFF_MAX_S = 10.0
 INFO_CACHE_S = 1.0
-HEALTH_CHECK_INTERVAL_S = 30
+CORRUPT_LOG_INTERVAL_S = 60.0
 CLOSE_FLUSH_S = 1.0
 _FAILURES = (RedisError, OSError)
-_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*")
-
-
-class CircuitBreaker:
-    """Closed / open / half-open state of one remote, shared by the loop and writer threads."""
-
-    def __init__(self, label: str) -> None:
-        self._label = label
-        self._lock = threading.Lock()
-        self._open_until = 0.0
-        self._backoff = 0.0
-        self._num_failures = 0  # in the current outage
-        self.is_available = True
-
-    def allows(self) -> bool:
-        """Whether a call may try the remote now (closed, or open with the backoff elapsed)."""
-        return time.monotonic() >= self._open_until
-
-    def record_success(self) -> None:
-        with self._lock:
-            if not self.is_available:
-                logger.info(
-                    "redis tier %s is back after %d failed calls", self._label, self._num_failures
-                )
-            self.is_available = True
-            self._open_until = 0.0
-            self._backoff = 0.0
-            self._num_failures = 0
-
-    def record_failure(self, op: str, exc: BaseException) -> None:
-        with self._lock:
-            self._backoff = min(max(2 * self._backoff, BACKOFF_MIN_S), BACKOFF_MAX_S)
-            self._open_until = time.monotonic() + self._backoff
-            self._num_failures += 1
-            if self.is_available:
-                logger.warning(
-                    "redis tier %s unavailable (%s: %s: %s); reads miss and writes drop until "
-                    "it answers (retry after %.1f s, backoff up to %.0f s)",
-                    self._label,
-                    op,
-                    type(exc).__name__,
-                    exc,
-                    self._backoff,
-                    BACKOFF_MAX_S,
-                )
-            self.is_available = False
 
 
 class _Write(NamedTuple):
-    """One queued block: ``value`` holds the payload at ``HEADER_BYTES``; the writer packs
-    the header. ``value`` None means: delete the key (a corrupt value a reader found)."""
+    """One queued block: ``value`` holds the payload at ``BlockSealer.payload_offset``; the
+    writer seals it. ``value`` None means: delete the key (a corrupt value a reader found)."""
 
     key: BlockHash
     value: bytearray | None
@@ -128,21 +88,27 @@ class RedisTier(KvTier):
     """Whole KV blocks in a Redis shared by every host; see the module docstring.
 
     Args:
-        url: ``redis://[:password@]host:port/db`` (``rediss://``, ``unix://`` too).
+        url: ``redis://[:password@]host:port/db`` (``rediss://``, ``unix://`` too), or a
+            ``RedisEndpoint`` with a password file and TLS files.
         fmt: the block format of the model; values of another format read as corrupt.
+        credential: the cluster credential whose keys seal the blocks; None: unkeyed blocks
+            (anyone who can write Redis can forge KV; a trusted network only).
+        encrypt: encrypt the blocks (AEAD) instead of only authenticating them.
         namespace: key prefix, so two clusters (or models) can share one Redis.
         ttl_seconds: expiry of a block, refreshed whenever it is written again.
         timeout: socket connect and read timeout of every call, in seconds.
         queue_blocks: blocks the write-behind queue holds; more are dropped and counted.
-        batch_blocks: blocks the writer sends per pipeline.
+        batch_blocks: blocks the writer sends per pipeline, and a read asks for per MGET.
     """
 
     name = "redis"
 
     def __init__(
         self,
-        url: str,
+        url: str | RedisEndpoint,
         fmt: BlockFormat,
+        credential: ClusterCredential | None = None,
+        encrypt: bool = False,
         namespace: bytes = b"kvrelay:",
         ttl_seconds: int = 3600,
         timeout: float = 0.25,
@@ -157,19 +123,24 @@ class RedisTier(KvTier):
         ):
             if value <= 0:
                 raise ValueError(f"{field} must be > 0, got {value!r}")
+        endpoint = url if isinstance(url, RedisEndpoint) else RedisEndpoint(url)
         self._fmt = fmt
+        self._sealer = BlockSealer(fmt, credential, encrypt)
         self._namespace = bytes(namespace)
         self._ttl = ttl_seconds
         self._queue_blocks = queue_blocks
         self._batch_blocks = batch_blocks
-        self._url = redact_url(url)
-        self._client = redis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            health_check_interval=HEALTH_CHECK_INTERVAL_S,
-            retry=Retry(NoBackoff(), 0),  # the breaker decides when to try again
-        )
+        self._url = redact_url(endpoint.url)
+        self._client = create_client(endpoint, timeout)
+        if credential is None:
+            logger.warning(
+                "redis tier %s: no cluster secret, so L2 blocks are unauthenticated: anyone "
+                "who can write this Redis can make workers serve forged KV, and anyone who can "
+                "read it reads users' KV (a trusted network only)",
+                self._url,
+            )
+        self._last_corrupt_log = -CORRUPT_LOG_INTERVAL_S
+        self._num_unlogged_corrupt = 0
         self._join_timeout = CLOSE_FLUSH_S + 8 * timeout  # a batch is a few bounded calls
         self._stats = TierStats()
         self._stats.counters.update(skipped_calls=0, refreshed_blocks=0)
@@ -188,6 +159,12 @@ class RedisTier(KvTier):
             target=self._write_loop, name="kvrelay-redis-writer", daemon=True
         )
         self._writer.start()
+        if self._call("connect", self._client.ping) is not None:
+            logger.info(
+                "redis tier %s: connected; blocks sealed with %s",
+                self._url,
+                self._sealer.seal.name,
+            )
 
     # -- reads (caller's thread) -------------------------------------------------------------
 
@@ -209,22 +186,30 @@ class RedisTier(KvTier):
         if not keys:
             return []
         start = time.perf_counter()
-        values = self._call("get", lambda: self._mget(keys))
-        if values is None:
-            return []
         out: list[np.ndarray] = []
-        for key, value in zip(keys, values):
-            if value is None:
+        for first in range(0, len(keys), self._batch_blocks):
+            chunk = keys[first : first + self._batch_blocks]
+            values = self._call("get", functools.partial(self._mget, chunk))
+            if values is None or not self._open_prefix(chunk, values, out):
                 break
-            try:
-                payload = check_value(self._fmt, key, value)
-            except CorruptBlock as exc:
-                self._discard_corrupt(key, exc)
-                break
-            out.append(np.frombuffer(payload, dtype=np.uint8).copy())
         self._stats.add(hit_blocks=len(out), bytes_read=len(out) * self._fmt.payload_bytes)
         self._stats.observe(time.perf_counter() - start)
         return out
+
+    def _open_prefix(
+        self, keys: Sequence[BlockHash], values: Sequence[bytes | None], out: list[np.ndarray]
+    ) -> bool:
+        """Appends the payloads of the leading valid values to ``out``; False at a gap."""
+        for i, (key, value) in enumerate(zip(keys, values)):
+            if value is None:
+                return False
+            try:
+                out.append(self._sealer.open_value(key, value))
+            except CorruptBlock as exc:
+                self._discard_corrupt(key, exc)
+                self._sweep(keys[i + 1 :], values[i + 1 :])
+                return False
+        return True
 
     def _mget(self, keys: Sequence[BlockHash]) -> list[bytes | None]:
         return self._client.mget([self._key(k) for k in keys])  # type: ignore[return-value]
@@ -235,10 +220,37 @@ class RedisTier(KvTier):
             pipe.exists(self._key(key))
         return pipe.execute()
 
+    def _sweep(self, keys: Sequence[BlockHash], values: Sequence[bytes | None]) -> None:
+        """Checks the values after a rejected one and discards the bad ones too: where one
+        block was forged, others likely were, and the writer's ``SET NX`` would otherwise
+        keep them (only refreshing their TTL) however often the good block is recomputed.
+        Costs nothing unless a value was already rejected."""
+        for key, value in zip(keys, values):
+            if value is not None:
+                try:
+                    self._sealer.open_value(key, value)
+                except CorruptBlock as exc:
+                    self._discard_corrupt(key, exc)
+
     def _discard_corrupt(self, key: BlockHash, exc: CorruptBlock) -> None:
-        """Counts the error and has the writer delete the value (NX would keep it forever)."""
-        self._stats.add(errors=1)
-        logger.warning("redis tier %s: corrupt block %s: %s", self._url, key.hex(), exc)
+        """Counts the error and has the writer delete the value (NX would keep it forever);
+        logs at most one line per ``CORRUPT_LOG_INTERVAL_S``, with the count since the last."""
+        self._stats.error(exc.reason)
+        now = time.monotonic()
+        if now - self._last_corrupt_log < CORRUPT_LOG_INTERVAL_S:
+            self._num_unlogged_corrupt += 1
+        else:
+            logger.warning(
+                "redis tier %s: rejected block %s (%s: %s; %d more rejected since the last "
+                "line): read as a miss and recomputed",
+                self._url,
+                key.hex(),
+                exc.reason,
+                exc,
+                self._num_unlogged_corrupt,
+            )
+            self._last_corrupt_log = now
+            self._num_unlogged_corrupt = 0
         with self._cond:
             self._queue.append(_Write(key, None))
             self._cond.notify()
@@ -275,8 +287,10 @@ class RedisTier(KvTier):
             )
 
     def _copy(self, key: BlockHash, payload: np.ndarray, buffers: list[bytearray]) -> _Write:
-        value = buffers.pop() if buffers else bytearray(self._fmt.value_bytes)
-        np.frombuffer(value, dtype=np.uint8)[HEADER_BYTES:] = payload.reshape(-1)
+        value = buffers.pop() if buffers else bytearray(self._sealer.value_bytes)
+        start = self._sealer.payload_offset
+        end = start + self._fmt.payload_bytes
+        np.frombuffer(value, dtype=np.uint8)[start:end] = payload.reshape(-1)
         return _Write(key, value)
 
     def _write_loop(self) -> None:
@@ -323,13 +337,12 @@ class RedisTier(KvTier):
         missing = [w for w, exists in zip(writes, replies) if not exists]
         for w in missing:
             assert w.value is not None
-            view = memoryview(w.value)
-            view[:HEADER_BYTES] = pack_header(self._fmt, w.key, view[HEADER_BYTES:])
-            pipe.set(self._key(w.key), view, ex=self._ttl, nx=True)
+            value = self._sealer.seal_value(w.key, w.value)
+            pipe.set(self._key(w.key), memoryview(value), ex=self._ttl, nx=True)
         stored = sum(bool(r) for r in pipe.execute()) if missing else 0
         self._stats.add(
             put_blocks=stored,
-            bytes_written=stored * self._fmt.value_bytes,
+            bytes_written=stored * self._sealer.value_bytes,
             refreshed_blocks=len(writes) - stored,
         )
         return True
@@ -340,7 +353,12 @@ class RedisTier(KvTier):
         out = self._stats.snapshot()
         with self._cond:
             queue_depth = len(self._queue) + self._num_in_flight
-        out.update(available=self._breaker.is_available, url=self._url, queue_depth=queue_depth)
+        out.update(
+            available=self._breaker.is_available,
+            url=self._url,
+            queue_depth=queue_depth,
+            seal=self._sealer.seal.name.lower(),
+        )
         out.update(self._server_info())
         return out
 
@@ -394,20 +412,11 @@ class RedisTier(KvTier):
         try:
             result = fn()
         except _FAILURES as exc:
-            self._stats.add(errors=1)
+            self._stats.error("unavailable")
             self._breaker.record_failure(op, exc)
             return None
         self._breaker.record_success()
         return result
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password (in the authority or a ``password=`` query) shown as ``***``."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is not None:
-        host = parts.netloc.rpartition("@")[2]
-        url = url.replace(parts.netloc, f"{parts.username or ''}:***@{host}", 1)
-    return _QUERY_PASSWORD.sub(r"\1***", url)
 
 
 def _leading_true(flags: Sequence[Any]) -> int:

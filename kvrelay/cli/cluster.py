@@ -36,6 +36,7 @@ def add_cluster_parsers(sub: Any) -> None:
         "--autoscale", action="store_true", help="the router adds and removes local workers"
     )
     _add_autoscale_args(up)
+    _add_up_redis_args(up)
 
     serve = sub.add_parser(
         "serve",
@@ -77,7 +78,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--host-pool-memory", type=float, default=0.25, help="worker: L1 pool size in GiB"
     )
-    envs.add_option(p, "KVRELAY_REDIS_URL")
+    for name in REDIS_OPTIONS:
+        envs.add_option(p, name)
+    _add_l2_encrypt(p)
     p.add_argument(
         "--param-peers",
         default="",
@@ -90,6 +93,46 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="worker: load weights from disk instead of the host's parameter pool",
     )
     p.add_argument("--corrupt-transfers", type=int, default=0, help=argparse.SUPPRESS)
+
+
+REDIS_OPTIONS = (
+    "KVRELAY_REDIS_URL",
+    "KVRELAY_REDIS_PASSWORD_FILE",
+    "KVRELAY_REDIS_CA_FILE",
+    "KVRELAY_REDIS_CERT_FILE",
+    "KVRELAY_REDIS_KEY_FILE",
+)
+
+
+def _add_l2_encrypt(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--l2-encrypt",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="worker: encrypt KV blocks written to Redis (AES-256-GCM under the cluster "
+        "secret); default: on when the cluster secret is set. --no-l2-encrypt keeps the MAC "
+        "(forged blocks are still rejected) but stores KV readable to whoever reads Redis",
+    )
+
+
+def _add_up_redis_args(p: argparse.ArgumentParser) -> None:
+    """``kvrelay up``: the L2 options, passed on to every worker it starts."""
+    for name in REDIS_OPTIONS:
+        var = envs.BY_NAME[name]
+        p.add_argument(var.flag, default="", help=var.help.removeprefix("worker: "))
+    _add_l2_encrypt(p)
+
+
+def redis_worker_args(args: argparse.Namespace) -> list[str]:
+    """The L2 flags ``kvrelay up`` was given, as ``kvrelay serve`` flags for its workers."""
+    out: list[str] = []
+    for name in REDIS_OPTIONS:
+        var = envs.BY_NAME[name]
+        if getattr(args, var.dest):
+            out += [var.flag, getattr(args, var.dest)]
+    if args.l2_encrypt is not None:
+        out.append("--l2-encrypt" if args.l2_encrypt else "--no-l2-encrypt")
+    return out
 
 
 def _add_autoscale_args(p: argparse.ArgumentParser) -> None:
@@ -132,6 +175,7 @@ def autoscale_router_args(args: argparse.Namespace, cluster_id: str) -> list[str
     """``kvrelay up --autoscale``: the router flags that let it scale with the local hook."""
     worker_args = [
         *engine_cli_args(args),
+        *redis_worker_args(args),
         "--transport", args.transport,
         "--host-pool", f"kvrelay-{cluster_id}-l1",  # the launcher's pool (host_pool_name)
     ]  # fmt: skip
@@ -177,7 +221,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         port=args.port,
         transport=args.transport,
         cluster_id=cluster_id,
-        worker_args=tuple(engine_cli_args(args)),
+        worker_args=(*engine_cli_args(args), *redis_worker_args(args)),
         router_args=tuple(router_args),
         log_dir=args.log_dir,
     )
@@ -229,6 +273,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             host_pool="" if args.host_pool == "off" else args.host_pool,
             host_pool_bytes=int(args.host_pool_memory * (1 << 30)),
             redis_url=args.redis_url,
+            redis_password_file=args.redis_password_file,
+            redis_ca_file=args.redis_ca_file,
+            redis_cert_file=args.redis_cert_file,
+            redis_key_file=args.redis_key_file,
+            l2_encrypt=args.l2_encrypt,
+            cluster_secret_file=getattr(args, "cluster_secret_file", None) or "",
             corrupt_transfers=args.corrupt_transfers,
             param_pool=not args.no_param_pool,
             param_peers=args.param_peers,

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
-from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
+from kvrelay.cachetier.block_hash import BlockHash, chain_seed, hash_blocks
 from kvrelay.engine.sequence import Sequence
 
 
@@ -87,9 +87,8 @@ class BlockManager:
         done = len(seq.block_hashes)
         if seq.num_tokens // self.block_size > done:
             parent = seq.block_hashes[-1] if done else None
-            seq.block_hashes.extend(
-                hash_blocks(seq.token_ids, self.block_size, self.fingerprint, done, parent)
-            )
+            seed = chain_seed(self.fingerprint, seq.params.cache_salt)
+            seq.block_hashes.extend(hash_blocks(seq.token_ids, self.block_size, seed, done, parent))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of ``seq`` (no side effects on blocks).

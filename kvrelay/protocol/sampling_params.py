@@ -15,6 +15,7 @@ MAX_N = 128  # completions per request
 MAX_LOGPROBS = 20  # alternatives returned per token (OpenAI's limit)
 MAX_STOP_STRINGS = 64  # stop strings per request
 MAX_STOP_TOKEN_IDS = 256  # stop token ids per request
+MAX_CACHE_SALT_LEN = 256  # characters of cache_salt
 PENALTY_RANGE = (-2.0, 2.0)  # presence / frequency penalty, inclusive (OpenAI's range)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts, inclusive
@@ -69,6 +70,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: chosen token only; k: chosen + top-k
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     skip_special_tokens: bool = True  # drop special tokens when detokenising
+    cache_salt: str | None = None  # prefix cache shared only with requests of the same salt
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop))
@@ -77,6 +79,14 @@ class SamplingParams:
         self._check_penalties()
         self._check_lengths()
         self._check_stops()
+        if self.cache_salt is not None and not (
+            isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT_LEN
+        ):
+            _fail(
+                "cache_salt",
+                self.cache_salt,
+                f"None or a string of 1 to {MAX_CACHE_SALT_LEN} chars",
+            )
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "a bool")

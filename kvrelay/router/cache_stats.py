@@ -76,6 +76,10 @@ def aggregate(per_instance: dict[str, Any], host_ids: dict[str, str]) -> dict[st
             total = tiers.setdefault(tier, {})
             _add(total, figures, _SUMMED)
             _worst(total, figures, ("latency_p50_ms", "latency_p99_ms"))
+            if "errors_by_reason" in figures:
+                by_reason = total.setdefault("errors_by_reason", {})
+                for reason, count in figures["errors_by_reason"].items():
+                    by_reason[reason] = by_reason.get(reason, 0) + count
             if tier == "device":
                 _add(total, figures, _DEVICE_SIZES)
             else:

@@ -181,7 +181,7 @@ class Dispatcher(Backend):
             raise Overloaded("too many requests in flight", self.settings.retry_after)
         if request.request_id in self._tracked:
             raise GenerationFailed(f"duplicate request id {request.request_id}")
-        placement = self._place(request.prompt_token_ids)
+        placement = self._place(request.prompt_token_ids, request.params.cache_salt)
         if placement is None:
             raise Unavailable("no worker instance is ready", self.settings.retry_after)
         tr = _Tracked(
@@ -209,9 +209,9 @@ class Dispatcher(Backend):
             self._tracked.pop(request.request_id, None)
             self.metrics.inflight.dec()
 
-    def _place(self, token_ids: list[int]) -> Placement | None:
+    def _place(self, token_ids: list[int], cache_salt: str | None) -> Placement | None:
         """Cache-aware placement; counts the chosen prefill instance's expected hits."""
-        matched = self._matched(token_ids)
+        matched = self._matched(token_ids, cache_salt)
         placement = self.registry.place(matched=matched)
         if placement is not None:
             match = matched.get(placement.prefill.instance_id)
@@ -219,13 +219,14 @@ class Dispatcher(Backend):
                 self.metrics.observe_placement(match.device_blocks, match.host_blocks)
         return placement
 
-    def _matched(self, token_ids: list[int]) -> dict[str, PrefixMatch]:
-        """Per instance, the prompt blocks in its device cache and its host's L1 pool."""
+    def _matched(self, token_ids: list[int], cache_salt: str | None) -> dict[str, PrefixMatch]:
+        """Per instance, the prompt blocks in its device cache and its host's L1 pool (of
+        requests with the same ``cache_salt``: the salt is in every block's key)."""
         instances = self.registry.instances()
         if not instances:
             return {}
         info = instances[0].info
-        keys = reusable_block_keys(token_ids, info.layout.block_size, info.fingerprint)
+        keys = reusable_block_keys(token_ids, info.layout.block_size, info.fingerprint, cache_salt)
         return self.cache_index.match(keys)
 
     def _submit(self, tr: _Tracked, placement: Placement) -> None:
@@ -422,7 +423,7 @@ class Dispatcher(Backend):
             if inst is not None:
                 self._send(inst, Abort(tr.request.request_id))
         tr.early.clear()
-        placement = self._place(tr.request.prompt_token_ids)
+        placement = self._place(tr.request.prompt_token_ids, tr.request.params.cache_salt)
         if placement is None or tr.num_retries >= self.settings.max_retries:
             tr.done = True
             why = "no worker instance left" if placement is None else "too many retries"

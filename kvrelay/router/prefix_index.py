@@ -26,7 +26,7 @@ import logging
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvrelay.cachetier.block_hash import BlockHash, hash_blocks
+from kvrelay.cachetier.block_hash import BlockHash, chain_seed, hash_blocks
 from kvrelay.protocol.messages import CacheEvent
 
 logger = logging.getLogger(__name__)
@@ -120,14 +120,15 @@ class PrefixIndex:
 
 
 def reusable_block_keys(
-    token_ids: Sequence[int], block_size: int, fingerprint: bytes
+    token_ids: Sequence[int], block_size: int, fingerprint: bytes, cache_salt: str | None = None
 ) -> list[BlockHash]:
     """Hashes of the prompt blocks an engine could reuse: at most ``(n - 1) // block_size``.
 
     The last token is always computed (its logits are sampled), so a block that ends with it
     is never a hit, as in ``BlockManager``: scoring it would favour an instance for nothing.
     """
-    return hash_blocks(token_ids[: len(token_ids) - 1], block_size, fingerprint)
+    seed = chain_seed(fingerprint, cache_salt)
+    return hash_blocks(token_ids[: len(token_ids) - 1], block_size, seed)
 
 
 class CacheIndex:

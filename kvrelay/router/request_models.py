@@ -136,6 +136,7 @@ class _GenerateRequest(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    cache_salt: str | None = None  # vLLM's: prefix cache shared only within one salt
 
     @property
     def include_usage(self) -> bool:
@@ -177,6 +178,7 @@ _PASSTHROUGH = (
     "stop_token_ids",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "cache_salt",
 )
 _PARAM_NAME = re.compile(r"^SamplingParams\.(\w+) ")
 

@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
+from kvrelay.cachetier.base import BlockFormat, KvTier
 from kvrelay.cachetier.manager import TieredCache
 from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.loader import TORCH_DTYPES, model_fingerprint
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.messages import KvLayout, Role
 
 logger = logging.getLogger(__name__)
@@ -41,6 +43,12 @@ class WorkerConfig:
     host_pool: str = "auto"  # L1 shared-memory pool name; "auto": one per host and model; "": off
     host_pool_bytes: int = 256 << 20  # L1 capacity (the first process on the host sets it)
     redis_url: str = ""  # L2 global tier, e.g. redis://host:6379/0; "": off
+    redis_password_file: str = ""  # L2 AUTH password, first line of the file (wins over the URL's)
+    redis_ca_file: str = ""  # L2 TLS (rediss://): CA bundle that signed the server's certificate
+    redis_cert_file: str = ""  # L2 TLS: client certificate, when Redis asks for one
+    redis_key_file: str = ""  # L2 TLS: the client certificate's key
+    l2_encrypt: bool | None = None  # AEAD on L2 blocks; None: on when a cluster secret is set
+    cluster_secret_file: str = ""  # the cluster secret; "": KVRELAY_CLUSTER_SECRET(_FILE)
     corrupt_transfers: int = 0  # test hook: corrupt this many received transfers
     param_peers: str = ""  # hosts serving the weights (`kvrelay pool serve`), nearest first
     param_pool: bool = True  # attach weights from the host's parameter pool (made once per host)
@@ -99,8 +107,6 @@ def default_host_id() -> str:
 
 def create_tiers(config: WorkerConfig, engine_config: EngineConfig) -> TieredCache | None:
     """The tiers below the device pool this worker uses: L1 host pool, then L2 Redis."""
-    from kvrelay.cachetier.base import BlockFormat
-
     mc = engine_config.model_config
     fmt = BlockFormat(
         mc.num_layers, engine_config.cache.block_size, mc.num_kv_heads, mc.head_dim,
@@ -117,10 +123,32 @@ def create_tiers(config: WorkerConfig, engine_config: EngineConfig) -> TieredCac
             name = default_pool_name(fmt, model_fingerprint(config.model), scope)
         tiers.append(HostPool.open(name, config.host_pool_bytes, fmt, record_changes=True))
     if config.redis_url:
-        from kvrelay.cachetier.redis_tier import RedisTier
-
-        tiers.append(RedisTier(config.redis_url, fmt))
+        tiers.append(create_redis_tier(config, fmt))
     return TieredCache(tiers) if tiers else None
+
+
+def load_credential(config: WorkerConfig) -> ClusterCredential | None:
+    """The cluster credential of this worker: ``cluster_secret_file``, else the
+    ``KVRELAY_CLUSTER_SECRET(_FILE)`` environment; None when none is set."""
+    return ClusterCredential.load(config.cluster_secret_file or None)
+
+
+def create_redis_tier(config: WorkerConfig, fmt: BlockFormat) -> KvTier:
+    """The L2 tier: sealed with the cluster's keys (encrypted unless ``l2_encrypt`` is
+    False); unkeyed, with a warning, when there is no cluster secret."""
+    from kvrelay.cachetier.redis_conn import RedisEndpoint
+    from kvrelay.cachetier.redis_tier import RedisTier
+
+    endpoint = RedisEndpoint(
+        config.redis_url,
+        password_file=config.redis_password_file,
+        ca_file=config.redis_ca_file,
+        cert_file=config.redis_cert_file,
+        key_file=config.redis_key_file,
+    )
+    credential = load_credential(config)
+    encrypt = credential is not None if config.l2_encrypt is None else config.l2_encrypt
+    return RedisTier(endpoint, fmt, credential=credential, encrypt=encrypt)
 
 
 def layout_from_shape(shape: tuple[int, ...], dtype: torch.dtype) -> KvLayout:

@@ -85,7 +85,6 @@ _TIER_COUNTERS = (
     ("kvrelay_cache_tier_bytes_read", "Bytes read from the tier", "bytes_read"),
     ("kvrelay_cache_tier_bytes_written", "Bytes written to the tier", "bytes_written"),
     ("kvrelay_cache_tier_evictions", "Blocks evicted from the tier", "evictions"),
-    ("kvrelay_cache_tier_errors", "Failed tier operations (read as misses)", "errors"),
 )
 _TIER_GAUGES = (
     ("kvrelay_cache_tier_capacity_bytes", "Capacity of the tier", "capacity_bytes"),
@@ -107,9 +106,28 @@ class _TierCollector(Collector):
                 if field in figures:
                     family.add_metric([tier], float(figures[field]))
             yield family
+        yield _errors_family(stats)
         for name, doc, field in _TIER_GAUGES:
             gauge_family = GaugeMetricFamily(name, doc, labels=["tier"])
             for tier, figures in stats.items():
                 if field in figures:
                     gauge_family.add_metric([tier], float(figures[field]))
             yield gauge_family
+
+
+def _errors_family(stats: dict[str, Any]) -> CounterMetricFamily:
+    """``kvrelay_cache_tier_errors_total{tier, reason}``: failed operations and rejected
+    blocks (``unavailable``, ``bad_mac``, ``decrypt_failed``, ``unkeyed``, ...)."""
+    family = CounterMetricFamily(
+        "kvrelay_cache_tier_errors",
+        "Failed tier operations and rejected blocks (read as misses)",
+        labels=["tier", "reason"],
+    )
+    for tier, figures in stats.items():
+        by_reason = figures.get("errors_by_reason", {})
+        for reason, count in sorted(by_reason.items()):
+            family.add_metric([tier, reason], float(count))
+        other = figures.get("errors", 0) - sum(by_reason.values())
+        if other or ("errors" in figures and not by_reason):
+            family.add_metric([tier, "other"], float(other))
+    return family
