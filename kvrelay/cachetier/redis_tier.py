@@ -18,6 +18,10 @@ path. A Redis that is absent, slow or down is a miss, never a failed request:
       ▲                  │    (0.5 s after the first failure, doubling up to 10 s)
       │                  ▼ backoff elapsed
       └──success──── half-open: the next call tries Redis ──failure──▶ open, backoff doubled
+      ▲                  │
+      └── PING answers ◀─┘ a probe thread (``kvrelay-redis-probe``) PINGs every
+                           ``probe_interval`` while open: with no traffic, or a backoff grown to
+                           10 s, the tier is back within one probe interval of Redis
 
 ``errors`` counts each failed call (and each corrupt value); calls skipped while open count in
 ``skipped_calls``. One warning is logged per outage and one info line on recovery.
@@ -65,6 +69,7 @@ T = TypeVar("T")
 BACKOFF_MIN_S = 0.5
 BACKOFF_MAX_S = 10.0
 INFO_CACHE_S = 1.0
+PROBE_INTERVAL_S = 1.0
 HEALTH_CHECK_INTERVAL_S = 30
 CLOSE_FLUSH_S = 1.0
 _FAILURES = (RedisError, OSError)
@@ -135,6 +140,7 @@ class RedisTier(KvTier):
         timeout: socket connect and read timeout of every call, in seconds.
         queue_blocks: blocks the write-behind queue holds; more are dropped and counted.
         batch_blocks: blocks the writer sends per pipeline.
+        probe_interval: seconds between PINGs while Redis is unavailable.
     """
 
     name = "redis"
@@ -148,8 +154,10 @@ class RedisTier(KvTier):
         timeout: float = 0.25,
         queue_blocks: int = 1024,
         batch_blocks: int = 32,
+        probe_interval: float = PROBE_INTERVAL_S,
     ) -> None:
         for field, value in (
+            ("probe_interval", probe_interval),
             ("ttl_seconds", ttl_seconds),
             ("timeout", timeout),
             ("queue_blocks", queue_blocks),
@@ -188,6 +196,12 @@ class RedisTier(KvTier):
             target=self._write_loop, name="kvrelay-redis-writer", daemon=True
         )
         self._writer.start()
+        self._probe_interval = probe_interval
+        self._stop_probe = threading.Event()
+        self._probe = threading.Thread(
+            target=self._probe_loop, name="kvrelay-redis-probe", daemon=True
+        )
+        self._probe.start()
 
     # -- reads (caller's thread) -------------------------------------------------------------
 
@@ -371,8 +385,22 @@ class RedisTier(KvTier):
             self._info = (time.monotonic(), info)
             return info
 
+    def _probe_loop(self) -> None:
+        """While the breaker is open, PINGs Redis every interval; an answer closes it. A failed
+        probe is neither an error nor a longer backoff: the outage is already counted."""
+        while not self._stop_probe.wait(self._probe_interval):
+            if self._breaker.is_available:
+                continue
+            try:
+                self._client.ping()
+            except _FAILURES:
+                continue
+            self._breaker.record_success()
+
     def close(self) -> None:
         """Flushes for up to a second, drops what is left (counted), stops the writer."""
+        self._stop_probe.set()
+        self._probe.join(timeout=self._join_timeout)
         if self._writer.is_alive():
             self.flush(CLOSE_FLUSH_S)
             with self._cond:

@@ -58,6 +58,11 @@ class WorkerMetrics:
             ["transport", "reason"],
             registry=r,
         )
+        self.orphans_aborted = Counter(
+            "kvrelay_orphaned_requests_aborted",
+            "Requests aborted because their router went silent (router_timeout)",
+            registry=r,
+        )
         self.leases_expired = Counter(
             "kvrelay_kv_leases_expired", "Prefill leases freed without an ack", registry=r
         )
