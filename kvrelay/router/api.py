@@ -40,6 +40,7 @@ from kvrelay.router.http_guards import ApiGuardMiddleware
 from kvrelay.router.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
+    context_length_error,
     resolve_max_tokens,
     sampling_params,
 )
@@ -59,7 +60,7 @@ from kvrelay.router.sse import (
     sse_events,
     until_disconnected,
 )
-from kvrelay.router.text_workers import TextWorkers
+from kvrelay.router.text_workers import PromptTooLong, TextWorkers
 from kvrelay.text.tokenizer import Tokenizer, TokenizerError
 
 logger = logging.getLogger(__name__)
@@ -345,7 +346,11 @@ class OpenAIApi:
 
     async def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:
-            return await self.text.encode(text, add_special_tokens)
+            return await self.text.encode(text, add_special_tokens, self.backend.max_model_len)
+        except PromptTooLong as exc:  # what resolve_max_tokens says, without the ids
+            raise context_length_error(
+                exc.num_tokens, self.backend.max_model_len, None, param
+            ) from None
         except (TokenizerError, UnicodeError) as exc:
             raise bad_request(f"cannot tokenize the {param}: {exc}", param) from exc
 

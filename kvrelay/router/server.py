@@ -112,6 +112,7 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await backend.start()
+        text.start()
         logger.info("router: workers connect to %s", config.control_addr)
         if autoscaler is not None:
             autoscaler.start()

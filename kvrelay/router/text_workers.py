@@ -17,9 +17,13 @@ chat template      thread      jinja holds the GIL but yields it every switch in
                                (5 ms); 49 ms for 3.9 MB, no gap over ~10 ms
 =================  ==========  =========================================================
 
-The process pool starts on the first large text (one ``spawn``ed child, which loads the
-tokenizer from the checkpoint directory); a tokenizer built in memory (tests) has no
-directory and uses the thread for every size.
+The process pool (one ``spawn``ed child, which loads the tokenizer from the checkpoint
+directory) starts with the router (``start()``), so its start never stalls a request; a
+tokenizer built in memory (tests) has no directory and uses the thread for every size.
+
+``encode(..., limit=N)`` raises ``PromptTooLong`` when the text has N tokens or more: the
+child then sends back only the count, so a prompt far over the context window never becomes
+a million-element list on the router (building and freeing it holds the GIL for tens of ms).
 """
 
 from __future__ import annotations
@@ -40,6 +44,14 @@ PROCESS_CHARS = 262_144  # longer texts are encoded in the child process
 _child_tokenizer: Tokenizer | None = None
 
 
+class PromptTooLong(Exception):
+    """The text has at least the ``limit`` given to ``encode``: ``num_tokens`` of them."""
+
+    def __init__(self, num_tokens: int) -> None:
+        super().__init__(f"{num_tokens} tokens")
+        self.num_tokens = num_tokens
+
+
 class TextWorkers:
     """Encodes and renders chat templates without blocking the event loop."""
 
@@ -48,17 +60,31 @@ class TextWorkers:
         self._model_dir = None if model_dir is None else str(model_dir)
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text``; raises what ``Tokenizer.encode`` raises."""
+    def start(self) -> None:
+        """Starts the child process now (it loads the tokenizer meanwhile), if there is one."""
+        if self._model_dir is not None:
+            self._process_pool().submit(_encode_in_child, "", False, None)
+
+    async def encode(
+        self, text: str, add_special_tokens: bool, limit: int | None = None
+    ) -> list[int]:
+        """Token ids of ``text``; raises what ``Tokenizer.encode`` raises, and PromptTooLong
+        when there are ``limit`` or more."""
         if len(text) <= INLINE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens)
-        if len(text) <= PROCESS_CHARS or self._model_dir is None:
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
-        loop = asyncio.get_running_loop()
-        packed = await loop.run_in_executor(
-            self._process_pool(), _encode_in_child, text, add_special_tokens
-        )
-        return await asyncio.to_thread(_unpack, packed)
+            ids = self.tokenizer.encode(text, add_special_tokens)
+        elif len(text) <= PROCESS_CHARS or self._model_dir is None:
+            ids = await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+        else:
+            loop = asyncio.get_running_loop()
+            packed = await loop.run_in_executor(
+                self._process_pool(), _encode_in_child, text, add_special_tokens, limit
+            )
+            if isinstance(packed, int):
+                raise PromptTooLong(packed)
+            return await asyncio.to_thread(_unpack, packed)
+        if limit is not None and len(ids) >= limit:
+            raise PromptTooLong(len(ids))
+        return ids
 
     async def apply_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, **kwargs: Any
@@ -94,9 +120,13 @@ def _init_child(model_dir: str) -> None:
     _child_tokenizer = Tokenizer.from_pretrained(model_dir)
 
 
-def _encode_in_child(text: str, add_special_tokens: bool) -> bytes:
+def _encode_in_child(text: str, add_special_tokens: bool, limit: int | None) -> bytes | int:
+    """The ids as packed uint32, or only their count when it reaches ``limit``."""
     assert _child_tokenizer is not None, "the pool's initializer loads the tokenizer"
-    return array.array("I", _child_tokenizer.encode(text, add_special_tokens)).tobytes()
+    ids = _child_tokenizer.encode(text, add_special_tokens)
+    if limit is not None and len(ids) >= limit:
+        return len(ids)
+    return array.array("I", ids).tobytes()
 
 
 def _unpack(packed: bytes) -> list[int]:
