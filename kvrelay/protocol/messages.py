@@ -215,6 +215,7 @@ class Abort:
 
     request_id: str
     attempt: int | None = None  # None: whatever attempt runs
+    superseded: bool = False  # the router re-ran the request elsewhere (the worker counts it)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -345,7 +345,7 @@ class Dispatcher(Backend):
         if event.attempt != tr.attempt:  # an instance that missed the re-run (it was paused)
             self.metrics.dropped_events.labels("superseded_attempt").inc()
             if event.attempt < tr.attempt and not event.finished:
-                abort = Abort(event.request_id, event.attempt)
+                abort = Abort(event.request_id, event.attempt, superseded=True)
                 self._send_to(event.instance_id.encode(), abort)
             return
         if event.error is not None:
@@ -446,8 +446,9 @@ class Dispatcher(Backend):
 
     def _retry(self, tr: _Tracked, dead: set[str]) -> None:
         # the dead too: one that was only paused finds the Abort when it resumes
+        abort = Abort(tr.request.request_id, tr.attempt, superseded=True)
         for instance_id in tr.watch:
-            self._send_to(instance_id.encode(), Abort(tr.request.request_id, tr.attempt))
+            self._send_to(instance_id.encode(), abort)
         tr.early.clear()
         placement = self._place(tr.request.prompt_token_ids)
         if placement is None or tr.num_retries >= self.settings.max_retries:

@@ -63,6 +63,12 @@ class WorkerMetrics:
             "Requests aborted because their router went silent (router_timeout)",
             registry=r,
         )
+        self.superseded_dropped = Counter(
+            "kvrelay_superseded_attempts_dropped",
+            "Requests dropped here because the router re-ran them elsewhere (this instance "
+            "was paused or cut off past --dead-after)",
+            registry=r,
+        )
         self.leases_expired = Counter(
             "kvrelay_kv_leases_expired", "Prefill leases freed without an ack", registry=r
         )

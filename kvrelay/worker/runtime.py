@@ -296,6 +296,8 @@ class Worker:
         if isinstance(msg, GenerateRequest):
             self.on_generate(msg)
         elif isinstance(msg, Abort):
+            if msg.superseded and msg.request_id in self.request_ids():
+                self.metrics.superseded_dropped.inc()
             self.on_abort(msg.request_id)
             self.routers.forget(msg.request_id)
         elif isinstance(msg, Drain):
