@@ -123,9 +123,9 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         super().data_received(data)
 
     def on_response_complete(self) -> None:
+        # armed first: a pipelined request that super() starts is a new cycle, not timed out
+        self._arm_header_timer()
         super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm_header_timer()
 
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
