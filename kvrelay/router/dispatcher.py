@@ -186,8 +186,10 @@ class Dispatcher(Backend):
             raise GenerationFailed(f"duplicate request id {request.request_id}")
         await self.admission.acquire()
         try:
-            async for delta in self._generate(request):
-                yield delta
+            # aclosing: a client gone closes the inner generator now (it aborts on the workers)
+            async with contextlib.aclosing(self._generate(request)) as deltas:
+                async for delta in deltas:
+                    yield delta
         finally:
             self.admission.release()
 
