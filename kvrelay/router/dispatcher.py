@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, NamedTuple, cast
 
 import zmq
@@ -193,7 +193,7 @@ class Dispatcher(Backend):
         finally:
             self.admission.release()
 
-    async def _generate(self, request: GenerateInput) -> AsyncIterator[Delta]:
+    async def _generate(self, request: GenerateInput) -> AsyncGenerator[Delta, None]:
         placement = self._place(request.prompt_token_ids)
         if placement is None:
             raise Unavailable("no worker instance is ready", self.settings.retry_after)
