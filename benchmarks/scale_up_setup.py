@@ -238,7 +238,10 @@ def pool_server(
 def running_cluster(
     ckpt: Checkpoint, args: argparse.Namespace, log_dir: Path
 ) -> Iterator[Launcher]:
-    worker_args = ("--threads", "1", "--dtype", ckpt.dtype, "--num-blocks", str(args.num_blocks))
+    worker_args = (
+        "--threads", "1", "--dtype", ckpt.dtype, "--num-blocks", str(args.num_blocks),
+        "--dead-after", "30",  # the router's too: a busy router is not gone
+    )  # fmt: skip
     spec = ClusterSpec(
         model=str(ckpt.twin),
         worker_args=worker_args,

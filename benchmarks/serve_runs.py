@@ -72,6 +72,7 @@ def start_cluster(
         "--threads", str(system.threads),
         "--num-blocks", str(args.num_blocks),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--dead-after", str(DEAD_AFTER_S),  # the router's too: a busy router is not gone
     ]  # fmt: skip
     spec = ClusterSpec(
         model=str(model_dir),

@@ -230,7 +230,8 @@ def test_chunked_body_over_limit_is_413(http: httpx.Client) -> None:
             yield b"a" * (100 << 10)
         yield b'"}'
 
-    assert_openai_error(http.post(COMPLETIONS, content=chunks()), 413)
+    headers = {"Content-Type": "application/json"}
+    assert_openai_error(http.post(COMPLETIONS, content=chunks(), headers=headers), 413)
 
 
 def test_content_length_over_limit_is_refused_before_reading(api_server: ApiServer) -> None:

@@ -222,7 +222,9 @@ def test_two_routers_get_only_their_own_requests_events(tiny_model_dir, tmp_path
 def test_messages_from_an_older_process_lack_the_origin():
     """A GenerateRequest or KvReady without ``origin`` decodes with ``origin=""`` (the
     worker then answers every router); one with too few fields is still refused."""
-    msg = GenerateRequest("r1", [1, 2], SamplingParams(max_tokens=4), [], None, origin="router-a")
+    msg = GenerateRequest(
+        "r1", [1, 2], SamplingParams(max_tokens=4), [], None, origin="router-a", attempt=2
+    )
     assert decode(encode(msg)) == msg
     values = [getattr(msg, f.name) for f in dataclasses.fields(GenerateRequest)]
     tag = WIRE_TYPES.index(GenerateRequest)
@@ -231,6 +233,8 @@ def test_messages_from_an_older_process_lack_the_origin():
         ext = msgpack.ExtType(1, msgpack.packb([tag, *fields], default=messages._default))
         return msgpack.packb(ext)
 
-    assert decode(packed(values[:-1])) == dataclasses.replace(msg, origin="")
-    with pytest.raises(ProtocolError, match="GenerateRequest: expected 6 fields, got 2"):
+    # an older process sends neither ``origin`` nor (older still than that) ``attempt``
+    assert decode(packed(values[:-2])) == dataclasses.replace(msg, origin="", attempt=0)
+    assert decode(packed(values[:-1])) == dataclasses.replace(msg, attempt=0)
+    with pytest.raises(ProtocolError, match="GenerateRequest: expected 7 fields, got 2"):
         decode(packed(values[:2]))

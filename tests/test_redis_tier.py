@@ -50,7 +50,8 @@ def make_tier() -> Iterator[MakeTier]:
     yield make
     for tier in tiers:
         tier.close()
-    assert [t for t in threading.enumerate() if t.name == "kvrelay-redis-writer"] == []
+    left = [t.name for t in threading.enumerate() if t.name.startswith("kvrelay-redis-")]
+    assert left == []
 
 
 @pytest.fixture
@@ -257,6 +258,26 @@ def test_killed_mid_run_then_recovers(
     messages = [(r.levelno, r.getMessage()) for r in caplog.records]
     assert [m for level, m in messages if level == logging.WARNING and "unavailable" in m] != []
     assert sum("is back" in m for _, m in messages) >= 1
+
+
+def test_availability_returns_within_a_probe_interval_without_traffic(
+    server: RedisServer, make_tier: MakeTier
+) -> None:
+    """With the backoff at its 10 s cap and no calls at all, the probe finds Redis back."""
+    tier = make_tier(server.url, probe_interval=0.2)
+    server.stop(kill=True)
+    assert tier.lookup(make_keys(1)) == 0  # the failure opens the breaker
+    for _ in range(8):  # as after a long outage: the backoff grew to its cap
+        tier._breaker.record_failure("test", ConnectionError("still down"))
+    assert tier.stats()["available"] is False
+    server.start()
+    deadline = time.monotonic() + 5.0  # half the capped backoff: only the probe can do it
+    while not tier.stats()["available"]:
+        assert time.monotonic() < deadline, "the probe did not find redis back"
+        time.sleep(0.05)
+    keys, payloads = make_keys(2), make_payloads(2)
+    store(tier, keys, payloads)
+    assert [a.tobytes() for a in tier.get(keys)] == [p.tobytes() for p in payloads]
 
 
 def test_server_is_allkeys_lru_and_evicts(redis_server: StartServer, make_tier: MakeTier) -> None:

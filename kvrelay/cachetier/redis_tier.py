@@ -28,6 +28,10 @@ or down is a miss, never a failed request:
       ▲                  │    (0.5 s after the first failure, doubling up to 10 s)
       │                  ▼ backoff elapsed
       └──success──── half-open: the next call tries Redis ──failure──▶ open, backoff doubled
+      ▲                  │
+      └── PING answers ◀─┘ a probe thread (``kvrelay-redis-probe``) PINGs every
+                           ``probe_interval`` while open: with no traffic, or a backoff grown to
+                           10 s, the tier is back within one probe interval of Redis
 
 ``errors`` counts each failed call (and each corrupt value); calls skipped while open count in
 ``skipped_calls``. One warning is logged per outage and one info line on recovery.
@@ -72,6 +76,7 @@ T = TypeVar("T")
 
 INFO_CACHE_S = 1.0
 CORRUPT_LOG_INTERVAL_S = 60.0
+PROBE_INTERVAL_S = 1.0
 CLOSE_FLUSH_S = 1.0
 _FAILURES = (RedisError, OSError)
 
@@ -99,6 +104,7 @@ class RedisTier(KvTier):
         timeout: socket connect and read timeout of every call, in seconds.
         queue_blocks: blocks the write-behind queue holds; more are dropped and counted.
         batch_blocks: blocks the writer sends per pipeline, and a read asks for per MGET.
+        probe_interval: seconds between PINGs while Redis is unavailable.
     """
 
     name = "redis"
@@ -114,8 +120,10 @@ class RedisTier(KvTier):
         timeout: float = 0.25,
         queue_blocks: int = 1024,
         batch_blocks: int = 32,
+        probe_interval: float = PROBE_INTERVAL_S,
     ) -> None:
         for field, value in (
+            ("probe_interval", probe_interval),
             ("ttl_seconds", ttl_seconds),
             ("timeout", timeout),
             ("queue_blocks", queue_blocks),
@@ -165,6 +173,12 @@ class RedisTier(KvTier):
                 self._url,
                 self._sealer.seal.name,
             )
+        self._probe_interval = probe_interval
+        self._stop_probe = threading.Event()
+        self._probe = threading.Thread(
+            target=self._probe_loop, name="kvrelay-redis-probe", daemon=True
+        )
+        self._probe.start()
 
     # -- reads (caller's thread) -------------------------------------------------------------
 
@@ -389,8 +403,22 @@ class RedisTier(KvTier):
             self._info = (time.monotonic(), info)
             return info
 
+    def _probe_loop(self) -> None:
+        """While the breaker is open, PINGs Redis every interval; an answer closes it. A failed
+        probe is neither an error nor a longer backoff: the outage is already counted."""
+        while not self._stop_probe.wait(self._probe_interval):
+            if self._breaker.is_available:
+                continue
+            try:
+                self._client.ping()
+            except _FAILURES:
+                continue
+            self._breaker.record_success()
+
     def close(self) -> None:
         """Flushes for up to a second, drops what is left (counted), stops the writer."""
+        self._stop_probe.set()
+        self._probe.join(timeout=self._join_timeout)
         if self._writer.is_alive():
             self.flush(CLOSE_FLUSH_S)
             with self._cond:

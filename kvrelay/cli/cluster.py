@@ -64,10 +64,19 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "KVRELAY_HOST", "KVRELAY_ADVERTISE_HOST", "KVRELAY_PORT", "KVRELAY_CONTROL_ADDR",
         "KVRELAY_STATUS_PORT", "KVRELAY_PEER_PORT", "KVRELAY_CLUSTER_ID", "KVRELAY_INSTANCE_ID",
         "KVRELAY_TRANSPORT", "KVRELAY_HOST_ID", "KVRELAY_SERVED_MODEL_NAME",
-        "KVRELAY_ADMIN_TOKEN", "KVRELAY_DRAIN_TIMEOUT",
+        "KVRELAY_ADMIN_TOKEN", "KVRELAY_DRAIN_TIMEOUT", "KVRELAY_API_KEY", "KVRELAY_API_KEY_FILE",
+        "KVRELAY_SSL_CERTFILE",
+        "KVRELAY_SSL_KEYFILE", "KVRELAY_MAX_INFLIGHT", "KVRELAY_MAX_QUEUE_TIME",
+        "KVRELAY_HEADER_TIMEOUT", "KVRELAY_BODY_TIMEOUT",
     ):  # fmt: skip
         envs.add_option(p, name)
-    p.add_argument("--dead-after", type=float, default=2.0, help="router: heartbeat timeout (s)")
+    p.add_argument(
+        "--dead-after",
+        type=float,
+        default=2.0,
+        help="router: a worker silent this long is dead; worker: a router silent this long is "
+        "gone (its requests are aborted) (s)",
+    )
     p.add_argument("--lease-ttl", type=float, default=30.0, help="prefill: KV lease (s)")
     p.add_argument(
         "--host-pool",
@@ -230,6 +239,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "router":
+        from kvrelay.router.http_guards import read_api_keys
         from kvrelay.router.server import RouterConfig, run_router
 
         run_router(
@@ -243,6 +253,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 max_model_len=args.max_model_len,
                 dead_after=args.dead_after,
                 drain_timeout=args.drain_timeout,
+                max_inflight=args.max_inflight,
+                max_queue_time=args.max_queue_time,
+                api_keys=read_api_keys(args.api_key, args.api_key_file),
+                ssl_certfile=args.ssl_certfile,
+                ssl_keyfile=args.ssl_keyfile,
+                header_timeout=args.header_timeout,
+                body_timeout=args.body_timeout,
                 cluster_id=args.cluster_id,
                 autoscale=args.autoscale,
                 autoscale_options=_json_object(args.autoscale_options, "--autoscale-options"),
@@ -270,6 +287,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             transport=args.transport,
             served_model_name=args.served_model_name,
             lease_ttl=args.lease_ttl,
+            router_timeout=args.dead_after,
             host_pool="" if args.host_pool == "off" else args.host_pool,
             host_pool_bytes=int(args.host_pool_memory * (1 << 30)),
             redis_url=args.redis_url,

@@ -41,6 +41,7 @@ class DecodeWorker(Worker):
     def on_peer_message(self, msg: Any, identity: bytes) -> None:
         if isinstance(msg, KvReady):
             self.adopt_origin(msg.request_id, msg.origin)
+            self.routers.attempts[msg.request_id] = msg.attempt
             self.pending.append(msg)
         else:
             super().on_peer_message(msg, identity)
@@ -51,6 +52,9 @@ class DecodeWorker(Worker):
             self.send_peer(ready.src.peer_addr, KvAck(request_id, False, "aborted"))
         self.routers.origin.pop(request_id, None)
         self.engine.abort_request(request_id)
+
+    def request_ids(self) -> list[str]:
+        return [*super().request_ids(), *(ready.request_id for ready in self.pending)]
 
     def has_role_work(self) -> bool:
         return bool(self.pending) and self.engine.scheduler.can_take_running()

@@ -73,6 +73,7 @@ class PrefillWorker(Worker):
     def on_output(self, out: RequestOutput) -> None:
         target = self._targets.pop(out.request_id, None)
         origin = self._origin_ids.pop(out.request_id, "")
+        attempt = self.routers.attempts.get(out.request_id, 0)  # send_event forgets it
         if target is None or out.finished:
             self.send_event(token_event(self.instance_id, out))
             return
@@ -99,6 +100,7 @@ class PrefillWorker(Worker):
             num_cached_tokens=seq.num_cached_tokens,
             cached_tokens_by_tier=seq.cached_tokens_by_tier,
             origin=origin,
+            attempt=attempt,
         )
         self.send_peer(target.peer_addr, ready)
 

@@ -18,7 +18,8 @@ With several routers every worker registers with each. ``RegisterAck.router_id``
 worker which link leads to which router; a request carries its router's id (``origin``)
 from ``GenerateRequest`` through ``KvReady``, and each worker sends the request's events
 to that router only (to every router when the origin is unknown: an older sender).
-    router --Abort--> P and D                       (client gone, stop string)
+    router --Abort--> P and D                       (client gone, stop string, re-run)
+    router --RegisterAck--> worker                  (answers every LoadReport: "alive")
 
 Colocated workers get ``GenerateRequest(decode=None)`` and stream every token themselves.
 
@@ -146,6 +147,7 @@ class GenerateRequest:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)  # already streamed
     decode: PeerInfo | None = None  # where the KV goes; None: generate here (colocated)
     origin: str = ""  # id of the router that sent it ("": unknown, answer every router)
+    attempt: int = 0  # the router's re-run count of this request (its events carry it back)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,6 +164,7 @@ class TokenEvent:
     cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     handed_off_to: str | None = None  # prefill: the decode instance that continues
     error: str | None = None  # the worker could not run the request
+    attempt: int = 0  # GenerateRequest.attempt of the run that made these tokens
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -178,6 +181,7 @@ class KvReady:
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     origin: str = ""  # the request's router (GenerateRequest.origin)
+    attempt: int = 0  # GenerateRequest.attempt
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -206,7 +210,12 @@ class KvAck:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Abort:
+    """Stop a request; with ``attempt``, only that attempt or an older one (a re-run that
+    landed on the same instance again is kept)."""
+
     request_id: str
+    attempt: int | None = None  # None: whatever attempt runs
+    superseded: bool = False  # the router re-ran the request elsewhere (the worker counts it)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -5,15 +5,17 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 (``/metrics``, ``/admin/*``) are added by the caller with ``app.include_router``; admin
 routers should depend on ``errors.require_admin_token(settings)``. Add middleware as pure
 ASGI middleware (not ``@app.middleware("http")``), so client disconnects still reach the
-streaming responses and abort generation.
+streaming responses and abort generation. Before a handler runs, ``http_guards`` checks the
+API key and the JSON content type on ``/v1/*`` and ``errors.BodyLimitMiddleware`` reads the
+body within its size and time limits.
 
-A request is validated and tokenized here, then fans out into one ``Backend.generate`` call
-per choice (``n`` times per prompt), with request ids ``{response id}-{choice index}``.
+A request is validated and tokenized here (long inputs off the event loop: ``text_workers``),
+then fans out into one ``Backend.generate`` call per choice (``n`` times per prompt), with
+request ids ``{response id}-{choice index}``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -34,9 +36,11 @@ from kvrelay.router.errors import (
     from_pydantic,
     install_error_handlers,
 )
+from kvrelay.router.http_guards import ApiGuardMiddleware
 from kvrelay.router.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
+    context_length_error,
     resolve_max_tokens,
     sampling_params,
 )
@@ -56,12 +60,12 @@ from kvrelay.router.sse import (
     sse_events,
     until_disconnected,
 )
+from kvrelay.router.text_workers import PromptTooLong, TextWorkers
 from kvrelay.text.tokenizer import Tokenizer, TokenizerError
 
 logger = logging.getLogger(__name__)
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
-INLINE_TOKENIZE_CHARS = 16_384  # longer texts are tokenized in a worker thread
 _RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "add_generation_prompt", "tools"})
 _CHAT_PARAM_NAMES = {"logprobs": "top_logprobs"}
 
@@ -91,6 +95,8 @@ class ApiSettings:
     max_logprobs: int = MAX_LOGPROBS  # logprobs (completions) / top_logprobs (chat)
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     max_tokens_limit: int | None = None  # clamps every request's max_tokens; None = no cap
+    api_keys: tuple[str, ...] = ()  # bearer keys accepted on /v1/*; () = no check
+    body_timeout: float = 30.0  # seconds to receive a request body before 408
 
     def __post_init__(self) -> None:
         if any(not name for name in self.served_model_names):
@@ -99,6 +105,10 @@ class ApiSettings:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.admin_token == "":
             raise ValueError("admin_token must be None or non-empty")
+        if any(not key for key in self.api_keys):
+            raise ValueError("api_keys must be non-empty strings")
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout must be > 0, got {self.body_timeout}")
         _check_range("max_n", self.max_n, MAX_N)
         _check_range("max_batch_prompts", self.max_batch_prompts, 1 << 16)
         _check_range("max_choices", self.max_choices, 1 << 16)
@@ -115,14 +125,25 @@ def _check_range(name: str, value: int, high: int, low: int = 1) -> None:
 
 
 def create_app(
-    backend: Backend, tokenizer: Tokenizer, settings: ApiSettings | None = None
+    backend: Backend,
+    tokenizer: Tokenizer,
+    settings: ApiSettings | None = None,
+    text: TextWorkers | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving ``backend``; extend it with ``app.include_router``."""
+    """The FastAPI app serving ``backend``; extend it with ``app.include_router``.
+
+    ``text``: where long inputs are tokenized (default: threads of this process).
+    """
     settings = settings or ApiSettings()
     app = FastAPI(title="kvrelay", docs_url=None, redoc_url=None)
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
-    api = OpenAIApi(backend, tokenizer, settings)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=settings.max_body_bytes,
+        body_timeout=settings.body_timeout,
+    )
+    app.add_middleware(ApiGuardMiddleware, api_keys=settings.api_keys)  # outermost: first
+    api = OpenAIApi(backend, tokenizer, settings, text or TextWorkers(tokenizer))
     app.state.openai_api = api
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
@@ -139,6 +160,7 @@ class OpenAIApi:
     backend: Backend
     tokenizer: Tokenizer
     settings: ApiSettings
+    text: TextWorkers
     tokens: TokenStrings = field(init=False)
     model_names: tuple[str, ...] = field(init=False)
     created: int = field(init=False)
@@ -309,7 +331,7 @@ class OpenAIApi:
     async def _chat_prompt(self, req: ChatCompletionRequest) -> PromptInfo:
         messages = [m.to_template() for m in req.messages]
         try:
-            text = self.tokenizer.apply_chat_template(
+            text = await self.text.apply_chat_template(
                 messages,
                 add_generation_prompt=req.add_generation_prompt,
                 **(req.chat_template_kwargs or {}),
@@ -324,9 +346,11 @@ class OpenAIApi:
 
     async def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:
-            if len(text) <= INLINE_TOKENIZE_CHARS:
-                return self.tokenizer.encode(text, add_special_tokens)
-            return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+            return await self.text.encode(text, add_special_tokens, self.backend.max_model_len)
+        except PromptTooLong as exc:  # what resolve_max_tokens says, without the ids
+            raise context_length_error(
+                exc.num_tokens, self.backend.max_model_len, None, param
+            ) from None
         except (TokenizerError, UnicodeError) as exc:
             raise bad_request(f"cannot tokenize the {param}: {exc}", param) from exc
 

@@ -33,7 +33,8 @@ class Overloaded(BackendError):
 
 
 class Unavailable(BackendError):
-    """No instance is ready: 503 with Retry-After."""
+    """No capacity now (no instance is ready, or a request waited ``max_queue_time`` for a
+    slot): 503 with Retry-After."""
 
     status_code = 503
 

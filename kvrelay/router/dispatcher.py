@@ -5,8 +5,20 @@ Per request the router keeps the tokens streamed so far and the instances it dep
     placed on (P, D)     watch {P, D}   P computes the prompt, D decodes after the hand-off
     first token (P)      watch {D}      the event says handed_off_to=D; P may now die freely
     a watched one dies   -> re-run on a surviving placement from the tokens already streamed
-                            (GenerateRequest.output_token_ids); the client sees one stream
+                            (GenerateRequest.output_token_ids) as the next attempt; the
+                            client sees one stream; Abort(attempt) to the old instances too
+                            (one that was only paused drops the superseded attempt on resume)
     client gone / stop   -> Abort to every watched instance (they free the blocks)
+
+Every attempt has a number (GenerateRequest.attempt, echoed in TokenEvent.attempt); events of
+an older attempt are dropped (``dropped_events{reason="superseded_attempt"}``) and their
+sender is told to Abort it. Every LoadReport is answered with a RegisterAck: a worker that
+hears nothing from a router for its ``router_timeout`` aborts that router's requests.
+
+Liveness: an instance is dead after ``dead_after`` seconds without a message. The reaper
+judges on the router's own clock of responsiveness: when the event loop itself was stalled
+(its tick came late), the stall is not counted against the instances, whose heartbeats
+were waiting in the socket meanwhile.
 
 Token events carry their offset in the output, so events from P and D may arrive in any
 order; duplicates (after a retry) are skipped. Stop strings are applied here, where the
@@ -22,7 +34,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, NamedTuple, cast
 
 import zmq
@@ -43,12 +55,12 @@ from kvrelay.protocol.messages import (
     encode,
 )
 from kvrelay.protocol.sampling_params import TokenLogprobs
+from kvrelay.router.admission import Admission
 from kvrelay.router.backend import (
     Backend,
     Delta,
     GenerateInput,
     GenerationFailed,
-    Overloaded,
     Unavailable,
 )
 from kvrelay.router.metrics import RouterMetrics
@@ -74,7 +86,8 @@ class LatencySample(NamedTuple):
 class DispatcherSettings:
     control_addr: str  # ZMQ address the router binds for workers, e.g. tcp://127.0.0.1:5557
     dead_after: float = 2.0  # seconds without a load report before an instance is dead
-    max_inflight: int = 1024  # requests in flight before 429
+    max_inflight: int = 1024  # requests on the workers at once; more wait (max_queue_time)
+    max_queue_time: float = 0.0  # seconds a request may wait for a slot (0: 429 at once)
     max_retries: int = 3  # re-runs of one request after worker deaths
     retry_after: float = 1.0  # seconds suggested to clients on 429/503
     cache_weight: float = 1.0  # placement: blocks of cache hit worth one queued request
@@ -94,6 +107,7 @@ class _Tracked:
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
     started: float = dataclasses.field(default_factory=time.monotonic)
+    attempt: int = 0  # GenerateRequest.attempt of the current placement
     first_token: float = 0.0
     last_token: float = 0.0
 
@@ -122,6 +136,9 @@ class Dispatcher(Backend):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._tracked: dict[str, _Tracked] = {}
+        self.admission = Admission(
+            settings.max_inflight, settings.max_queue_time, settings.retry_after
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._latencies: collections.deque[LatencySample] = collections.deque(
             maxlen=_NUM_LATENCY_SAMPLES
@@ -177,10 +194,18 @@ class Dispatcher(Backend):
     async def generate(self, request: GenerateInput) -> AsyncIterator[Delta]:
         if self._is_stopping:
             raise Unavailable("this router is shutting down", self.settings.retry_after)
-        if len(self._tracked) >= self.settings.max_inflight:
-            raise Overloaded("too many requests in flight", self.settings.retry_after)
         if request.request_id in self._tracked:
             raise GenerationFailed(f"duplicate request id {request.request_id}")
+        await self.admission.acquire()
+        try:
+            # aclosing: a client gone closes the inner generator now (it aborts on the workers)
+            async with contextlib.aclosing(self._generate(request)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            self.admission.release()
+
+    async def _generate(self, request: GenerateInput) -> AsyncGenerator[Delta, None]:
         placement = self._place(request.prompt_token_ids, request.params.cache_salt)
         if placement is None:
             raise Unavailable("no worker instance is ready", self.settings.retry_after)
@@ -246,6 +271,7 @@ class Dispatcher(Backend):
             list(tr.tokens),
             decode_info,
             origin=self.router_id,
+            attempt=tr.attempt,
         )
         self._send(placement.prefill, msg)
 
@@ -254,7 +280,7 @@ class Dispatcher(Backend):
         for instance_id in tr.watch:
             inst = self.registry.get(instance_id)
             if inst is not None:
-                self._send(inst, Abort(tr.request.request_id))
+                self._send(inst, Abort(tr.request.request_id, tr.attempt))
 
     def _reply(self, identity: bytes, msg: Any) -> None:
         self._send_to(identity, msg)
@@ -306,12 +332,13 @@ class Dispatcher(Backend):
             if isinstance(msg, TokenEvent):
                 self._on_tokens(msg)
             elif isinstance(msg, LoadReport):
-                if self.registry.report(msg) is None:
+                known = self.registry.report(msg) is not None
+                if not known:
                     logger.info(
                         "heartbeat from unregistered %s; asking it to register", msg.instance_id
                     )
-                    ack = RegisterAck(msg.instance_id, known=False, router_id=self.router_id)
-                    self._reply(identity, ack)
+                # the answer also tells the worker this router is alive (router_timeout)
+                self._reply(identity, RegisterAck(msg.instance_id, known, self.router_id))
             elif isinstance(msg, CacheEvent):
                 if self.registry.get(msg.instance_id) is not None:
                     self.cache_index.apply(msg)
@@ -329,6 +356,12 @@ class Dispatcher(Backend):
         if tr is None or tr.done:  # another router's, or a late event of a finished request
             reason = "unknown_request" if tr is None else "finished_request"
             self.metrics.dropped_events.labels(reason).inc()
+            return
+        if event.attempt != tr.attempt:  # an instance that missed the re-run (it was paused)
+            self.metrics.dropped_events.labels("superseded_attempt").inc()
+            if event.attempt < tr.attempt and not event.finished:
+                abort = Abort(event.request_id, event.attempt, superseded=True)
+                self._send_to(event.instance_id.encode(), abort)
             return
         if event.error is not None:
             tr.done = True
@@ -405,8 +438,17 @@ class Dispatcher(Backend):
 
     # ------------------------------------------------------------------ failures
     async def _reap_loop(self) -> None:
+        interval = min(0.2, self.settings.dead_after / 4)
+        last_tick = time.monotonic()
         while True:
-            await asyncio.sleep(min(0.2, self.settings.dead_after / 4))
+            await asyncio.sleep(interval)
+            now = time.monotonic()
+            overshoot = now - last_tick - interval
+            last_tick = now
+            if overshoot > interval:  # more than a late wake-up: the loop itself was held
+                self.registry.excuse(overshoot)  # heartbeats waited in the socket meanwhile
+                self.metrics.loop_stalls.inc()
+                continue  # let the receive loop catch up before judging
             dead = {inst.instance_id for inst in self.registry.reap()}
             if not dead:
                 continue
@@ -418,10 +460,10 @@ class Dispatcher(Backend):
                     self._retry(tr, dead)
 
     def _retry(self, tr: _Tracked, dead: set[str]) -> None:
-        for instance_id in tr.watch - dead:
-            inst = self.registry.get(instance_id)
-            if inst is not None:
-                self._send(inst, Abort(tr.request.request_id))
+        # the dead too: one that was only paused finds the Abort when it resumes
+        abort = Abort(tr.request.request_id, tr.attempt, superseded=True)
+        for instance_id in tr.watch:
+            self._send_to(instance_id.encode(), abort)
         tr.early.clear()
         placement = self._place(tr.request.prompt_token_ids, tr.request.params.cache_salt)
         if placement is None or tr.num_retries >= self.settings.max_retries:
@@ -430,6 +472,7 @@ class Dispatcher(Backend):
             tr.queue.put_nowait(GenerationFailed(f"generation broke off ({why})"))
             return
         tr.num_retries += 1
+        tr.attempt += 1
         self.metrics.retries.inc()
         logger.warning(
             "re-running %s on %s after %d tokens",

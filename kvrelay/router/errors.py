@@ -6,10 +6,12 @@ Every error leaves the server as ``{"error": {"message", "type", "param", "code"
 code   type                            raised for
 =====  ==============================  =========================================================
 400    invalid_request_error           malformed JSON, invalid UTF-8, wrong types, bad values
-401    invalid_request_error           missing or wrong admin bearer token
+401    invalid_request_error           missing or wrong admin token or API key
 404    invalid_request_error           unknown model (code ``model_not_found``) or route
 405    invalid_request_error           a known route with the wrong method
+408    invalid_request_error           headers or body not received within their timeout
 413    invalid_request_error           body over ``max_body_bytes`` (checked before parsing)
+415    invalid_request_error           a POST to /v1/* whose Content-Type is not JSON
 429    rate_limit_error                ``Overloaded`` (with Retry-After)
 500    server_error                    ``GenerationFailed`` or an unexpected error (logged)
 503    server_error                    ``Unavailable`` (with Retry-After)
@@ -20,6 +22,7 @@ FastAPI's own 422 validation shape never reaches a client: it becomes a 400 here
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -199,16 +202,20 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 class BodyLimitMiddleware:
-    """Pure ASGI middleware that reads an HTTP request body up to ``max_body_bytes``.
+    """Pure ASGI middleware that reads an HTTP request body up to ``max_body_bytes``,
+    within ``body_timeout`` seconds.
 
     A ``Content-Length`` over the limit is refused at once (413) without reading; a chunked
-    body is counted as it arrives and refused as soon as it passes the limit. A body within
-    the limit is replayed to the app, and later ``receive`` calls (disconnect) pass through.
+    body is counted as it arrives and refused as soon as it passes the limit. A body not
+    complete within ``body_timeout`` (a chunked body that never ends, fewer bytes than its
+    ``Content-Length``, a slow drip) gets 408 and the connection is closed. A body within
+    the limits is replayed to the app, and later ``receive`` calls (disconnect) pass through.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout: float = 30.0) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -218,7 +225,11 @@ class BodyLimitMiddleware:
             declared = _content_length(scope)
             if declared is not None and declared > self.max_body_bytes:
                 raise self._too_large()
-            body = await self._read_body(receive)
+            async with asyncio.timeout(self.body_timeout):
+                body = await self._read_body(receive)
+        except TimeoutError:
+            await self._timed_out().to_response()(scope, receive, send)
+            return
         except ApiError as exc:
             await exc.to_response()(scope, receive, send)
             return
@@ -240,6 +251,14 @@ class BodyLimitMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+    def _timed_out(self) -> ApiError:
+        return ApiError(
+            408,
+            f"The request body did not arrive within {self.body_timeout:g} s",
+            code="request_timeout",
+            headers={"Connection": "close"},
+        )
 
     def _too_large(self) -> ApiError:
         return ApiError(

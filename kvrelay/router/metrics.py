@@ -49,9 +49,16 @@ class RouterMetrics:
         self.inflight = Gauge("kvrelay_requests_inflight", "Requests in flight", registry=r)
         self.dropped_events = Counter(
             "kvrelay_token_events_dropped",
-            "Token events dropped: for a request this router does not know (another router's, "
-            "or one it forgot) or one that already finished",
+            "Token events dropped, by reason: unknown_request (another router's, or one it "
+            "forgot), finished_request (it already finished), superseded_attempt (from an "
+            "attempt the router re-ran elsewhere)",
             ["reason"],
+            registry=r,
+        )
+        self.loop_stalls = Counter(
+            "kvrelay_router_loop_stalls",
+            "Times the router's event loop was held past a reaper tick (not counted against "
+            "worker liveness)",
             registry=r,
         )
         self.placement_hits = Counter(

@@ -113,6 +113,13 @@ class Registry:
             del self._instances[inst.instance_id]
         return dead
 
+    def excuse(self, seconds: float) -> None:
+        """Does not count ``seconds`` of silence against any instance: the router itself was
+        stalled, and their heartbeats waited unread."""
+        now = time.monotonic()
+        for inst in self._instances.values():
+            inst.last_seen = min(now, inst.last_seen + seconds)
+
     def instances(self, role: Role | None = None) -> list[Instance]:
         return [i for i in self._instances.values() if role is None or i.role is role]
 

@@ -30,6 +30,8 @@ from kvrelay.router.api import ApiSettings, create_app, parse_json_object
 from kvrelay.router.cache_stats import build_report, fetch_worker_stats
 from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
 from kvrelay.router.errors import ApiError, require_admin_token
+from kvrelay.router.http_guards import with_header_timeout
+from kvrelay.router.text_workers import TextWorkers
 from kvrelay.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,13 +48,25 @@ class RouterConfig:
     max_model_len: int | None = None  # cap on the context window
     dead_after: float = 2.0  # seconds without a heartbeat before a worker is dead
     drain_timeout: float = 30.0  # on SIGTERM: seconds for the streams in flight to finish
-    max_inflight: int = 1024  # requests in flight before 429
+    max_inflight: int = 1024  # requests on the workers at once; more wait or get 429
+    max_queue_time: float = 0.0  # seconds a request may wait for a slot before 503
     max_body_bytes: int = 4 << 20  # larger bodies get 413
+    api_keys: tuple[str, ...] = ()  # bearer keys required on /v1/*; () = open
+    ssl_certfile: str | None = None  # TLS certificate of the HTTP API (PEM); None = plain HTTP
+    ssl_keyfile: str | None = None  # its private key (PEM)
+    header_timeout: float = 10.0  # seconds to receive a request's headers before 408
+    body_timeout: float = 30.0  # seconds to receive a request's body before 408
     cluster_id: str = "default"  # the cluster's id (the local scaling hook's workers get it)
     autoscale: str = "off"  # scaling hook: off | local | compose | kubernetes | webhook | exec
     autoscale_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # hook kwargs
     autoscale_policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
     autoscale_interval: float = 2.0  # seconds between autoscaler evaluations
+
+    def __post_init__(self) -> None:
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together")
+        if not self.header_timeout > 0:
+            raise ValueError(f"header_timeout must be > 0, got {self.header_timeout}")
 
     @property
     def model_name(self) -> str:
@@ -83,14 +97,22 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
         tokenizer,
         config.model_name,
         max_len,
-        DispatcherSettings(config.control_addr, config.dead_after, config.max_inflight),
+        DispatcherSettings(
+            config.control_addr,
+            config.dead_after,
+            config.max_inflight,
+            max_queue_time=config.max_queue_time,
+        ),
     )
     settings = ApiSettings(
         served_model_names=(config.model_name,),
         max_body_bytes=config.max_body_bytes,
         admin_token=config.admin_token,
+        api_keys=config.api_keys,
+        body_timeout=config.body_timeout,
     )
-    app = create_app(backend, tokenizer, settings)
+    text = TextWorkers(tokenizer, config.model)
+    app = create_app(backend, tokenizer, settings, text)
     add_operations_routes(app, backend, settings)
     autoscaler = create_autoscaler(config, backend)
     add_autoscaler_routes(app, autoscaler, settings)
@@ -98,6 +120,7 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await backend.start()
+        text.start()
         logger.info("router: workers connect to %s", config.control_addr)
         if autoscaler is not None:
             autoscaler.start()
@@ -107,6 +130,7 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
             if autoscaler is not None:
                 await autoscaler.stop()
             await backend.close()
+            text.close()
 
     app.router.lifespan_context = lifespan
     return app, backend
@@ -211,8 +235,14 @@ def run_router(config: RouterConfig) -> None:
         loop=loop,
         log_level="warning",
         timeout_graceful_shutdown=5,
+        http=with_header_timeout(config.header_timeout),
+        ssl_certfile=config.ssl_certfile,
+        ssl_keyfile=config.ssl_keyfile,
     )
-    logger.info("router: serving %s on http://%s:%d", config.model_name, config.host, config.port)
+    scheme = "https" if config.ssl_certfile else "http"
+    logger.info(
+        "router: serving %s on %s://%s:%d", config.model_name, scheme, config.host, config.port
+    )
     _DrainingServer(uv_config, backend, config.drain_timeout).run()
 
 

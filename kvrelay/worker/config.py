@@ -38,6 +38,7 @@ class WorkerConfig:
     host_id: str = ""  # equal host ids share memory; default: this machine's id
     served_model_name: str = ""  # the name clients use; default: the directory name
     heartbeat_interval: float = 0.2  # seconds between load reports
+    router_timeout: float = 2.0  # a router silent this long is gone: abort its requests
     lease_ttl: float = 30.0  # prefill keeps handed-off blocks this long without an ack
     transfer_timeout: float = 10.0  # decode's limit for one pull
     host_pool: str = "auto"  # L1 shared-memory pool name; "auto": one per host and model; "": off
@@ -56,6 +57,11 @@ class WorkerConfig:
     engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not self.router_timeout > self.heartbeat_interval:
+            raise ValueError(
+                f"router_timeout ({self.router_timeout}) must exceed the heartbeat interval "
+                f"({self.heartbeat_interval})"
+            )
         if self.role not in (Role.PREFILL, Role.DECODE, Role.COLOCATED):
             raise ValueError(f"worker role must be prefill, decode or colocated, got {self.role}")
         if self.transport not in ("auto", "shm", "tcp", "cuda_ipc"):

@@ -58,6 +58,17 @@ class WorkerMetrics:
             ["transport", "reason"],
             registry=r,
         )
+        self.orphans_aborted = Counter(
+            "kvrelay_orphaned_requests_aborted",
+            "Requests aborted because their router went silent (router_timeout)",
+            registry=r,
+        )
+        self.superseded_dropped = Counter(
+            "kvrelay_superseded_attempts_dropped",
+            "Requests dropped here because the router re-ran them elsewhere (this instance "
+            "was paused or cut off past --dead-after)",
+            registry=r,
+        )
         self.leases_expired = Counter(
             "kvrelay_kv_leases_expired", "Prefill leases freed without an ack", registry=r
         )

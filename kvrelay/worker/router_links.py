@@ -4,7 +4,9 @@ Decides where a worker's messages to the routers go. A worker holds one DEALER l
 (``--control-addr`` may name several); a request's token events go to the router that sent it
 (or to every router while that one is unknown), everything else to all of them. A thread of its
 own sends the latest ``LoadReport`` every heartbeat interval, so a long engine step never looks
-like death.
+like death. Every router answers each report; ``silent_links`` names the routers not heard
+from for a while (gone: their requests are orphans), and ``attempts`` stamps each request's
+events with the router's attempt number.
 
 Locking: ``lock`` guards the links; the worker's loop thread holds it while it polls them and
 the heartbeat thread while it sends.
@@ -12,6 +14,7 @@ the heartbeat thread while it sends.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -38,6 +41,8 @@ class RouterLinks:
         self.lock = threading.RLock()  # router links: loop thread + heartbeat thread
         self.origin: dict[str, zmq.Socket] = {}  # request id -> the router that sent it
         self.by_router_id: dict[str, zmq.Socket] = {}  # router id (RegisterAck) -> its link
+        self.attempts: dict[str, int] = {}  # request id -> GenerateRequest.attempt
+        self._last_heard = {link: time.monotonic() for link in self.links}  # loop thread only
         self.snapshot: LoadReport | None = None  # what the heartbeat thread sends
         self._heartbeat_interval = heartbeat_interval
         self._is_running: Callable[[], bool] = lambda: False
@@ -71,12 +76,38 @@ class RouterLinks:
         if link is not None:
             self.origin[request_id] = link
 
+    def heard(self, link: zmq.Socket) -> None:
+        """A message came from the router on ``link`` (loop thread)."""
+        self._last_heard[link] = time.monotonic()
+
+    def silent_links(self, timeout: float) -> set[zmq.Socket]:
+        """The router links with nothing received for ``timeout`` seconds."""
+        since = time.monotonic() - timeout
+        return {link for link, heard in self._last_heard.items() if heard < since}
+
+    def is_orphan(self, request_id: str, silent: set[zmq.Socket]) -> bool:
+        """The request's router is silent (every router, when its origin is unknown)."""
+        origin = self.origin.get(request_id)
+        return origin in silent if origin is not None else len(silent) == len(self.links)
+
+    def is_current(self, request_id: str, attempt: int | None) -> bool:
+        """An Abort of ``attempt`` applies to what runs (None: any attempt)."""
+        return attempt is None or self.attempts.get(request_id, 0) <= attempt
+
     def send_event(self, event: TokenEvent) -> None:
         """Sends to the router that sent the request (every router if it is unknown)."""
         origin = self.origin.get(event.request_id)
+        attempt = self.attempts.get(event.request_id, 0)
         if event.finished or event.handed_off_to is not None:
             self.origin.pop(event.request_id, None)
+            self.attempts.pop(event.request_id, None)
+        if attempt != event.attempt:
+            event = dataclasses.replace(event, attempt=attempt)
         self.send(event, [origin] if origin is not None else None)
+
+    def forget(self, request_id: str) -> None:
+        self.origin.pop(request_id, None)
+        self.attempts.pop(request_id, None)
 
     def send(self, msg: Any, links: list[zmq.Socket] | None = None) -> None:
         """Sends ``msg`` on ``links`` (default: every router link); a full link drops it."""

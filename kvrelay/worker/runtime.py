@@ -5,6 +5,8 @@ One thread runs everything that touches the engine::
     loop:  poll sockets (0 ms when the engine has work, else up to 20 ms)
            handle messages      GenerateRequest / Abort / (Un)Drain / Shutdown from the router,
                                 KvReady / KvAck / KvPull from peers (role hooks)
+           orphans              abort the requests of a router silent for router_timeout
+                                (checked after the poll, so a long step never looks like it)
            engine.step()        -> TokenEvents to the router (role hook: prefill hands off)
            housekeeping         heartbeat LoadReport, lease expiry, pending imports (roles)
 
@@ -123,6 +125,7 @@ class Worker:
         self.draining = False
         self._exit_deadline: float | None = None  # set by SIGTERM: drain, then exit
         self._last_report = 0.0
+        self._last_orphan_check = 0.0
 
     # ------------------------------------------------------------------ set-up
     def _open_param_pool(self, dtype: str) -> ParamPool | None:
@@ -240,6 +243,7 @@ class Worker:
             while self._running:
                 busy = self.engine.has_unfinished_requests() or self.has_role_work()
                 self._poll(0 if busy else _IDLE_POLL_MS)
+                self._abort_orphans()
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self.housekeeping()
@@ -313,8 +317,14 @@ class Worker:
             logger.warning("%s: dropping a malformed message: %s", self.instance_id, e)
             return
         if sock is not self.peer:
+            self.routers.heard(sock)
             if isinstance(msg, GenerateRequest):
                 self.routers.origin[msg.request_id] = sock
+                self.routers.attempts[msg.request_id] = msg.attempt
+            elif isinstance(msg, Abort) and not self.routers.is_current(
+                msg.request_id, msg.attempt
+            ):
+                return  # aborts an older attempt; a newer one runs here now
             elif isinstance(msg, RegisterAck):
                 self._on_register_ack(msg, sock)
                 return
@@ -327,7 +337,10 @@ class Worker:
         if isinstance(msg, GenerateRequest):
             self.on_generate(msg)
         elif isinstance(msg, Abort):
+            if msg.superseded and msg.request_id in self.request_ids():
+                self.metrics.superseded_dropped.inc()
             self.on_abort(msg.request_id)
+            self.routers.forget(msg.request_id)
         elif isinstance(msg, Drain):
             self.draining = True
         elif isinstance(msg, Undrain):
@@ -350,6 +363,33 @@ class Worker:
                 "%s: router does not know this instance; registering again", self.instance_id
             )
             self.register([link])
+
+    def _abort_orphans(self) -> None:
+        """Aborts the requests whose router went silent (killed, partitioned)."""
+        now = time.monotonic()
+        if now - self._last_orphan_check < self.config.heartbeat_interval:
+            return
+        self._last_orphan_check = now
+        silent = self.routers.silent_links(self.config.router_timeout)
+        if not silent:
+            return
+        orphans = [rid for rid in self.request_ids() if self.routers.is_orphan(rid, silent)]
+        for request_id in orphans:
+            self.on_abort(request_id)
+            self.routers.forget(request_id)
+        if orphans:
+            self.metrics.orphans_aborted.inc(len(orphans))
+            logger.warning(
+                "%s: router silent for %.1f s; aborted %d request(s)",
+                self.instance_id,
+                self.config.router_timeout,
+                len(orphans),
+            )
+
+    def request_ids(self) -> list[str]:
+        """The requests this instance is working on (roles add what they hold)."""
+        scheduler = self.engine.scheduler
+        return [seq.seq_id for seq in [*scheduler.waiting, *scheduler.running]]
 
     def on_peer_message(self, msg: Any, identity: bytes) -> None:
         logger.warning("%s: unexpected %s from a peer", self.instance_id, type(msg).__name__)
