@@ -1,8 +1,9 @@
 """Chained 128-bit block hashes: the one key that names a KV block in every tier and host.
 
 ``h_i = blake2b-128(h_{i-1} || fingerprint || tokens of block i)``. The chain makes a block's
-key depend on every token before it, so equal keys mean equal KV; the model fingerprint keeps
-two models (or two tokenizers) from ever sharing an entry.
+key depend on every token before it, so equal keys mean equal KV; the model fingerprint
+(``identity.model_identity``: every byte of the weights, config and tokenizer files, and the
+dtype) keeps two models (or two tokenizers) from ever sharing an entry.
 """
 
 from __future__ import annotations

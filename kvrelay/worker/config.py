@@ -14,7 +14,8 @@ import torch
 from kvrelay.cachetier.manager import TieredCache
 from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.loader import TORCH_DTYPES, model_fingerprint
+from kvrelay.engine.identity import model_identity
+from kvrelay.engine.loader import TORCH_DTYPES
 from kvrelay.protocol.messages import KvLayout, Role
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ def create_tiers(config: WorkerConfig, engine_config: EngineConfig) -> TieredCac
 
         name = config.host_pool
         if name == "auto":
-            name = default_pool_name(fmt, model_fingerprint(config.model))
+            name = default_pool_name(fmt, model_identity(config.model, engine_config.dtype))
         tiers.append(HostPool.open(name, config.host_pool_bytes, fmt, record_changes=True))
     if config.redis_url:
         from kvrelay.cachetier.redis_tier import RedisTier
@@ -127,7 +128,7 @@ def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
 
     peers = [a.strip() for a in config.param_peers.split(",") if a.strip()]
     if peers:
-        fingerprint = model_fingerprint(config.model)
+        fingerprint = model_identity(config.model, dtype)
         name = pool_name(fingerprint, dtype)
         if not any(p.name == name and p.state == "ready" for p in list_pools()):
             try:
