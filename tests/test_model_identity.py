@@ -90,7 +90,7 @@ def _old_fingerprint_inputs(path: Path) -> bytes:
 
 
 def test_one_tensor_changed_outside_the_samples_changes_the_identity(twins) -> None:
-    a, b, (name, start, end) = twins
+    a, b, (_, start, end) = twins
     wa, wb = a / "model.safetensors", b / "model.safetensors"
     assert _old_fingerprint_inputs(wa) == _old_fingerprint_inputs(wb)  # the blind spot
     assert wa.read_bytes()[:start] == wb.read_bytes()[:start]
