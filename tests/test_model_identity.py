@@ -29,11 +29,12 @@ from kvrelay.cachetier.block_hash import hash_blocks
 from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.cachetier.param_segment import CorruptPool
 from kvrelay.cachetier.segments import SHM_DIR
+from kvrelay.cli.launcher import ClusterSpec, Launcher
 from kvrelay.engine import identity
 from kvrelay.engine.identity import IDENTITY_FILE, model_identity
 from kvrelay.protocol.messages import KvLayout, LoadReport, PeerInfo, Register, Role
 from kvrelay.router.registry import Registry
-from tests.cluster_harness import running_cluster, worker_stats
+from tests.cluster_harness import metric_value, read_text, running_cluster, worker_stats
 from tests.redis_server import redis_server  # noqa: F401 - fixture
 
 REPO = Path(__file__).resolve().parent.parent
@@ -258,15 +259,23 @@ def _wait_for(predicate, timeout: float = 20.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.fixture(scope="module")
+def expected(twins) -> dict[Path, str]:
+    """Per checkpoint: transformers' greedy continuation of PROMPT, as text."""
+    pytest.importorskip("transformers")
+    a, b, _ = twins
+    out = {a: _reference(a), b: _reference(b)}
+    assert out[a] != out[b]
+    return out
+
+
 def test_two_checkpoints_served_in_turn_share_no_weights_and_no_kv(
     twins,
+    expected,
     tmp_path,
     redis_server,  # noqa: F811
 ) -> None:
-    pytest.importorskip("transformers")
     a, b, _ = twins
-    expected = {a: _reference(a), b: _reference(b)}
-    assert expected[a] != expected[b]
     server = redis_server()
     shared_l1 = f"kvrelay-ident{os.getpid()}-l1"  # one L1 pool for both clusters
     args = ("--num-blocks", "256", "--threads", "1", "--redis-url", server.url,
@@ -294,3 +303,40 @@ def test_two_checkpoints_served_in_turn_share_no_weights_and_no_kv(
         from kvrelay.cachetier import host_ops
 
         host_ops.remove_host_pool(shared_l1)
+
+
+def _pulled_bytes(launcher, instance_id: str) -> float:
+    rows = launcher.get_json("/admin/instances")["data"]
+    info = {i["instance_id"]: i for i in rows}[instance_id]
+    return metric_value(
+        read_text(info["status_url"] + "/metrics"), "kvrelay_kv_transfer_bytes_total"
+    )
+
+
+def test_a_prefill_and_a_decode_of_other_weights_refuse_to_pair(twins, expected, tmp_path):
+    a, b, _ = twins
+    spec = ClusterSpec(
+        model=str(a), log_dir=str(tmp_path),
+        worker_args=("--num-blocks", "256", "--threads", "1", "--host-pool", "off"),
+        router_args=("--dead-after", "1.5", "--served-model-name", "tiny"),
+    )  # fmt: skip
+    launcher = Launcher(spec)
+    try:
+        launcher.start_router()
+        launcher.add_worker("prefill")
+        decode_b = launcher.add_worker("decode", ["--model", str(b)])
+        launcher.wait_ready(timeout=120)
+        res = _complete(launcher)  # end to end on one instance: its own model's answer
+        assert res.choices[0].text in (expected[a], expected[b])
+        assert _pulled_bytes(launcher, decode_b) == 0
+        log = (tmp_path / "router.log").read_text()
+        assert "serve different weights: they never pair" in log
+        assert decode_b in log and "prefill-0" in log
+        decode_a = launcher.add_worker("decode")
+        launcher.wait_ready(timeout=120, names=[decode_a])
+        res = _complete(launcher)  # prefill a now pairs with decode a only
+        assert res.choices[0].text == expected[a]
+        assert _pulled_bytes(launcher, decode_a) > 0
+        assert _pulled_bytes(launcher, decode_b) == 0
+    finally:
+        launcher.stop()
