@@ -28,6 +28,7 @@ from kvrelay.cachetier import param_ops
 from kvrelay.cachetier.block_hash import hash_blocks
 from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.cachetier.param_segment import CorruptPool
+from kvrelay.cachetier.param_transfer import fetch_pool
 from kvrelay.cachetier.segments import SHM_DIR
 from kvrelay.cli.launcher import ClusterSpec, Launcher
 from kvrelay.engine import identity
@@ -193,6 +194,30 @@ def test_a_pool_holding_another_identity_is_never_attached(twins) -> None:
             assert pool_b.manifest.source == str(b.resolve())
     for info in param_ops.list_pools(scope):
         param_ops.remove(info.name)
+
+
+def test_a_peer_serving_other_weights_fills_nothing(twins) -> None:
+    a, b, _ = twins
+    run = f"ident{os.getpid()}"
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "kvrelay", "pool", "serve", "--model", str(a),
+         "--scope", f"{run}s", "--bind", "tcp://127.0.0.1:0"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    try:
+        addr = serve.stdout.readline().strip().rsplit(" ", 1)[-1]  # type: ignore[union-attr]
+        with pytest.raises(ValueError, match="a peer serves model"):
+            fetch_pool(model_identity(b, "float32"), "float32", [addr], scope=f"{run}r")
+        assert param_ops.list_pools(f"{run}r") == []
+        got = fetch_pool(model_identity(a, "float32"), "float32", [addr], scope=f"{run}r")
+        with got.pool as pool:  # the control: the same peer fills a pool of its own model
+            assert pool.manifest.fingerprint == model_identity(a, "float32")
+    finally:
+        serve.terminate()
+        serve.wait(timeout=30)
+        for scope in (f"{run}s", f"{run}r"):
+            for info in param_ops.list_pools(scope):
+                param_ops.remove(info.name, force=True)
 
 
 def test_prefill_and_decode_of_different_weights_never_pair(caplog) -> None:

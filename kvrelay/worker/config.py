@@ -133,7 +133,8 @@ def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
         if not any(p.name == name and p.state == "ready" for p in list_pools()):
             try:
                 return fetch_pool(fingerprint, dtype, peers).pool
-            except (ChainError, FileExistsError) as e:  # no peer, or another process fills it
+            # no peer, another process fills it, or a peer serves other weights (ValueError)
+            except (ChainError, FileExistsError, ValueError) as e:
                 logger.warning("weights from peers failed (%s); using the host pool or disk", e)
     return ParamPool.attach_or_create(config.model, dtype)
 
