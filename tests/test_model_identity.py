@@ -318,12 +318,12 @@ def test_two_checkpoints_served_in_turn_share_no_weights_and_no_kv(
                     assert res.usage.prompt_tokens_details.cached_tokens == full_blocks * BS
                 keys = hash_blocks(PROMPT, BS, model_identity(model, "float32"))
                 redis_keys = [b"kvrelay:" + k for k in keys[:full_blocks]]
-                _wait_for(lambda k=redis_keys: server.client().exists(*k) == full_blocks)
+                _wait_for(lambda k=redis_keys: server.client().exists(*k) == full_blocks, 60)
                 pools = {s["tiers"]["host"]["pool_name"] for s in worker_stats(launcher).values()}
                 assert pools == {shared_l1}
-        built = {p.fingerprint: p.source for p in param_ops.list_pools() if p.source}
-        for model in (a, b):  # each built its own parameter pool; a attached its own again
-            assert built[model_identity(model, "float32").hex()] == str(model.resolve())
+        # each built (or found: same bytes, e.g. another test run's copy) its own weights pool
+        ready = {p.fingerprint for p in param_ops.list_pools() if p.state == "ready"}
+        assert {model_identity(m, "float32").hex() for m in (a, b)} <= ready
     finally:
         from kvrelay.cachetier import host_ops
 
