@@ -43,9 +43,9 @@ POOL_EVENT = {"disk": None, "build": "built", "pool": None, "peer": "filled"}  #
 RECEIVER_CODE = """\
 import json, sys, time
 from kvrelay.cachetier.param_transfer import fetch_pool
-from kvrelay.engine.loader import model_fingerprint
+from kvrelay.engine.identity import model_identity
 model, dtype, scope, bind, sources, link = sys.argv[1:7]
-fingerprint = model_fingerprint(model)
+fingerprint = model_identity(model, dtype)
 print("ready", flush=True)
 sys.stdin.readline()
 start = time.time()
@@ -209,7 +209,7 @@ class AttachResult:
     model: str
     pool_bytes: int
     attach_ms: tuple[float, ...]  # ParamPool.attach_or_create on a ready pool, then close
-    fingerprint_ms: float  # median of model_fingerprint alone (part of every attach)
+    fingerprint_ms: float  # median of model_identity alone (part of every attach)
     disk_load_s: tuple[float, ...]  # load_weights with the checkpoint evicted
 
 
@@ -227,7 +227,8 @@ def measure_attach(ckpt: Checkpoint, args: argparse.Namespace) -> AttachResult:
 
     from kvrelay.cachetier import param_ops, param_pool
     from kvrelay.engine.config import ModelConfig
-    from kvrelay.engine.loader import load_weights, model_fingerprint
+    from kvrelay.engine.identity import model_identity
+    from kvrelay.engine.loader import load_weights
 
     torch.set_num_threads(1)  # as the workers
     scope = f"attach{os.getpid()}"
@@ -240,7 +241,7 @@ def measure_attach(ckpt: Checkpoint, args: argparse.Namespace) -> AttachResult:
 
         attach()  # warm-up
         attach_s = timings(attach, args.attach_repeats)
-        fp_s = timings(lambda: model_fingerprint(ckpt.path), args.attach_repeats)
+        fp_s = timings(lambda: model_identity(ckpt.path, ckpt.dtype), args.attach_repeats)
     finally:
         pool.close()
         param_ops.remove(ckpt.scoped_pool(scope), force=True)

@@ -156,8 +156,9 @@ def describe(
         "script's process with the file evicted; (b) pool attach, from the next table.\n\n"
         "**Pool attach alone**: `ParamPool.attach_or_create` + `close` on a ready pool, "
         f"{settings['attach_repeats']} times after one warm-up, in this script's process. "
-        "It includes `model_fingerprint` (config, tokenizer and 3 x 64 KiB of each weight "
-        "file) and the `gc` sweep that runs first; the tensors are views of the mapping, so "
+        "It includes `model_identity` (every byte of the weights, config and tokenizer files; "
+        "file digests cached by inode, size, mtime and ctime, so here only stat calls) and "
+        "the `gc` sweep that runs first; the tensors are views of the mapping, so "
         "pages are faulted in later, by the first forward pass (in 'first token after "
         "join')."
     )

@@ -49,7 +49,7 @@ class Checkpoint:
     path: Path  # what measured instances load (no other process maps its files)
     twin: Path  # a byte copy in other files, for the cluster's router and original workers
     dtype: str  # the dtype it is served in (and its pools hold)
-    fingerprint: str  # hex of ``model_fingerprint``: unique to this run (see the module doc)
+    fingerprint: str  # hex of ``model_identity``: unique to this run (see the module doc)
     num_params: int
     num_bytes: int  # the runtime weights in ``dtype``
 
@@ -126,7 +126,7 @@ def link_checkpoint(src: Path, dst: Path, nonce: str) -> Path:
 
 def prepare_checkpoints(names: Sequence[str], work: Path, cache: Path) -> list[Checkpoint]:
     from kvrelay.engine.config import ModelConfig
-    from kvrelay.engine.loader import model_fingerprint
+    from kvrelay.engine.identity import model_identity
     from kvrelay.engine.make_tiny import make_tiny
 
     nonce = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -141,7 +141,7 @@ def prepare_checkpoints(names: Sequence[str], work: Path, cache: Path) -> list[C
         num_params = count_params(path)
         item = 2 if dtype == "bfloat16" else 4
         ModelConfig.from_dir(path)  # fails here, not in a worker, on a bad config
-        fingerprint = model_fingerprint(path).hex()
+        fingerprint = model_identity(path, dtype).hex()
         out.append(Checkpoint(name, path, twin, dtype, fingerprint, num_params, num_params * item))
     return out
 
@@ -157,7 +157,7 @@ def evict_page_cache(model_dir: Path) -> int | None:
     """Drops the checkpoint's weight files from the page cache (``posix_fadvise``: this
     file's pages only, no root, nothing else on the machine goes cold); returns the bytes
     still resident per ``fincore``, or None where fincore is missing."""
-    from kvrelay.engine.loader import weight_files
+    from kvrelay.engine.identity import weight_files
 
     files = weight_files(model_dir)
     for path in files:

@@ -149,6 +149,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "router: seconds to receive a request's body before 408", "--body-timeout"),
     _var("KVRELAY_LOG_LEVEL", str, "info", "log level of every command (-v: debug)",
          "--log-level", commands=(), choices=LOG_LEVELS),
+    _var("KVRELAY_CACHE_DIR", str, "~/.cache/kvrelay",
+         "what kvrelay keeps between runs: digests of model files (identity/)", "--cache-dir",
+         commands=()),
 )  # fmt: skip
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}
 

@@ -246,9 +246,9 @@ def test_redis_outage_degrades_and_recovers(tiny_model_dir, tmp_path, prompts, r
 
 
 def _fingerprint(launcher) -> bytes:
-    from kvrelay.engine.loader import model_fingerprint
+    from kvrelay.engine.identity import model_identity
 
-    return model_fingerprint(launcher.spec.model)
+    return model_identity(launcher.spec.model, "float32")
 
 
 def _flushed(server, keys, n: int) -> bool:

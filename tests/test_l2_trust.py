@@ -66,9 +66,9 @@ def _by_tier(res) -> dict[str, int]:
 
 
 def _keys(launcher, ids: list[int]) -> list[BlockHash]:
-    from kvrelay.engine.loader import model_fingerprint
+    from kvrelay.engine.identity import model_identity
 
-    return hash_blocks(ids, BS, model_fingerprint(launcher.spec.model))[: _num_blocks(ids)]
+    return hash_blocks(ids, BS, model_identity(launcher.spec.model, "float32"))[: _num_blocks(ids)]
 
 
 def _wait_stored(server, keys: list[BlockHash], timeout: float = 20.0) -> list[bytes]:

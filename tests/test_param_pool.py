@@ -30,7 +30,8 @@ from kvrelay.cachetier.param_segment import CorruptPool
 from kvrelay.cachetier.segments import SHM_DIR
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.engine import LLMEngine, build_engine_config
-from kvrelay.engine.loader import load_weights, model_fingerprint
+from kvrelay.engine.identity import model_identity
+from kvrelay.engine.loader import load_weights
 from kvrelay.engine.make_tiny import make_tiny
 from kvrelay.protocol.sampling_params import SamplingParams
 from kvrelay.text.tokenizer import Tokenizer
@@ -149,7 +150,7 @@ def _reattach_child(model_dir: Path, scope: str, calls: Path, rounds: int, out: 
     (number of rebuilds, every digest, every (first, second) inode pair)."""
     torch.set_num_threads(1)
     build = _recording_build(model_dir, calls, delay_s=0.02)
-    name = param_ops.pool_name(model_fingerprint(model_dir), "float32", scope)
+    name = param_ops.pool_name(model_identity(model_dir, "float32"), "float32", scope)
     digests, inodes = set(), []
 
     def never() -> dict[str, torch.Tensor]:
@@ -198,7 +199,10 @@ def test_first_attach_builds_and_other_processes_attach(tiny_model_dir, scope, t
     pid2, name2, digest2 = out.get(timeout=TIMEOUT_S)
     second.join(TIMEOUT_S)
     assert _build_calls(calls) == [pid] and pid2 != pid and name2 == name
-    assert name == f"kvrelay-params-{scope}-{model_fingerprint(tiny_model_dir)[:8].hex()}-float32"
+    assert (
+        name
+        == f"kvrelay-params-{scope}-{model_identity(tiny_model_dir, 'float32')[:8].hex()}-float32"
+    )
 
     def fail() -> dict[str, torch.Tensor]:
         raise AssertionError("a ready pool must not be rebuilt")
@@ -210,7 +214,7 @@ def test_first_attach_builds_and_other_processes_attach(tiny_model_dir, scope, t
         assert all(t.data_ptr() % param_segment.TENSOR_ALIGN == 0 for t in pool.weights.values())
         info = _info(name, scope)
         assert (info.state, info.user_pids, info.dtype) == ("ready", (os.getpid(),), "float32")
-        assert info.fingerprint == model_fingerprint(tiny_model_dir).hex()
+        assert info.fingerprint == model_identity(tiny_model_dir, "float32").hex()
     assert _info(name, scope).user_pids == ()
     assert param_ops.remove(name) is True
     assert _segments(scope) == []
@@ -314,7 +318,7 @@ def test_a_builder_killed_mid_build_is_replaced(tiny_model_dir, scope, tmp_path)
     _kill(hung)
     # killed while writing a segment (a peer-transfer fill): a stale BUILDING segment
     with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=f"{scope}.src") as source:
-        name = param_ops.pool_name(model_fingerprint(tiny_model_dir), "float32", scope)
+        name = param_ops.pool_name(model_identity(tiny_model_dir, "float32"), "float32", scope)
         filler = _start(_fill_child, name, source.header, bytes(source.buffer), out)
         out.get(timeout=TIMEOUT_S)
         assert _info(name, scope).state == "building"
@@ -378,7 +382,7 @@ def test_gc_never_frees_a_pool_being_built_or_about_to_be_attached(tiny_model_di
 def test_fill_from_a_peer_checks_every_chunk(tiny_model_dir, scope):
     with ParamPool.attach_or_create(tiny_model_dir, "float32", scope=f"{scope}.src") as source:
         data = bytearray(source.buffer)
-        name = param_ops.pool_name(model_fingerprint(tiny_model_dir), "float32", scope)
+        name = param_ops.pool_name(model_identity(tiny_model_dir, "float32"), "float32", scope)
         with pytest.raises(CorruptPool):
             ParamPool.open_for_fill(name, source.header, source.total_bytes + 1)
         abandoned = ParamPool.open_for_fill(name, source.header, source.total_bytes)
@@ -445,15 +449,15 @@ def test_pool_cli_lists_refuses_and_frees(tiny_model_dir, scope):
         ["rm", "--force", used.name],
         ["ls", "--scope", scope],
     )
-    header = ["NAME", "FINGERPRINT", "DTYPE", "MIB", "STATE", "USERS", "IDLE_S"]
-    assert ls[0] == 0 and ls[1].split()[:7] == header
+    header = ["NAME", "IDENTITY", "DTYPE", "MIB", "STATE", "USERS", "IDLE_S", "SOURCE"]
+    assert ls[0] == 0 and ls[1].splitlines()[0].split() == header
     rows = {line.split()[0]: line.split() for line in ls[1].splitlines()[1:]}
     assert set(rows) == {used.name, idle.name}
-    fingerprint = model_fingerprint(tiny_model_dir).hex()
-    pid = str(os.getpid())
-    assert rows[used.name][1:] == [fingerprint, "float32", sizes[used.name], "ready", pid, "-"]
-    assert rows[idle.name][1:6] == [fingerprint, "bfloat16", sizes[idle.name], "ready", "-"]
-    assert float(rows[idle.name][6]) >= 0
+    f32, bf16 = (model_identity(tiny_model_dir, d).hex()[:16] for d in ("float32", "bfloat16"))
+    pid, source = str(os.getpid()), str(Path(tiny_model_dir).resolve())
+    assert rows[used.name][1:] == [f32, "float32", sizes[used.name], "ready", pid, "-", source]
+    assert rows[idle.name][1:6] == [bf16, "bfloat16", sizes[idle.name], "ready", "-"]
+    assert float(rows[idle.name][6]) >= 0 and rows[idle.name][7] == source
     assert refused[0] == 1 and f"live users (pids [{pid}])" in refused[2]
     assert (gc[0], gc[1].split()) == (0, [idle.name])
     assert (force[0], force[1].split()) == (0, [used.name])

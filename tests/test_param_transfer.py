@@ -14,7 +14,7 @@ import xxhash
 
 from kvrelay.cachetier import param_ops, param_pool
 from kvrelay.cachetier.param_transfer import fetch_pool
-from kvrelay.engine.loader import model_fingerprint
+from kvrelay.engine.identity import model_identity
 from kvrelay.transport.chain_wire import ChainError
 
 
@@ -97,7 +97,7 @@ def test_chain_of_three_pools_ends_byte_identical(tiny_model_dir: Path, scopes) 
 
 
 def test_no_peer_raises_so_the_worker_falls_back_to_disk(tiny_model_dir: Path, scopes) -> None:
-    fingerprint = model_fingerprint(tiny_model_dir)
+    fingerprint = model_identity(tiny_model_dir, "float32")
     with pytest.raises(ChainError):
         fetch_pool(fingerprint, "float32", ["tcp://127.0.0.1:9"], scope=scopes["a"], timeout=1)
     assert param_ops.list_pools(scopes["a"]) == []  # nothing half-filled left behind

@@ -2,7 +2,9 @@
 
 ``h_i = blake2b-128(h_{i-1} || seed || tokens of block i)``. The chain makes a block's
 key depend on every token before it, so equal keys mean equal KV. The seed
-(``chain_seed``) is the model fingerprint, which keeps two models (or two tokenizers) from
+(``chain_seed``) is the model fingerprint
+(``identity.model_identity``: every byte of the weights, config and tokenizer files, and the
+dtype), which keeps two models (or two tokenizers) from
 ever sharing an entry, followed by a digest of the request's ``cache_salt`` when it has one:
 requests share cached prefixes (device, L1, L2, the router's placement index) only with
 requests of the same salt, so one tenant cannot learn by timing what another sent.

@@ -40,6 +40,7 @@ from kvrelay.cachetier.param_segment import (
     OutdatedPool,
     _Header,
     _open_segment,
+    _read_manifest,
     _unlink,
 )
 from kvrelay.cachetier.segments import SHM_DIR, segment_mappers
@@ -57,12 +58,13 @@ _NAME = re.compile(re.escape(PREFIX) + r"[A-Za-z0-9_.-]{1,180}")
 @dataclasses.dataclass(frozen=True, slots=True)
 class PoolInfo:
     name: str
-    fingerprint: str  # hex of the 16-byte model fingerprint ("" before the header is written)
+    fingerprint: str  # hex of the 16-byte model identity ("" before the header is written)
     dtype: str
     num_bytes: int  # segment size
     state: PoolState
     user_pids: tuple[int, ...]  # live users (pids as their own namespace saw them)
     last_used: float  # unix time of the last attach, detach or dead user found
+    source: str = ""  # the checkpoint directory it was built from ("" unless ready)
 
     def idle_s(self, now: float | None = None) -> float | None:
         """Seconds since last use, or None while the pool has users."""
@@ -91,6 +93,8 @@ def list_pools(scope: str = "") -> list[PoolInfo]:
                     header = _Header.read(fd)
                     users = _live_users(fd, name, locks, prune=False)
                 size = os.fstat(fd).st_size
+                is_ready = header is not None and header.state == READY
+                source = _read_manifest(fd, header).source if header and is_ready else ""
             except OutdatedPool:
                 pids = segment_mappers().get(name, ())
                 out.append(PoolInfo(name, "", "", os.fstat(fd).st_size, "outdated", pids, 0.0))
@@ -108,7 +112,7 @@ def list_pools(scope: str = "") -> list[PoolInfo]:
                 if header
                 else ("", "", 0.0)
             )
-            out.append(PoolInfo(name, fp, dtype, size, state, tuple(users), last))
+            out.append(PoolInfo(name, fp, dtype, size, state, tuple(users), last, source))
     return out
 
 

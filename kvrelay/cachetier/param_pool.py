@@ -137,14 +137,14 @@ class ParamPool:
             TimeoutError: another process was still building after ``wait_s``.
             CorruptPool: the existing pool is unreadable or holds another model.
         """
-        from kvrelay.engine.loader import model_fingerprint
+        from kvrelay.engine.identity import model_identity
 
-        fingerprint = model_fingerprint(model_dir)
+        fingerprint = model_identity(model_dir, dtype)
         name = pool_name(fingerprint, dtype, scope)
         build = build or functools.partial(_load_from_disk, model_dir, dtype)
         with interest(name):
             gc(grace_s, scope=scope)
-            return cls._attach_or_build(name, fingerprint, dtype, build, wait_s)
+            return cls._attach_or_build(name, fingerprint, dtype, build, wait_s, model_dir)
 
     @classmethod
     def _attach_or_build(
@@ -154,6 +154,7 @@ class ParamPool:
         dtype: str,
         build: Callable[[], Mapping[str, torch.Tensor]],
         wait_s: float,
+        model_dir: str | Path,
     ) -> ParamPool:
         """Attaches if READY, else builds under the build lock, else waits for the builder."""
         deadline = time.monotonic() + wait_s
@@ -166,7 +167,7 @@ class ParamPool:
                 if locks.try_lock(_build_pos(name)):
                     try:
                         pool = cls._attach(name, fingerprint, dtype, locks)
-                        return pool or cls._build(name, fingerprint, dtype, build, locks)
+                        return pool or cls._build(name, fingerprint, dtype, build, locks, model_dir)
                     finally:
                         locks.unlock(_build_pos(name))
                 if time.monotonic() >= deadline:
@@ -381,12 +382,14 @@ class ParamPool:
         dtype: str,
         build: Callable[[], Mapping[str, torch.Tensor]],
         locks: _LockFile,
+        source: str | Path,
     ) -> ParamPool:
         """Under the build lock: (re)creates the segment from ``build()`` and attaches."""
         started = time.perf_counter()
         _unlink(name)  # stale: its builder is dead, as we hold the build lock
         tensors = dict(build())
-        manifest = Manifest.plan(fingerprint, dtype, tensors, CHUNK_BYTES)
+        source = str(Path(source).resolve())
+        manifest = Manifest.plan(fingerprint, dtype, tensors, CHUNK_BYTES, source)
         fd, header = _create_segment(name, manifest)
         user = None
         try:

@@ -13,7 +13,8 @@ Segment ``/dev/shm/kvrelay-params-[<scope>-]<fingerprint hex16>-<dtype>`` (littl
     128          256 x 16        user slots: pid u64, attached_at f64 (pid 0: free)
     4224         manifest_len    manifest (msgpack, ``Manifest``): fingerprint, dtype,
                                  total_bytes, chunk_bytes, tensors [name, dtype, shape,
-                                 offset, nbytes], checksums (xxh3-64 of each chunk, u64 LE)
+                                 offset, nbytes], checksums (xxh3-64 of each chunk, u64 LE),
+                                 source (the checkpoint directory)
     data_off     total_bytes     data: every tensor at a 64-byte aligned offset;
     (page aligned)               chunk i = data[i * chunk_bytes : (i + 1) * chunk_bytes]
 
@@ -101,12 +102,13 @@ class TensorEntry:
 class Manifest:
     """Everything needed to lay out and check a pool's data (the peer-transfer header)."""
 
-    fingerprint: bytes  # 16 bytes, ``loader.model_fingerprint``
+    fingerprint: bytes  # 16 bytes, ``identity.model_identity`` (every byte, dtype)
     dtype: str  # the pool's dtype (part of its name)
     total_bytes: int  # data region size
     chunk_bytes: int  # checksum (and transfer) unit
     tensors: tuple[TensorEntry, ...]
     checksums: tuple[int, ...]  # xxh3-64 of each chunk; zeros until the data is written
+    source: str = ""  # the checkpoint directory it was built from (on the builder's host)
 
     @property
     def num_chunks(self) -> int:
@@ -114,7 +116,12 @@ class Manifest:
 
     @classmethod
     def plan(
-        cls, fingerprint: bytes, dtype: str, tensors: Mapping[str, torch.Tensor], chunk_bytes: int
+        cls,
+        fingerprint: bytes,
+        dtype: str,
+        tensors: Mapping[str, torch.Tensor],
+        chunk_bytes: int,
+        source: str = "",
     ) -> Manifest:
         """The layout of ``tensors`` in order, 64-byte aligned; checksums zero."""
         entries, offset = [], 0
@@ -125,7 +132,8 @@ class Manifest:
             offset = _round_up(offset + nbytes, TENSOR_ALIGN)
         total = entries[-1].offset + entries[-1].nbytes if entries else 0
         num_chunks = -(-total // chunk_bytes)
-        return cls(fingerprint, dtype, total, chunk_bytes, tuple(entries), (0,) * num_chunks)
+        sums = (0,) * num_chunks
+        return cls(fingerprint, dtype, total, chunk_bytes, tuple(entries), sums, source)
 
     def encode(self) -> bytes:
         """msgpack; its length does not depend on the checksum values."""
@@ -140,6 +148,7 @@ class Manifest:
                     [e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in self.tensors
                 ],
                 "checksums": struct.pack(f"<{len(self.checksums)}Q", *self.checksums),
+                "source": self.source,
             }
         )
 
@@ -161,6 +170,7 @@ class Manifest:
                     for n, t, s, o, b in d["tensors"]
                 ),
                 struct.unpack(f"<{len(sums) // 8}Q", sums),
+                str(d.get("source", "")),
             )
         except CorruptPool:
             raise

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from kvrelay.cachetier.param_ops import pool_name
 from kvrelay.cachetier.param_pool import ParamPool
+from kvrelay.cachetier.param_segment import Manifest
 from kvrelay.transport.chain_fetch import fetch
 from kvrelay.transport.chain_server import ChainServer
 from kvrelay.transport.chain_wire import ChainError, ChainMeta
@@ -62,12 +63,18 @@ def fetch_pool(
     With ``forward_bind``, the pool is served onward while it fills, at most
     ``link_bytes_per_s`` (0: unlimited). Raises ``ChainError``
     when no source delivers (the half-filled pool is removed) and ``ValueError`` when a
-    source holds another model.
+    source holds another model (another identity or dtype: refused before anything is made).
     """
     name = pool_name(fingerprint, dtype, scope)
     filling: list[ParamPool] = []
 
     def make_buffer(meta: ChainMeta) -> memoryview:
+        offered = Manifest.decode(meta.header)
+        if (offered.fingerprint, offered.dtype) != (fingerprint, dtype):
+            raise ValueError(
+                f"a peer serves model {offered.fingerprint.hex()} {offered.dtype}, "
+                f"not {fingerprint.hex()} {dtype}"
+            )
         pool = ParamPool.open_for_fill(name, meta.header, meta.total_bytes)
         filling.append(pool)
         return pool.buffer
@@ -87,9 +94,6 @@ def fetch_pool(
         raise
     pool = filling[-1]
     pool.mark_ready()
-    if (pool.manifest.fingerprint, pool.manifest.dtype) != (fingerprint, dtype):
-        pool.close()
-        raise ValueError(f"a peer served another model than {fingerprint.hex()} {dtype}")
     logger.info(
         "filled parameter pool %s from %s: %.1f MiB in %.2f s",
         name,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvrelay", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     envs.add_option(parser, "KVRELAY_LOG_LEVEL")
+    envs.add_option(parser, "KVRELAY_CACHE_DIR")
     sub = parser.add_subparsers(dest="command", required=True)
     add_offline_parsers(sub)
     add_cluster_parsers(sub)
@@ -125,6 +127,7 @@ def _remember_parsers(parser: argparse.ArgumentParser) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     envs.use_passive_openmp_wait()  # before any command imports torch
     args = parse_args(argv)
+    os.environ["KVRELAY_CACHE_DIR"] = args.cache_dir  # read by this process and its workers
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -101,14 +101,16 @@ def cmd_pool(args: argparse.Namespace) -> int:
     from kvrelay.cachetier import param_locks, param_ops
 
     if args.pool_command == "ls":
-        row = "{:<52} {:<32} {:<8} {:>9} {:<8} {:<6} {}"
-        print(row.format("NAME", "FINGERPRINT", "DTYPE", "MIB", "STATE", "USERS", "IDLE_S"))
+        row = "{:<52} {:<16} {:<8} {:>9} {:<8} {:<6} {:<6} {}"
+        header = ("NAME", "IDENTITY", "DTYPE", "MIB", "STATE", "USERS", "IDLE_S", "SOURCE")
+        print(row.format(*header))
         for p in param_ops.list_pools(args.scope):
             idle = p.idle_s()
             users = ",".join(map(str, p.user_pids)) or "-"
             size, idle_s = f"{p.num_bytes / 2**20:.1f}", "-" if idle is None else f"{idle:.0f}"
-            fingerprint, dtype = p.fingerprint or "-", p.dtype or "-"  # "": unknown
-            print(row.format(p.name, fingerprint, dtype, size, p.state, users, idle_s))
+            identity, dtype = p.fingerprint[:16] or "-", p.dtype or "-"  # "": unknown
+            source = p.source or "-"
+            print(row.format(p.name, identity, dtype, size, p.state, users, idle_s, source))
         return 0
     if args.pool_command in ("serve", "fetch"):
         return _pool_transfer(args)
@@ -133,14 +135,14 @@ def _pool_transfer(args: argparse.Namespace) -> int:
 
     from kvrelay.cachetier.param_pool import ParamPool
     from kvrelay.cachetier.param_transfer import fetch_pool, serve_pool
-    from kvrelay.engine.loader import model_fingerprint
+    from kvrelay.engine.identity import model_identity
     from kvrelay.transport.rate_limit import mbps_to_bytes_per_s
 
     link = mbps_to_bytes_per_s(args.link_mbps)
     if args.pool_command == "fetch":
         sources = [a.strip() for a in args.sources.split(",") if a.strip()]
         got = fetch_pool(
-            model_fingerprint(args.model),
+            model_identity(args.model, args.dtype),
             args.dtype,
             sources,
             scope=args.scope,

@@ -24,7 +24,8 @@ from kvrelay.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from kvrelay.engine.loader import TORCH_DTYPES, check_model_dir, load_weights, model_fingerprint
+from kvrelay.engine.identity import model_identity
+from kvrelay.engine.loader import TORCH_DTYPES, check_model_dir, load_weights
 from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.offload import TierConnector
 from kvrelay.engine.runner import ModelRunner, kv_cache_shape
@@ -133,7 +134,7 @@ class LLMEngine:
         mc = config.model_config
         self.device = device = resolve_device(config.device)
         self.tokenizer = tokenizer
-        self.fingerprint = model_fingerprint(config.model)
+        self.fingerprint = model_identity(config.model, config.dtype)
         if weights is None:
             weights = load_weights(config.model, mc, config.dtype)
         # on CPU ``.to`` returns the same tensors: a parameter pool's views stay zero-copy

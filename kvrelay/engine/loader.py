@@ -2,14 +2,12 @@
 
 Reads ``model.safetensors`` or the shards named by ``model.safetensors.index.json``, maps
 HF tensor names to the runtime names of ``models/llama.py`` (q/k/v and gate/up fused),
-casts to the engine dtype, and computes the model fingerprint that keys KV blocks and the
-parameter pool.
+and casts to the engine dtype. What it does to the tensors is part of the model identity
+(``identity.CONVERSION``): change ``prepare_weights``, bump it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,35 +16,11 @@ import torch
 from safetensors import safe_open
 
 from kvrelay.engine.config import ConfigError, ModelConfig
+from kvrelay.engine.identity import CheckpointError, weight_files
 
 logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
-_SAMPLE_BYTES = 1 << 16
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that is missing files or tensors kvrelay needs."""
-
-
-def weight_files(model_dir: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint, in a stable order."""
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({model_dir / name for name in weight_map.values()})
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"missing file(s) named by {index}: {', '.join(missing)}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise CheckpointError(
-        f"missing file: {single} (or model.safetensors.index.json) in {model_dir}"
-    )
 
 
 def iter_hf_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -109,32 +83,6 @@ def prepare_weights(
     if hf:
         logger.warning("ignoring %d unused checkpoint tensors, e.g. %s", len(hf), next(iter(hf)))
     return {k: v.contiguous() for k, v in out.items()}
-
-
-def model_fingerprint(model_dir: str | Path) -> bytes:
-    """A stable 16-byte identity of a checkpoint: same bytes on every host.
-
-    Covers config and tokenizer files, every weight file's size and safetensors header, and
-    samples of its tensor data (hashing every weight byte of a large model would cost
-    seconds on every start).
-    """
-    model_dir = Path(model_dir)
-    h = hashlib.blake2b(digest_size=16)
-    for name in _FINGERPRINT_FILES:
-        path = model_dir / name
-        if path.is_file():
-            h.update(name.encode())
-            h.update(path.read_bytes())
-    for path in weight_files(model_dir):
-        size = path.stat().st_size
-        h.update(path.name.encode() + size.to_bytes(8, "little"))
-        with path.open("rb") as f:
-            h.update(f.read(_SAMPLE_BYTES))
-            f.seek(max(0, size // 2 - _SAMPLE_BYTES // 2))
-            h.update(f.read(_SAMPLE_BYTES))
-            f.seek(max(0, size - _SAMPLE_BYTES))
-            h.update(f.read(_SAMPLE_BYTES))
-    return h.digest()
 
 
 def check_model_dir(model_dir: str | Path) -> Path:

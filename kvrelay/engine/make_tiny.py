@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kvrelay.engine.config import DTYPES, ConfigError
+from kvrelay.engine.identity import record_identity
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +140,7 @@ def make_tiny(
     _write_json(out / "tokenizer_config.json", _tokenizer_config())
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE, encoding="utf-8")
     _write_json(out / "generation_config.json", _generation_config())
+    record_identity(out, dtype)  # last: it covers the files above
     logger.info("wrote %s %s checkpoint (%s, seed %d) to %s", size, arch, dtype, seed, out)
     return out
 

@@ -83,7 +83,7 @@ class PeerInfo:
     status_url: str  # http://host:port of /health, /ready, /metrics
     kv_segment: str | None  # shared-memory name of the KV pool (None: not shared)
     layout: KvLayout
-    fingerprint: bytes  # model identity (loader.model_fingerprint)
+    fingerprint: bytes  # model identity (identity.model_identity): pairs and KV keys
     transport: str = "auto"  # the transport this instance asks for: auto | shm | tcp | cuda_ipc
     kv_version: int = KV_HANDOFF_VERSION  # the sender's; absent (an older process): 1
 

@@ -11,18 +11,24 @@ Placement (DistServe-style, decode pulls):
   capped, so an instance with more queued requests than its cache credit loses to an idle
   one; with no match anywhere this is simply the least loaded one.
 - decode: most free KV blocks, then fewest running sequences.
+- a pair shares the KV hand-off version and the model identity (``PeerInfo.fingerprint``:
+  every byte of the weights, config and tokenizer, and the dtype); instances of different
+  weights never pair, and ``register`` logs it when such a one joins.
 - no prefill/decode pair: a colocated instance, else any surviving worker, end to end.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from kvrelay.protocol.messages import LoadReport, PeerInfo, Register, Role
 from kvrelay.router.prefix_index import PrefixMatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -64,10 +70,16 @@ class Instance:
             "kv_segment": self.info.kv_segment,
             "transport": self.info.transport,
             "kv_version": self.info.kv_version,
+            "model_identity": self.info.fingerprint.hex(),
             "seconds_since_report": round(time.monotonic() - self.last_seen, 3),
             **load,
             "draining": self.draining or self.load.draining,
         }
+
+
+def can_pair(prefill: PeerInfo, decode: PeerInfo) -> bool:
+    """A decode can continue this prefill's requests: same hand-off version, same model."""
+    return prefill.kv_version == decode.kv_version and prefill.fingerprint == decode.fingerprint
 
 
 class Placement(NamedTuple):
@@ -87,7 +99,22 @@ class Registry:
         empty = LoadReport(info.instance_id, 0, 0, info.layout.num_blocks, info.layout.num_blocks)
         inst = Instance(info, msg.model_name, msg.max_model_len, msg.pid, empty, now)
         self._instances[info.instance_id] = inst
+        self._log_unpairable(inst)
         return inst
+
+    def _log_unpairable(self, inst: Instance) -> None:
+        """Logs the other-role instances ``inst`` will never pair with: other weights."""
+        other = {Role.PREFILL: Role.DECODE, Role.DECODE: Role.PREFILL}.get(inst.role)
+        if other is None:
+            return
+        for peer in self.instances(other):
+            if peer.info.fingerprint != inst.info.fingerprint:
+                logger.warning(
+                    "%s %s (model identity %s) and %s %s (model identity %s) serve different "
+                    "weights: they never pair for a KV hand-off",
+                    inst.role.value, inst.instance_id, inst.info.fingerprint.hex()[:16],
+                    peer.role.value, peer.instance_id, peer.info.fingerprint.hex()[:16],
+                )  # fmt: skip
 
     def report(self, load: LoadReport, now: float | None = None) -> Instance | None:
         """Records a heartbeat; None when the instance is unknown (it must register again)."""
@@ -151,10 +178,10 @@ class Registry:
 
         prefills = self._live(Role.PREFILL, exclude)
         decodes = self._live(Role.DECODE, exclude)
-        # a pair must share the KV hand-off version (a rolling upgrade mixes them): the
-        # cheapest prefill that has a decode of its version, else no hand-off at all
+        # a pair must share the KV hand-off version (a rolling upgrade mixes them) and the
+        # model identity: the cheapest prefill that has such a decode, else no hand-off
         for prefill in sorted(prefills, key=cost):
-            peers = [d for d in decodes if d.info.kv_version == prefill.info.kv_version]
+            peers = [d for d in decodes if can_pair(prefill.info, d.info)]
             if peers:
                 decode = min(
                     peers,

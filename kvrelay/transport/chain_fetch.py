@@ -130,10 +130,10 @@ class _Fetch:
         if found is None:
             raise ChainError(f"no source answered within {self._timeout:g}s: {self._sources}")
         position, self._meta, socket = found
-        self._view = byte_view(make_buffer(self._meta), self._meta.total_bytes, writable=True)
-        self._done = bytearray(self._meta.num_chunks)
-        self._num_complete = 0  # leading chunks landed and verified
         try:
+            self._view = byte_view(make_buffer(self._meta), self._meta.total_bytes, writable=True)
+            self._done = bytearray(self._meta.num_chunks)
+            self._num_complete = 0  # leading chunks landed and verified
             if bind is not None:
                 self._server = ChainServer(
                     self._view, self._meta, bind, link_bytes_per_s=link_bytes_per_s

@@ -16,7 +16,8 @@ from kvrelay.cachetier.base import BlockFormat, KvTier
 from kvrelay.cachetier.manager import TieredCache
 from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.engine.config import EngineConfig
-from kvrelay.engine.loader import TORCH_DTYPES, model_fingerprint
+from kvrelay.engine.identity import model_identity
+from kvrelay.engine.loader import TORCH_DTYPES
 from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.messages import KvLayout, Role
 
@@ -126,7 +127,7 @@ def create_tiers(config: WorkerConfig, engine_config: EngineConfig) -> TieredCac
         name = config.host_pool
         if name == "auto":  # one per cluster, host and model: never shared by accident
             scope = l1_scope(config.cluster_id, config.host_id or default_host_id())
-            name = default_pool_name(fmt, model_fingerprint(config.model), scope)
+            name = default_pool_name(fmt, model_identity(config.model, engine_config.dtype), scope)
         tiers.append(HostPool.open(name, config.host_pool_bytes, fmt, record_changes=True))
     if config.redis_url:
         tiers.append(create_redis_tier(config, fmt))
@@ -173,13 +174,14 @@ def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
     from kvrelay.transport.chain_wire import ChainError
 
     peers = [a.strip() for a in config.param_peers.split(",") if a.strip()]
-    fingerprint = model_fingerprint(config.model)
+    fingerprint = model_identity(config.model, dtype)
     name = pool_name(fingerprint, dtype)
     with interest(name):  # no gc frees a pool found ready here before the attach below
         if peers and not any(p.name == name and p.state == "ready" for p in list_pools()):
             try:
                 return fetch_pool(fingerprint, dtype, peers).pool
-            except (ChainError, FileExistsError) as e:  # no peer, or another process fills it
+            # no peer, another process fills it, or a peer serves other weights (ValueError)
+            except (ChainError, FileExistsError, ValueError) as e:
                 logger.warning("weights from peers failed (%s); using the host pool or disk", e)
         return ParamPool.attach_or_create(config.model, dtype)
 
