@@ -56,6 +56,7 @@ from kvrelay.router.prefix_index import CacheIndex, PrefixMatch, reusable_block_
 from kvrelay.router.registry import Instance, Placement, Registry
 from kvrelay.text.stop import StopChecker
 from kvrelay.text.tokenizer import Tokenizer
+from kvrelay.transport.curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class Dispatcher(Backend):
         model_name: str,
         max_model_len: int,
         settings: DispatcherSettings,
+        security: SocketSecurity,
         metrics: RouterMetrics | None = None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -117,7 +119,9 @@ class Dispatcher(Backend):
         self.metrics = metrics or RouterMetrics()
         self.metrics.watch_registry(self.registry)
         self._ctx = zmq.asyncio.Context()
+        self.security = security
         self._sock = self._ctx.socket(zmq.ROUTER)
+        security.server(self._sock)  # only holders of the cluster secret get through
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._tracked: dict[str, _Tracked] = {}
@@ -145,6 +149,7 @@ class Dispatcher(Backend):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._sock.close(0)
+        self.security.stop(self._ctx)
         self._ctx.term()
 
     def is_ready(self) -> bool:
@@ -247,7 +252,7 @@ class Dispatcher(Backend):
         self._send_to(identity, msg)
 
     def _send(self, inst: Instance, msg: Any) -> None:
-        self._send_to(inst.instance_id.encode(), msg)
+        self._send_to(inst.connection, msg)
 
     def _send_to(self, identity: bytes, msg: Any) -> None:
         """Sends without waiting; a failure (e.g. the peer left) is logged, not raised.
@@ -290,32 +295,61 @@ class Dispatcher(Backend):
             except ProtocolError as e:
                 logger.warning("dropping a malformed message from %r: %s", identity, e)
                 continue
-            if isinstance(msg, TokenEvent):
-                self._on_tokens(msg)
-            elif isinstance(msg, LoadReport):
-                if self.registry.report(msg) is None:
+            self._on_message(identity, msg)
+
+    def _on_message(self, identity: bytes, msg: Any) -> None:
+        """One control message; ``identity`` is the connection it came on (an instance may
+        speak only on the connection it registered from)."""
+        if isinstance(msg, TokenEvent):
+            self._on_tokens(identity, msg)
+        elif isinstance(msg, Register):
+            self._on_register(identity, msg)
+        elif isinstance(msg, LoadReport | CacheEvent):
+            if self.registry.get(msg.instance_id) is None:
+                if isinstance(msg, LoadReport):
                     logger.info(
                         "heartbeat from unregistered %s; asking it to register", msg.instance_id
                     )
                     ack = RegisterAck(msg.instance_id, known=False, router_id=self.router_id)
                     self._reply(identity, ack)
-            elif isinstance(msg, CacheEvent):
-                if self.registry.get(msg.instance_id) is not None:
-                    self.cache_index.apply(msg)
-            elif isinstance(msg, Register):
-                inst = self.registry.register(msg)
-                self.cache_index.add_instance(inst.instance_id, inst.info.host_id)
-                ack = RegisterAck(inst.instance_id, known=True, router_id=self.router_id)
-                self._reply(identity, ack)
-                logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
+            elif self.registry.get_from(msg.instance_id, identity) is None:
+                self.metrics.refused_control.labels("foreign_connection").inc()
+            elif isinstance(msg, LoadReport):
+                self.registry.report(msg)
             else:
-                logger.warning("unexpected %s from %r", type(msg).__name__, identity)
+                self.cache_index.apply(msg)
+        else:
+            logger.warning("unexpected %s from %r", type(msg).__name__, identity)
 
-    def _on_tokens(self, event: TokenEvent) -> None:
+    def _on_register(self, identity: bytes, msg: Register) -> None:
+        inst = self.registry.register(msg, identity)
+        if inst is None:
+            self.metrics.refused_control.labels("id_taken").inc()
+            logger.warning(
+                "refused a Register of %s from %r: the id is live on another connection",
+                msg.info.instance_id,
+                identity,
+            )
+            return
+        self.cache_index.add_instance(inst.instance_id, inst.info.host_id)
+        ack = RegisterAck(inst.instance_id, known=True, router_id=self.router_id)
+        self._reply(identity, ack)
+        logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
+
+    def _on_tokens(self, identity: bytes, event: TokenEvent) -> None:
         tr = self._tracked.get(event.request_id)
         if tr is None or tr.done:  # another router's, or a late event of a finished request
             reason = "unknown_request" if tr is None else "finished_request"
             self.metrics.dropped_events.labels(reason).inc()
+            return
+        if not self._is_assigned(tr, identity, event):
+            self.metrics.dropped_events.labels("not_assigned").inc()
+            logger.warning(
+                "dropped a token event for %s from %s (%r): not assigned to it",
+                event.request_id,
+                event.instance_id,
+                identity,
+            )
             return
         if event.error is not None:
             tr.done = True
@@ -330,6 +364,16 @@ class Dispatcher(Backend):
         self._apply(tr, event)
         while not tr.done and len(tr.tokens) in tr.early:
             self._apply(tr, tr.early.pop(len(tr.tokens)))
+
+    def _is_assigned(self, tr: _Tracked, identity: bytes, event: TokenEvent) -> bool:
+        """True when the event comes, on its own connection, from an instance of the
+        request's current placement, and hands off (if it does) within that placement."""
+        assigned = {i.instance_id for i in tr.placement if i is not None}
+        if event.instance_id not in assigned:
+            return False
+        if event.handed_off_to is not None and event.handed_off_to not in assigned:
+            return False
+        return self.registry.get_from(event.instance_id, identity) is not None
 
     def _apply(self, tr: _Tracked, event: TokenEvent) -> None:
         skip = len(tr.tokens) - event.offset  # already streamed (a retry re-sends them)

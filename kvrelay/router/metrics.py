@@ -49,11 +49,24 @@ class RouterMetrics:
         self.inflight = Gauge("kvrelay_requests_inflight", "Requests in flight", registry=r)
         self.dropped_events = Counter(
             "kvrelay_token_events_dropped",
-            "Token events dropped: for a request this router does not know (another router's, "
-            "or one it forgot) or one that already finished",
+            "Token events dropped, by reason: unknown_request (another router's, or one it "
+            "forgot), finished_request, not_assigned (from an instance this router did not "
+            "give the request to, or from a connection that is not that instance's)",
             ["reason"],
             registry=r,
         )
+        self.refused_control = Counter(
+            "kvrelay_control_messages_refused",
+            "Control messages refused, by reason: id_taken (a Register for an instance id live "
+            "on another connection), foreign_connection (a load report or cache event for an "
+            "instance from a connection that is not its own)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("unknown_request", "finished_request", "not_assigned"):
+            self.dropped_events.labels(reason)  # exported at 0 before the first drop
+        for reason in ("id_taken", "foreign_connection"):
+            self.refused_control.labels(reason)
         self.placement_hits = Counter(
             "kvrelay_placement_prefix_hits",
             "Requests placed on a prefill instance expected to hold a prefix of the prompt, "

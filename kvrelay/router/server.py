@@ -19,11 +19,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrelay.autoscale.autoscaler import Autoscaler, AutoscalerSettings, UpdateError
 from kvrelay.autoscale.policy import Policy, PolicyConfig
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.router.api import ApiSettings, create_app, parse_json_object
 from kvrelay.router.cache_stats import build_report, fetch_worker_stats
 from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
 from kvrelay.router.errors import ApiError, require_admin_token
 from kvrelay.text.tokenizer import Tokenizer
+from kvrelay.transport.curve import SocketSecurity, describe
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ class RouterConfig:
     autoscale_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # hook kwargs
     autoscale_policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
     autoscale_interval: float = 2.0  # seconds between autoscaler evaluations
+    credential: ClusterCredential | None = None  # None: open control socket (opt-out only)
 
     @property
     def model_name(self) -> str:
@@ -76,6 +79,7 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
         config.model_name,
         max_len,
         DispatcherSettings(config.control_addr, config.dead_after, config.max_inflight),
+        SocketSecurity(config.credential),
     )
     settings = ApiSettings(
         served_model_names=(config.model_name,),
@@ -90,7 +94,9 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await backend.start()
-        logger.info("router: workers connect to %s", config.control_addr)
+        logger.info(
+            "router: workers connect to %s (%s)", config.control_addr, describe(backend.security)
+        )
         if autoscaler is not None:
             autoscaler.start()
         try:
@@ -157,6 +163,7 @@ def create_autoscaler(config: RouterConfig, backend: Dispatcher) -> Autoscaler |
             "control_addr": config.control_addr,
             "cluster_id": config.cluster_id,
             "host": config.host,
+            "credential": config.credential,
         }
         options = {**defaults, **options}
     try:

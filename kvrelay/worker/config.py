@@ -15,7 +15,9 @@ from kvrelay.cachetier.manager import TieredCache
 from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.engine.config import EngineConfig
 from kvrelay.engine.loader import TORCH_DTYPES, model_fingerprint
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.messages import KvLayout, Role
+from kvrelay.transport.curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ class WorkerConfig:
     param_peers: str = ""  # hosts serving the weights (`kvrelay pool serve`), nearest first
     param_pool: bool = True  # attach weights from the host's parameter pool (made once per host)
     engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    credential: ClusterCredential | None = None  # None: open sockets (--insecure-no-auth)
 
     def __post_init__(self) -> None:
         if self.role not in (Role.PREFILL, Role.DECODE, Role.COLOCATED):
@@ -117,7 +120,7 @@ def layout_from_shape(shape: tuple[int, ...], dtype: torch.dtype) -> KvLayout:
     return KvLayout(num_layers, num_blocks, block_size, num_kv_heads, head_dim, names[dtype])
 
 
-def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
+def open_param_pool(config: WorkerConfig, dtype: str, security: SocketSecurity) -> ParamPool:
     """This host's parameter pool: attached if ready, else filled from ``param_peers``
     (a chain), else built from the checkpoint on disk."""
     from kvrelay.cachetier.param_ops import list_pools, pool_name
@@ -131,7 +134,7 @@ def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
         name = pool_name(fingerprint, dtype)
         if not any(p.name == name and p.state == "ready" for p in list_pools()):
             try:
-                return fetch_pool(fingerprint, dtype, peers).pool
+                return fetch_pool(fingerprint, dtype, peers, security=security).pool
             except (ChainError, FileExistsError) as e:  # no peer, or another process fills it
                 logger.warning("weights from peers failed (%s); using the host pool or disk", e)
     return ParamPool.attach_or_create(config.model, dtype)
