@@ -430,6 +430,7 @@ def serving_thread(
         stop.set()
         thread.join(timeout=10)
         router.close()
+        security.stop(context)
         context.term()
 
 

@@ -58,6 +58,7 @@ class ClusterSpec:
     log_dir: str | None = None  # one log file per process; None = inherit stderr
     num_routers: int = 1  # routers side by side; every worker reports to all of them
     credential: ClusterCredential | None = None  # the cluster secret; None: a new one
+    insecure_no_auth: bool = False  # no secret at all: every process runs --insecure-no-auth
     admin_token: str | None = None  # the router's /admin/* token (in its environment)
 
     def __post_init__(self) -> None:
@@ -66,6 +67,8 @@ class ClusterSpec:
         counts = (self.num_prefill, self.num_decode, self.num_colocated)
         if min(counts) < 0:
             raise ValueError(f"instance counts must be >= 0, got {counts}")
+        if self.insecure_no_auth and self.credential is not None:
+            raise ValueError("a credential and insecure_no_auth: choose one")
         if not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1):
             raise ValueError("need at least one prefill and one decode worker, or colocated ones")
 
@@ -82,7 +85,9 @@ class Launcher:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.cluster_id = spec.cluster_id or f"up{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.credential = spec.credential or ClusterCredential.generate()
+        self.credential: ClusterCredential | None = None
+        if not spec.insecure_no_auth:
+            self.credential = spec.credential or ClusterCredential.generate()
         self.port = spec.port or free_port(spec.host)
         self.control_addr = f"tcp://{spec.host}:{free_port(spec.host)}"
         # routers after the first: (HTTP port, control address) each

@@ -46,7 +46,10 @@ def cmd_secret(args: argparse.Namespace) -> int:
     if args.out is None:
         sys.stdout.write(text)
         return 0
+    parent = os.path.dirname(args.out)
     try:
+        if parent:
+            os.makedirs(parent, mode=0o700, exist_ok=True)
         fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except OSError as e:
         raise ValueError(f"cannot create {args.out}: {e}") from None
