@@ -349,3 +349,31 @@ def test_the_credential_never_shows_in_argv_or_repr(launcher: Launcher) -> None:
         assert secret not in argv, proc.name
     assert secret not in repr(launcher.credential)
     assert secret not in repr(dataclasses.replace(launcher.spec))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["serve", "fetch"])
+def test_pool_transfer_without_a_secret_refuses_to_start(
+    tiny_model_dir: Path, command: str
+) -> None:
+    where = (
+        ["--bind", "tcp://127.0.0.1:0"] if command == "serve" else ["--from", "tcp://127.0.0.1:9"]
+    )
+    cmd = [sys.executable, "-m", "kvrelay", "pool", command, "--model", str(tiny_model_dir), *where]
+    proc = subprocess.run(cmd, env=clean_environ(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "no cluster secret" in proc.stderr
+
+
+def test_up_takes_what_a_cluster_of_serve_processes_is_given() -> None:
+    from kvrelay.cli import parse_args
+
+    args = parse_args(
+        [
+            "up", "--model", "/m", "--cluster-id", "c1", "--redis-url", "redis://r:6379/0",
+            "--admin-token", "t0k", "--cluster-secret-file", "/s/cluster.key",
+        ],
+        environ={},
+    )  # fmt: skip
+    assert (args.cluster_id, args.redis_url) == ("c1", "redis://r:6379/0")
+    assert (args.admin_token, args.cluster_secret_file) == ("t0k", "/s/cluster.key")
