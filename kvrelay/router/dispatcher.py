@@ -11,8 +11,8 @@ Per request the router keeps the tokens streamed so far and the instances it dep
 Token events carry their offset in the output, so events from P and D may arrive in any
 order; duplicates (after a retry) are skipped. Only the request's current placement speaks
 for it: an event from another instance, or from a connection other than the one its instance
-registered from, is dropped (``not_assigned``); DESIGN.md "Threat model" has the full table. Stop strings are applied here, where the
-text is made; workers never see them.
+registered from, is dropped (``not_assigned``); DESIGN.md "Threat model" has the full table.
+Stop strings are applied here, where the text is made; workers never see them.
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ZAP_DOMAIN = "kvrelay"
+_LOGGED_DENIALS = frozenset((1, 10, 100))  # then every 1000th: a refused client reconnects
 
 
 class _ClusterKeyOnly:
@@ -51,7 +52,12 @@ class _ClusterKeyOnly:
         if client_key == self._public_key:
             return True
         self.num_denied += 1
-        logger.warning("refused a CURVE client with a foreign key (domain %s)", domain)
+        if self.num_denied in _LOGGED_DENIALS or self.num_denied % 1000 == 0:  # ZMQ retries
+            logger.warning(
+                "refused a CURVE client with a foreign key (%d so far, domain %s)",
+                self.num_denied,
+                domain,
+            )
         return False
 
 
