@@ -53,11 +53,13 @@ COPY --from=build /wheels /wheels
 RUN pip install --constraint /opt/kvrelay/torch-constraint.txt "$(echo /wheels/kvrelay-*.whl)[k8s]" \
     && rm -rf /wheels
 
-# Non-root. /models belongs to the user so that a fresh named volume mounted there (which Docker
-# seeds from the image, owner included) is writable by model-init.
+# Non-root. /models and /secrets belong to the user so that a fresh named volume mounted there
+# (which Docker seeds from the image, owner included) is writable by model-init and by the
+# one-shot that writes the cluster secret (0700: only this user reads the secret).
 RUN useradd --system --create-home --uid 10001 kvrelay \
-    && mkdir -p /models \
-    && chown kvrelay:kvrelay /models
+    && mkdir -p /models /secrets \
+    && chown kvrelay:kvrelay /models /secrets \
+    && chmod 0700 /secrets
 USER kvrelay
 WORKDIR /home/kvrelay
 

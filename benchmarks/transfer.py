@@ -53,11 +53,13 @@ from common import (
 )
 
 from kvrelay.engine.make_tiny import SIZES
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.errors import ProtocolError
 from kvrelay.protocol.messages import KvLayout, KvPull, PeerInfo, Role, decode
 from kvrelay.transport.base import PullSpec
 from kvrelay.transport.blocks import layout_of, transfer_bytes
 from kvrelay.transport.checksum import kv_checksum
+from kvrelay.transport.curve import SocketSecurity
 from kvrelay.transport.registry import create_transport
 from kvrelay.transport.shm_pool import SharedKvPool, cleanup_segments, segment_name
 
@@ -71,6 +73,8 @@ GOAL_SHM_VS_MEMCPY = 0.70
 FINGERPRINT = b"transfer-benchmark"
 PULL_TIMEOUT_S = 30.0
 LEASE_S = 600.0
+# the source is a spawned process: both ends derive their keys from this fixed secret
+CREDENTIAL = ClusterCredential(bytes(range(32)))
 
 logger = logging.getLogger("transfer")
 
@@ -112,7 +116,8 @@ def layout_for(size: str, num_blocks: int) -> KvLayout:
 
 
 def serve_source(conn: Connection, layout: KvLayout, name: str, seed: int) -> None:
-    """Source process: pool in shm, KvSource on a ROUTER; commands arrive on ``conn``."""
+    """Source process: pool in shm, KvSource on two ROUTERs, one CURVE (as a worker's peer
+    socket is by default), one plain (``--insecure-no-auth``); commands arrive on ``conn``."""
     import zmq
 
     from kvrelay.transport.tcp import KvSource
@@ -123,36 +128,42 @@ def serve_source(conn: Connection, layout: KvLayout, name: str, seed: int) -> No
             torch.randn(pool.tensor.shape, generator=torch.Generator().manual_seed(seed))
         )
         context = zmq.Context()
-        router = context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
-        source = KvSource(pool.tensor, leases.get)
+        security = SocketSecurity(CREDENTIAL)
+        routers = [context.socket(zmq.ROUTER), context.socket(zmq.ROUTER)]
+        security.server(routers[0])
         poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
+        addrs = []
+        for router in routers:
+            router.setsockopt(zmq.LINGER, 0)
+            addrs.append(f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}")
+            poller.register(router, zmq.POLLIN)
+        source = KvSource(pool.tensor, leases.get)
         poller.register(conn.fileno(), zmq.POLLIN)
-        conn.send(f"tcp://127.0.0.1:{port}")
-        while _serve_once(conn, poller, router, source, leases, pool):
+        conn.send(addrs)
+        while _serve_once(conn, poller, routers, source, leases, pool):
             pass
-        router.close()
+        for router in routers:
+            router.close()
+        security.stop(context)
         context.term()
 
 
 def _serve_once(
     conn: Connection,
     poller: Any,
-    router: Any,
+    routers: list[Any],
     source: Any,
     leases: dict[str, list[int]],
     pool: SharedKvPool,
 ) -> bool:
     for sock, _ in poller.poll(1000):
-        if sock is router:
-            parts = router.recv_multipart()
+        if sock in routers:
+            parts = sock.recv_multipart()
             try:
                 pull = decode(parts[-1], KvPull)
             except ProtocolError:
                 continue  # a stray peer on a reused port: not ours to answer
-            source.reply(router, parts[0], pull)
+            source.reply(sock, parts[0], pull)
         else:
             command, *args = conn.recv()
             if command == "stop":
@@ -167,7 +178,8 @@ def _serve_once(
 class Source:
     process: Any
     conn: Connection
-    info: PeerInfo
+    info: PeerInfo  # its CURVE socket (the cluster's default)
+    plain_addr: str  # the same pool on a plain socket (--insecure-no-auth)
 
     def lease(self, request_id: str, block_ids: list[int]) -> PullSpec:
         self.conn.send(("lease", request_id, block_ids))
@@ -187,9 +199,9 @@ def start_source(layout: KvLayout, name: str, seed: int) -> Source:
     if not parent.poll(120):
         process.kill()
         raise RuntimeError("source process did not start within 120 s")
-    addr = parent.recv()
-    info = PeerInfo("src", Role.PREFILL, "localhost", addr, "", name, layout, FINGERPRINT)
-    return Source(process, parent, info)
+    secure_addr, plain_addr = parent.recv()
+    info = PeerInfo("src", Role.PREFILL, "localhost", secure_addr, "", name, layout, FINGERPRINT)
+    return Source(process, parent, info, plain_addr)
 
 
 # -- measurements ------------------------------------------------------------------------------
@@ -215,6 +227,11 @@ def interleaved_seconds(
     return wall, cpu
 
 
+def transport_kwargs(name: str, security: SocketSecurity) -> dict[str, Any]:
+    """tcp pulls as a cluster member (CURVE unless ``security`` is the opt-out)."""
+    return {"security": security} if name == "tcp" else {}
+
+
 def block_ids(pattern: str, num: int, num_blocks: int, seed: int) -> list[int]:
     if pattern == "contiguous":
         return list(range(num_blocks - num, num_blocks))  # away from block 0
@@ -233,7 +250,10 @@ def measure_case(
     num_bytes = transfer_bytes(dst_layout, num)
     memcpy_src = torch.rand(num_bytes // 4)
     memcpy_dst = torch.zeros_like(memcpy_src)
-    transports = {name: create_transport(name) for name in TRANSPORTS}
+    transports = {
+        name: create_transport(name, **transport_kwargs(name, SocketSecurity(CREDENTIAL)))
+        for name in TRANSPORTS
+    }
     fns: dict[str, Callable[[], object]] = {
         "memcpy": lambda: memcpy_dst.copy_(memcpy_src),
         "checksum": lambda: kv_checksum(dst_pool, dst_ids),

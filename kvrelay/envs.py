@@ -37,7 +37,7 @@ class EnvVar:
     """One variable: its type, its default, and the option it stands in for."""
 
     name: str
-    type: type  # str | int | float
+    type: type  # str | int | float | bool (a bool's flag takes no value)
     default: Any  # used when neither the flag nor the variable is set; None: unset
     help: str  # one line, shown in README and in ``--help``
     flag: str = ""  # the command-line option it supplies, "" for none
@@ -53,6 +53,8 @@ class EnvVar:
 
     def parse(self, text: str) -> Any:
         """``text`` as this variable's type; raises EnvError naming the variable."""
+        if self.type is bool:
+            return _parse_bool(self.name, text)
         try:
             value = self.type(text)
         except ValueError:
@@ -65,6 +67,14 @@ class EnvVar:
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number"}
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def _parse_bool(name: str, text: str) -> bool:
+    try:
+        return _BOOLS[text.strip().lower()]
+    except KeyError:
+        raise EnvError(f"{name}={text!r}: expected 1/true/yes or 0/false/no") from None
 
 
 def _var(name: str, type_: type, default: Any, help_: str, flag: str = "", **kw: Any) -> EnvVar:
@@ -147,6 +157,18 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "router: seconds to receive a request's headers before 408", "--header-timeout"),
     _var("KVRELAY_BODY_TIMEOUT", float, 30.0,
          "router: seconds to receive a request's body before 408", "--body-timeout"),
+    _var("KVRELAY_CLUSTER_SECRET_FILE", str, "",
+         "file holding the cluster secret (64 hex digits; `kvrelay secret --out FILE` makes "
+         "one): authenticates and encrypts the control, peer and chain sockets; else "
+         "KVRELAY_CLUSTER_SECRET",
+         "--cluster-secret-file", commands=("serve",)),
+    _var("KVRELAY_CLUSTER_SECRET", str, "",
+         "the cluster secret itself (64 hex digits), when no file is given; never a flag "
+         "(argv is readable by every local user)", commands=("serve",)),
+    _var("KVRELAY_INSECURE_NO_AUTH", bool, False,
+         "run with NO authentication on the control, peer and chain sockets (a trusted, "
+         "isolated network only; logged as a warning)", "--insecure-no-auth",
+         commands=("serve",)),
     _var("KVRELAY_LOG_LEVEL", str, "info", "log level of every command (-v: debug)",
          "--log-level", commands=(), choices=LOG_LEVELS),
     _var("KVRELAY_CACHE_DIR", str, "~/.cache/kvrelay",
@@ -175,6 +197,16 @@ def add_option(parser: argparse.ArgumentParser, name: str, **kwargs: Any) -> Non
     """Adds ``name``'s flag to ``parser``; ``apply`` fills it in when it is not given."""
     var = BY_NAME[name]
     default = "unset" if var.default in (None, "") else var.default
+    if var.type is bool:
+        parser.add_argument(
+            var.flag,
+            action="store_const",
+            const=True,
+            default=None,
+            help=f"{var.help} [env {var.name}=1]".replace("%", "%%"),
+            **kwargs,
+        )
+        return
     parser.add_argument(
         var.flag,
         default=None,
@@ -192,7 +224,7 @@ def apply(args: argparse.Namespace, command: str, environ: Mapping[str, str] | N
     for var in ENV_VARS:
         if var.commands and command not in var.commands:
             continue
-        if not hasattr(args, var.dest) or getattr(args, var.dest) is not None:
+        if not var.flag or not hasattr(args, var.dest) or getattr(args, var.dest) is not None:
             continue
         value = get(var.name, environ)
         if value is None and var.required:
@@ -227,7 +259,8 @@ def markdown_table() -> str:
         default = "unset" if var.default in (None, "") else f"`{var.default}`"
         flag = f"`{var.flag}`" if var.flag else ""
         if var.commands:
-            flag = f"{flag} of `kvrelay {'/'.join(var.commands)}`"
+            where = f"`kvrelay {'/'.join(var.commands)}`"
+            flag = f"{flag} of {where}" if var.flag else f"read by {where}"
         kind = "\\|".join(var.choices) if var.choices else var.type.__name__
         rows.append(f"| `{var.name}` | {kind} | {default} | {flag} | {var.help} |")
     return "\n".join(rows)

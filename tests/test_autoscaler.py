@@ -26,9 +26,11 @@ from kvrelay.autoscale.autoscaler import Autoscaler, AutoscalerSettings, UpdateE
 from kvrelay.autoscale.base import HookError, ScaleDecision, ScalingHook
 from kvrelay.autoscale.policy import Policy, PolicyConfig, RoleTarget
 from kvrelay.cli.launcher import Launcher
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.messages import KvLayout, LoadReport, PeerInfo, Register, Role
 from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
 from kvrelay.text.tokenizer import Tokenizer
+from kvrelay.transport.curve import SocketSecurity
 from tests.cluster_harness import admin_request, metric_value, read_text, running_cluster
 
 TOKEN = "autoscale-s3cret"
@@ -280,7 +282,9 @@ def make_autoscaler(tiny_model_dir):
 
     def make(hook: ScalingHook, *ids: tuple[str, Role]) -> Autoscaler:
         tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
-        backend = Dispatcher(tokenizer, "tiny", 128, DispatcherSettings("tcp://127.0.0.1:1"))
+        security = SocketSecurity(ClusterCredential.generate())
+        settings = DispatcherSettings("tcp://127.0.0.1:1")
+        backend = Dispatcher(tokenizer, "tiny", 128, settings, security)
         for instance_id, role in ids:
             join(backend, instance_id, role)
         made.append(Autoscaler(backend, hook, Policy(QUICK), AutoscalerSettings(interval_s=0.05)))

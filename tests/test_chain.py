@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import zmq
 
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.transport.chain_fetch import fetch
 from kvrelay.transport.chain_server import ChainServer
 from kvrelay.transport.chain_wire import (
@@ -31,12 +32,15 @@ from kvrelay.transport.chain_wire import (
     create_meta,
     plan_chain,
 )
+from kvrelay.transport.curve import SocketSecurity
 from kvrelay.transport.rate_limit import TokenBucket, mbps_to_bytes_per_s
 
 SPAWN = mp.get_context("spawn")
 TOTAL_BYTES = 64 << 20
 CHUNK_BYTES = 4 << 20
 NUM_CHUNKS = TOTAL_BYTES // CHUNK_BYTES
+CREDENTIAL = ClusterCredential(bytes(range(32)))  # hops are other processes: a fixed one
+SECURITY = SocketSecurity(CREDENTIAL)
 TIMEOUT = 2.0  # a hop's silence limit; the kill test waits this long once
 
 
@@ -71,7 +75,12 @@ def _hop_main(sources_q: Any, reports: Any, stop: Any, out_path: str, forward: b
 
     try:
         result = fetch(
-            sources, make_buffer, forward=forward, timeout=TIMEOUT, on_serving=on_serving
+            sources,
+            make_buffer,
+            forward=forward,
+            timeout=TIMEOUT,
+            on_serving=on_serving,
+            security=SECURITY,
         )
     except ChainError as e:
         reports.put(("failed", str(e)))
@@ -153,6 +162,7 @@ def wait_until_has(addr: str, index: int) -> None:
     context = zmq.Context()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    SECURITY.client(socket)  # a cluster member's raw socket
     socket.connect(addr)
     try:
         socket.send_multipart([b"C", struct.pack("<Q", index)])
@@ -185,7 +195,7 @@ def test_meta_validates_its_sizes() -> None:
 
 
 def test_one_receiver_from_complete_source(data, meta, hops) -> None:
-    with ChainServer(data, meta, complete=True) as origin:
+    with ChainServer(data, meta, complete=True, security=SECURITY) as origin:
         hop = hops("b", forward=False)
         hop.start([origin.addr])
         summary = hop.expect("fetched")
@@ -201,7 +211,9 @@ def test_one_receiver_from_complete_source(data, meta, hops) -> None:
 
 
 def test_chain_of_three_forwards_as_chunks_arrive(data, meta, hops) -> None:
-    with ChainServer(data, meta) as origin:  # still arriving: nothing available yet
+    with ChainServer(
+        data, meta, security=SECURITY
+    ) as origin:  # still arriving: nothing available yet
         chain = [hops("b"), hops("c"), hops("d")]
         addrs = start_chain(origin, chain)
         release_slowly(origin, NUM_CHUNKS)
@@ -219,7 +231,7 @@ def test_chain_of_three_forwards_as_chunks_arrive(data, meta, hops) -> None:
 
 
 def test_killed_middle_hop_next_resumes_from_previous(data, meta, hops) -> None:
-    with ChainServer(data, meta) as origin:
+    with ChainServer(data, meta, security=SECURITY) as origin:
         b, c, d = hops("b"), hops("c"), hops("d")
         b_addr, c_addr, d_addr = start_chain(origin, [b, c, d])
         release_slowly(origin, 6)
@@ -256,7 +268,7 @@ class CorruptOnce(ChainServer):
 
 
 def test_corrupted_chunk_is_refetched(data, meta, hops) -> None:
-    with CorruptOnce(data, meta, complete=True, bad_index=3) as origin:
+    with CorruptOnce(data, meta, complete=True, bad_index=3, security=SECURITY) as origin:
         hop = hops("b", forward=False)
         hop.start([origin.addr])
         summary = hop.expect("fetched")
@@ -269,10 +281,16 @@ def test_corrupted_chunk_is_refetched(data, meta, hops) -> None:
 def test_always_corrupt_source_is_abandoned(data, meta) -> None:
     received = np.empty(TOTAL_BYTES, dtype=np.uint8)
     with (
-        CorruptOnce(data, meta, complete=True, bad_index=5, num_bad=100) as bad,
-        ChainServer(data, meta, complete=True) as good,
+        CorruptOnce(data, meta, complete=True, bad_index=5, num_bad=100, security=SECURITY) as bad,
+        ChainServer(data, meta, complete=True, security=SECURITY) as good,
     ):
-        result = fetch([bad.addr, good.addr], lambda _: received, forward=False, timeout=TIMEOUT)
+        result = fetch(
+            [bad.addr, good.addr],
+            lambda _: received,
+            forward=False,
+            timeout=TIMEOUT,
+            security=SECURITY,
+        )
     assert result.sources_used == (bad.addr, good.addr)
     assert result.num_retries >= 3
     assert np.array_equal(received, data)
@@ -289,13 +307,18 @@ def test_no_source_reachable_raises_within_timeout(meta) -> None:
     context.term()
     start = time.monotonic()
     with pytest.raises(ChainError, match="no source answered"):
-        fetch(dead, lambda m: bytearray(m.total_bytes), timeout=1.0)
+        fetch(dead, lambda m: bytearray(m.total_bytes), timeout=1.0, security=SECURITY)
     assert time.monotonic() - start < 1.0 + 2.0  # one timeout for all sources, not one each
 
 
 def test_malformed_source_address_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="bad source address"):
-        fetch(["tcp://127.0.0.1:notaport"], lambda m: bytearray(m.total_bytes), timeout=1.0)
+        fetch(
+            ["tcp://127.0.0.1:notaport"],
+            lambda m: bytearray(m.total_bytes),
+            timeout=1.0,
+            security=SECURITY,
+        )
 
 
 # -- link pacing (a ChainServer sending at most link_bytes_per_s) --------------------------------
@@ -375,12 +398,20 @@ def test_paced_server_never_sends_faster_than_its_link(data, meta) -> None:
     rate = 512 * 2**20  # bytes/s: 2 x 64 MiB take at least 0.25 s minus one chunk
     buffers = [bytearray(TOTAL_BYTES) for _ in range(2)]
     results: list[Any] = []
-    with RecordingServer(data, meta, complete=True, link_bytes_per_s=rate) as origin:
+    with RecordingServer(
+        data, meta, complete=True, link_bytes_per_s=rate, security=SECURITY
+    ) as origin:
         start = time.monotonic()
         threads = [
             threading.Thread(
                 target=lambda b=b: results.append(
-                    fetch([origin.addr], lambda m: b, forward=False, timeout=TIMEOUT)
+                    fetch(
+                        [origin.addr],
+                        lambda m: b,
+                        forward=False,
+                        timeout=TIMEOUT,
+                        security=SECURITY,
+                    )
                 )
             )
             for b in buffers
@@ -401,4 +432,22 @@ def test_paced_server_never_sends_faster_than_its_link(data, meta) -> None:
 
 def test_link_rate_must_not_be_negative(data, meta) -> None:
     with pytest.raises(ValueError, match="link_bytes_per_s"):
-        ChainServer(data, meta, complete=True, link_bytes_per_s=-1.0)
+        ChainServer(data, meta, complete=True, link_bytes_per_s=-1.0, security=SECURITY)
+
+
+@pytest.mark.parametrize("rogue", ["no_credential", "another_secret"])
+def test_fetch_without_the_cluster_secret_gets_nothing(data, meta, rogue: str) -> None:
+    other = None if rogue == "no_credential" else ClusterCredential.generate()
+    with ChainServer(data, meta, complete=True, security=SECURITY) as origin:
+        with pytest.raises(ChainError, match="no source answered"):
+            fetch(
+                [origin.addr],
+                lambda m: bytearray(m.total_bytes),
+                forward=False,
+                timeout=1.0,
+                security=SocketSecurity(other),
+            )
+        assert origin.stats().num_chunks_served == 0
+        received = np.empty(TOTAL_BYTES, dtype=np.uint8)
+        fetch([origin.addr], lambda _: received, forward=False, timeout=TIMEOUT, security=SECURITY)
+    assert np.array_equal(received, data)  # a member still gets every byte

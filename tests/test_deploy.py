@@ -53,7 +53,8 @@ from tests.redis_server import RedisServer
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "compose.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
-DEFAULT_SERVICES = {"redis-secret", "redis", "model-init", "router", "prefill", "decode"}
+DEFAULT_SERVICES = {"redis-secret", "redis", "secret", "model-init", "router", "prefill", "decode"}
+ONE_SHOTS = ("secret", "model-init")  # restart "no": they write a volume, then exit
 # The image's default entrypoint (the Dockerfile's ENTRYPOINT, checked below).
 IMAGE_ENTRYPOINT = ["kvrelay"]
 _VAR = re.compile(r"\$(?:\{(?P<braced>\w+)(?::?-(?P<default>[^}]*))?\}|(?P<plain>\w+))")
@@ -198,10 +199,12 @@ def test_bare_up_starts_redis_model_init_router_and_one_worker_pair() -> None:
     services = load_compose()["services"]
     default = {name for name, svc in services.items() if not svc.get("profiles")}
     assert default == DEFAULT_SERVICES
-    assert services["model-init"]["restart"] == "no"
+    for one_shot in ONE_SHOTS:
+        assert services[one_shot]["restart"] == "no"
     for name in ("router", "prefill", "decode"):
         deps = services[name]["depends_on"]
-        assert deps["model-init"]["condition"] == "service_completed_successfully", name
+        for one_shot in ONE_SHOTS:
+            assert deps[one_shot]["condition"] == "service_completed_successfully", name
         assert deps["redis"]["condition"] == "service_healthy", name
 
 
@@ -225,10 +228,28 @@ def test_every_kvrelay_image_is_built_by_exactly_one_service() -> None:
 
 def test_serving_services_mount_the_models_read_only() -> None:
     for name, svc in kvrelay_services(load_compose()).items():
-        if name == "model-init":
+        if name in ONE_SHOTS:
             continue
         mounts = [v.split(":") for v in interpolate(svc["volumes"], {})]
         assert any(m[1] == "/models" and m[2:] == ["ro"] for m in mounts), (name, mounts)
+
+
+def test_every_serving_service_holds_the_secret_and_publishes_no_cluster_port() -> None:
+    compose = load_compose()
+    secret = compose["services"]["secret"]
+    writes = interpolate(secret["command"], {})[-1]
+    assert "kvrelay secret --out /secrets/cluster.key" in writes
+    assert any(v.split(":")[1] == "/secrets" for v in secret["volumes"])
+    for name, svc in kvrelay_services(compose).items():
+        if name in ONE_SHOTS:
+            continue
+        env = container_env(svc, {})
+        assert env.get("KVRELAY_CLUSTER_SECRET_FILE") == "/secrets/cluster.key", name
+        assert "KVRELAY_INSECURE_NO_AUTH" not in env, name
+        mounts = [v.split(":") for v in interpolate(svc["volumes"], {})]
+        assert ["secrets", "/secrets", "ro"] in mounts, (name, mounts)
+        published = [str(p).rsplit(":", 1)[-1] for p in interpolate(svc.get("ports", []), {})]
+        assert set(published) <= {"8000"}, f"{name} publishes {published}: only the HTTP API"
 
 
 def test_every_kvrelay_command_parses(tmp_path: Path, fake_kvrelay: Path) -> None:
@@ -253,7 +274,7 @@ def test_containers_get_only_kvrelay_variables_kvrelay_knows() -> None:
 
 def test_serving_services_need_no_shell() -> None:
     for name, svc in kvrelay_services(load_compose()).items():
-        if svc.get("restart") != "no":  # the one-shot model-init tests for its model first
+        if svc.get("restart") != "no":  # the one-shots test for their file first
             assert "entrypoint" not in svc, f"service {name!r} replaces the kvrelay entrypoint"
             assert service_argv(svc, {})[:2] == [*IMAGE_ENTRYPOINT, "serve"], name
 

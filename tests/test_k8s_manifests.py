@@ -117,8 +117,8 @@ def kvrelay_words(argv: list[str]) -> list[str] | None:
 def test_there_are_manifests() -> None:
     kinds = sorted({o["kind"] for _, o in load_objects()})
     assert kinds == [
-        "ConfigMap", "Deployment", "Job", "Namespace", "PersistentVolumeClaim", "Role",
-        "RoleBinding", "Service", "ServiceAccount",
+        "ConfigMap", "Deployment", "Job", "Namespace", "NetworkPolicy",
+        "PersistentVolumeClaim", "Role", "RoleBinding", "Service", "ServiceAccount",
     ]  # fmt: skip
     assert set(objects_of_kind("Deployment")) == {
         "kvrelay-router",
@@ -276,3 +276,49 @@ def test_workers_keep_their_kv_hand_off_and_weights_pod_local() -> None:
         assert args.host_id == SAMPLE_FIELDS["metadata.name"]  # one /dev/shm per pod
         assert args.transport == "tcp"
         assert args.no_param_pool is True
+
+
+CLUSTER_PORTS = {5557: "router", 8001: "worker", 8002: "worker"}  # control, status, peer
+
+
+def test_every_serving_pod_requires_the_cluster_secret_and_none_is_committed() -> None:
+    assert "Secret" not in {o["kind"] for _, o in load_objects()}  # the operator makes it
+    for name, deployment in objects_of_kind("Deployment").items():
+        for container in pod_spec(deployment)["containers"]:  # type: ignore[index]
+            env = {item["name"]: item for item in container.get("env", [])}
+            ref = env["KVRELAY_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]
+            assert ref == {"name": "kvrelay-cluster-secret", "key": "secret", "optional": False}
+            assert "KVRELAY_INSECURE_NO_AUTH" not in container_env(container), name
+
+
+def _admits(rule: dict[str, Any], port: int) -> bool:
+    return any(p["port"] == port for p in rule.get("ports", [])) or "ports" not in rule
+
+
+def test_only_kvrelay_pods_reach_the_control_peer_and_status_ports() -> None:
+    policies = objects_of_kind("NetworkPolicy").values()
+    component = {"router": ["router"], "worker": ["prefill", "decode"]}
+    for port, kind in CLUSTER_PORTS.items():
+        for role in component[kind]:
+            selecting = [p for p in policies if _selects(p["spec"]["podSelector"], role)]
+            assert selecting, f"no NetworkPolicy selects the {role} pods"
+            rules = [r for p in selecting for r in p["spec"].get("ingress", []) if _admits(r, port)]
+            assert rules, f"port {port} of {role}: not admitted at all"
+            for rule in rules:  # every rule that admits the port admits kvrelay pods only
+                sources = rule.get("from")
+                assert sources, f"port {port} of {role} is open to everyone"
+                for source in sources:
+                    labels = source["podSelector"]["matchLabels"]
+                    assert labels == {"app.kubernetes.io/name": "kvrelay"}, source
+                    assert "namespaceSelector" not in source and "ipBlock" not in source
+
+
+def _selects(selector: dict[str, Any], component: str) -> bool:
+    labels = {"app.kubernetes.io/name": "kvrelay", "app.kubernetes.io/component": component}
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In", expr
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True

@@ -190,7 +190,10 @@ def test_secrets_are_required() -> None:
         pod = by_kind(objects, kind)[name]["spec"]["template"]["spec"]
         volumes = {v["name"]: v for v in pod["volumes"]}
         secret = volumes["cluster-credential"]["secret"]
-        assert secret["secretName"] == "kvrelay-cluster" and not secret.get("optional")
+        assert secret["secretName"] == "kvrelay-cluster-secret" and not secret.get("optional")
+    router = container(by_kind(objects, "StatefulSet")["kvrelay-router"])
+    env = container_env(objects, router)
+    assert env["KVRELAY_CLUSTER_SECRET_FILE"] == "/etc/kvrelay/cluster/secret"
 
 
 def test_termination_leaves_room_for_the_drain() -> None:

@@ -3,6 +3,7 @@ machine): a chain A -> B -> C of `kvrelay pool` processes ends with byte-identic
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -15,7 +16,12 @@ import xxhash
 from kvrelay.cachetier import param_ops, param_pool
 from kvrelay.cachetier.param_transfer import fetch_pool
 from kvrelay.engine.identity import model_identity
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.transport.chain_wire import ChainError
+from kvrelay.transport.curve import SocketSecurity
+
+CREDENTIAL = ClusterCredential.generate()
+CLUSTER_ENV = {**os.environ, "KVRELAY_CLUSTER_SECRET": CREDENTIAL.hex()}  # never in argv
 
 
 def _pool_cmd(*args: str) -> list[str]:
@@ -63,6 +69,7 @@ def test_chain_of_three_pools_ends_byte_identical(tiny_model_dir: Path, scopes) 
             ),
             stdout=subprocess.PIPE,
             text=True,
+            env=CLUSTER_ENV,
         )
         procs.append(a)
         addr_a = _wait_line(a).rsplit(" ", 1)[-1]
@@ -73,6 +80,7 @@ def test_chain_of_three_pools_ends_byte_identical(tiny_model_dir: Path, scopes) 
             ),
             stdout=subprocess.PIPE,
             text=True,
+            env=CLUSTER_ENV,
         )  # fmt: skip
         procs.append(b)
         c = subprocess.run(
@@ -83,6 +91,7 @@ def test_chain_of_three_pools_ends_byte_identical(tiny_model_dir: Path, scopes) 
             capture_output=True,
             text=True,
             timeout=120,
+            env=CLUSTER_ENV,
         )  # fmt: skip
         assert c.returncode == 0, c.stderr
         assert "MiB in" in c.stdout
@@ -99,5 +108,12 @@ def test_chain_of_three_pools_ends_byte_identical(tiny_model_dir: Path, scopes) 
 def test_no_peer_raises_so_the_worker_falls_back_to_disk(tiny_model_dir: Path, scopes) -> None:
     fingerprint = model_identity(tiny_model_dir, "float32")
     with pytest.raises(ChainError):
-        fetch_pool(fingerprint, "float32", ["tcp://127.0.0.1:9"], scope=scopes["a"], timeout=1)
+        fetch_pool(
+            fingerprint,
+            "float32",
+            ["tcp://127.0.0.1:9"],
+            scope=scopes["a"],
+            timeout=1,
+            security=SocketSecurity(CREDENTIAL),
+        )
     assert param_ops.list_pools(scopes["a"]) == []  # nothing half-filled left behind

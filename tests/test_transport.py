@@ -29,6 +29,7 @@ import xxhash
 import zmq
 
 from kvrelay.cachetier.segments import SHM_DIR
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.errors import (
     ChecksumMismatch,
     FingerprintMismatch,
@@ -43,6 +44,7 @@ from kvrelay.transport.base import PullSpec
 from kvrelay.transport.blocks import Run, block_runs, paired_runs, pool_shape, torch_dtype
 from kvrelay.transport.checksum import kv_checksum, pool_slabs
 from kvrelay.transport.copier import SlabCopier
+from kvrelay.transport.curve import SocketSecurity
 from kvrelay.transport.registry import (
     TRANSPORT_NAMES,
     available_transports,
@@ -66,6 +68,7 @@ SRC_IDS = [7, 3, 4, 5, 30, 12]  # a run (3, 4, 5) among single blocks
 DST_IDS = [0, 9, 10, 11, 2, 25]
 SEED = 1234
 PULL_TIMEOUT = 10.0
+CREDENTIAL = ClusterCredential(bytes(range(32)))  # the source (another process) shares it
 
 needs_shm = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm (Linux)")
 
@@ -136,7 +139,9 @@ def _source_main(conn: Connection, name: str | None, layout: KvLayout, seed: int
     leases: dict[str, list[int]] = {}
     delays: dict[str, float] = {}
     context = zmq.Context()
+    security = SocketSecurity(CREDENTIAL)  # a worker's peer socket is a CURVE server
     router = context.socket(zmq.ROUTER)
+    security.server(router)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     source = KvSource(pool, leases.get)
@@ -166,6 +171,7 @@ def _source_main(conn: Connection, name: str | None, layout: KvLayout, seed: int
         return
     finally:
         router.close()
+        security.stop(context)
         context.term()
         if shared is not None:
             shared.close(unlink=True)
@@ -243,7 +249,8 @@ def transport_factory() -> Iterator[Any]:
     made: list[Any] = []
 
     def make(name: str) -> Any:
-        made.append(create_transport(name))
+        kwargs = {"security": SocketSecurity(CREDENTIAL)} if name == "tcp" else {}
+        made.append(create_transport(name, **kwargs))
         return made[-1]
 
     yield make
@@ -398,7 +405,9 @@ def serving_thread(
 ) -> Iterator[str]:
     """A ROUTER + KvSource in a thread of this process; optionally sends a stale reply first."""
     context = zmq.Context()
+    security = SocketSecurity(CREDENTIAL)  # a worker's peer socket is a CURVE server
     router = context.socket(zmq.ROUTER)
+    security.server(router)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
     source = KvSource(pool, leases.get)
@@ -421,6 +430,7 @@ def serving_thread(
         stop.set()
         thread.join(timeout=10)
         router.close()
+        security.stop(context)
         context.term()
 
 

@@ -20,6 +20,7 @@ from kvrelay.cachetier.param_segment import Manifest
 from kvrelay.transport.chain_fetch import fetch
 from kvrelay.transport.chain_server import ChainServer
 from kvrelay.transport.chain_wire import ChainError, ChainMeta
+from kvrelay.transport.curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +40,21 @@ def chain_meta(pool: ParamPool) -> ChainMeta:
 
 
 def serve_pool(
-    pool: ParamPool, bind: str = "tcp://127.0.0.1:0", *, link_bytes_per_s: float = 0.0
+    pool: ParamPool,
+    bind: str = "tcp://127.0.0.1:0",
+    *,
+    link_bytes_per_s: float = 0.0,
+    security: SocketSecurity,
 ) -> ChainServer:
-    """Serves a ready pool's data to peers until the server is closed, at most
-    ``link_bytes_per_s`` (0: unlimited)."""
+    """Serves a ready pool's data to peers (cluster members only: ``security``) until the
+    server is closed, at most ``link_bytes_per_s`` (0: unlimited)."""
     return ChainServer(
-        pool.buffer, chain_meta(pool), bind, complete=True, link_bytes_per_s=link_bytes_per_s
+        pool.buffer,
+        chain_meta(pool),
+        bind,
+        complete=True,
+        link_bytes_per_s=link_bytes_per_s,
+        security=security,
     )
 
 
@@ -57,6 +67,7 @@ def fetch_pool(
     forward_bind: str | None = None,
     timeout: float = 10.0,
     link_bytes_per_s: float = 0.0,
+    security: SocketSecurity,
 ) -> PoolFetch:
     """Fills this host's pool for ``fingerprint``/``dtype`` from ``sources`` (nearest first).
 
@@ -87,6 +98,7 @@ def fetch_pool(
             bind=forward_bind or "tcp://127.0.0.1:0",
             timeout=timeout,
             link_bytes_per_s=link_bytes_per_s,
+            security=security,
         )
     except ChainError:
         for pool in filling:

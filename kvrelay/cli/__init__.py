@@ -29,6 +29,7 @@ from kvrelay.cli.engine_args import engine_cli_args, engine_kwargs
 from kvrelay.cli.host_admin import add_cache_parser, add_pool_parser, cmd_cache, cmd_pool
 from kvrelay.cli.model import cmd_model
 from kvrelay.cli.offline import add_offline_parsers, cmd_chat, cmd_generate, cmd_make_tiny
+from kvrelay.cli.secret import add_secret_parser, cmd_secret
 
 __all__ = [
     "COMMANDS",
@@ -42,6 +43,7 @@ __all__ = [
     "cmd_make_tiny",
     "cmd_model",
     "cmd_pool",
+    "cmd_secret",
     "cmd_serve",
     "cmd_up",
     "engine_cli_args",
@@ -66,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     add_pool_parser(sub)
     add_cache_parser(sub)
+    add_secret_parser(sub)
     return parser
 
 
@@ -93,6 +96,7 @@ COMMANDS = {
     "pool": cmd_pool,
     "cache": cmd_cache,
     "model": cmd_model,
+    "secret": cmd_secret,
 }
 
 

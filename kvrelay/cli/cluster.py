@@ -14,6 +14,7 @@ from typing import Any
 
 from kvrelay import envs
 from kvrelay.cli.engine_args import add_engine_args, engine_cli_args, engine_kwargs
+from kvrelay.cli.secret import add_auth_options, load_credential
 
 
 def add_cluster_parsers(sub: Any) -> None:
@@ -37,6 +38,20 @@ def add_cluster_parsers(sub: Any) -> None:
     )
     _add_autoscale_args(up)
     _add_up_redis_args(up)
+    up.add_argument("--cluster-id", default=None, help="the cluster's id (default: a new one)")
+    up.add_argument(
+        "--admin-token",
+        default=None,
+        help="router: bearer token for /admin/* (passed in the environment, not argv) "
+        "[env KVRELAY_ADMIN_TOKEN]",
+    )
+    up.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="the cluster secret to use (default: KVRELAY_CLUSTER_SECRET_FILE, "
+        "KVRELAY_CLUSTER_SECRET, else a new one per cluster); every process gets it in its "
+        "environment",
+    )
 
     serve = sub.add_parser(
         "serve",
@@ -49,6 +64,7 @@ def add_cluster_parsers(sub: Any) -> None:
         "--role", required=True, choices=["router", "prefill", "decode", "colocated"]
     )
     add_engine_args(serve, from_env=True)
+    add_auth_options(serve)
     _add_serve_args(serve)
     from kvrelay.autoscale.registry import HOOK_NAMES
 
@@ -212,15 +228,20 @@ def autoscale_router_args(args: argparse.Namespace, cluster_id: str) -> list[str
 
 def cmd_up(args: argparse.Namespace) -> int:
     from kvrelay.cli.launcher import ClusterSpec, run_up
+    from kvrelay.protocol.credential import ClusterCredential, CredentialError
 
     default = 0 if args.colocated else 1
     router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
-    cluster_id = ""
+    cluster_id = args.cluster_id or ""
     if args.autoscale:
         if args.colocated:
             raise ValueError("--autoscale scales prefill and decode workers, not --colocated")
-        cluster_id = f"up{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        cluster_id = cluster_id or f"up{os.getpid()}-{uuid.uuid4().hex[:6]}"
         router_args += autoscale_router_args(args, cluster_id)
+    try:
+        credential = ClusterCredential.load(args.cluster_secret_file)
+    except CredentialError as e:
+        raise ValueError(str(e)) from None
     spec = ClusterSpec(
         model=args.model,
         num_prefill=default if args.prefill is None else args.prefill,
@@ -233,11 +254,19 @@ def cmd_up(args: argparse.Namespace) -> int:
         worker_args=(*engine_cli_args(args), *redis_worker_args(args)),
         router_args=tuple(router_args),
         log_dir=args.log_dir,
+        credential=credential or ClusterCredential.generate(),
+        admin_token=args.admin_token or envs.get("KVRELAY_ADMIN_TOKEN"),
     )
     return run_up(spec, args.timeout)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    exposed = (
+        f"the control socket {args.control_addr}"
+        if args.role == "router"
+        else "this worker's peer (KV hand-off) socket"
+    )
+    credential = load_credential(args, exposed)
     if args.role == "router":
         from kvrelay.router.http_guards import read_api_keys
         from kvrelay.router.server import RouterConfig, run_router
@@ -265,6 +294,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 autoscale_options=_json_object(args.autoscale_options, "--autoscale-options"),
                 autoscale_policy=autoscale_policy(args),
                 autoscale_interval=args.autoscale_interval,
+                credential=credential,
             )
         )
         return 0
@@ -296,12 +326,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             redis_cert_file=args.redis_cert_file,
             redis_key_file=args.redis_key_file,
             l2_encrypt=args.l2_encrypt,
-            cluster_secret_file=getattr(args, "cluster_secret_file", None) or "",
             corrupt_transfers=args.corrupt_transfers,
             param_pool=not args.no_param_pool,
             param_peers=args.param_peers,
             drain_timeout=args.drain_timeout,
             engine_args=engine_kwargs(args),
+            credential=credential,
         )
     )
     return 0

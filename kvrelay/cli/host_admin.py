@@ -11,6 +11,8 @@ import dataclasses
 import sys
 from typing import Any
 
+from kvrelay.cli.secret import add_auth_options, load_credential
+
 
 def add_pool_parser(sub: Any) -> None:
     pool = sub.add_parser("pool", help="the host's parameter pools (weights in shared memory)")
@@ -26,6 +28,7 @@ def add_pool_parser(sub: Any) -> None:
         "fetch", help="fill this host's pool of a model from peer hosts (a chain), not from disk"
     )
     for p in (serve, fetch):
+        add_auth_options(p)
         p.add_argument("--model", required=True, help="checkpoint directory (names the pool)")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     serve.add_argument("--bind", default="tcp://0.0.0.0:5570", help="ZMQ address to serve on")
@@ -136,8 +139,10 @@ def _pool_transfer(args: argparse.Namespace) -> int:
     from kvrelay.cachetier.param_pool import ParamPool
     from kvrelay.cachetier.param_transfer import fetch_pool, serve_pool
     from kvrelay.engine.identity import model_identity
+    from kvrelay.transport.curve import SocketSecurity
     from kvrelay.transport.rate_limit import mbps_to_bytes_per_s
 
+    security = SocketSecurity(load_credential(args, "the pool's chain socket"))
     link = mbps_to_bytes_per_s(args.link_mbps)
     if args.pool_command == "fetch":
         sources = [a.strip() for a in args.sources.split(",") if a.strip()]
@@ -149,6 +154,7 @@ def _pool_transfer(args: argparse.Namespace) -> int:
             forward_bind=args.forward_bind,
             timeout=args.timeout,
             link_bytes_per_s=link,
+            security=security,
         )
         print(
             f"{got.pool.name}: {got.num_bytes / 2**20:.1f} MiB in {got.seconds:.2f} s", flush=True
@@ -159,7 +165,7 @@ def _pool_transfer(args: argparse.Namespace) -> int:
             return 0
     else:
         pool = ParamPool.attach_or_create(args.model, args.dtype, scope=args.scope)
-        server = serve_pool(pool, args.bind, link_bytes_per_s=link)
+        server = serve_pool(pool, args.bind, link_bytes_per_s=link, security=security)
         print(f"{pool.name}: serving at {server.addr}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvrelay import envs
+from kvrelay.protocol.credential import ClusterCredential, child_environ
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ class ClusterSpec:
     router_args: tuple[str, ...] = ()  # extra flags for the router
     log_dir: str | None = None  # one log file per process; None = inherit stderr
     num_routers: int = 1  # routers side by side; every worker reports to all of them
+    credential: ClusterCredential | None = None  # the cluster secret; None: a new one
+    insecure_no_auth: bool = False  # no secret at all: every process runs --insecure-no-auth
+    admin_token: str | None = None  # the router's /admin/* token (in its environment)
 
     def __post_init__(self) -> None:
         if self.num_routers < 1:
@@ -88,6 +92,8 @@ class ClusterSpec:
         counts = (self.num_prefill, self.num_decode, self.num_colocated)
         if min(counts) < 0:
             raise ValueError(f"instance counts must be >= 0, got {counts}")
+        if self.insecure_no_auth and self.credential is not None:
+            raise ValueError("a credential and insecure_no_auth: choose one")
         if not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1):
             raise ValueError("need at least one prefill and one decode worker, or colocated ones")
 
@@ -104,6 +110,9 @@ class Launcher:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
         self.cluster_id = spec.cluster_id or f"up{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.credential: ClusterCredential | None = None
+        if not spec.insecure_no_auth:
+            self.credential = spec.credential or ClusterCredential.generate()
         self.port = spec.port or free_port(spec.host)
         self.control_addr = f"tcp://{spec.host}:{free_port(spec.host)}"
         # routers after the first: (HTTP port, control address) each
@@ -195,10 +204,18 @@ class Launcher:
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
             start_new_session=True,
-            env=envs.inheritable(os.environ),
+            env=self._environ(),
         )
         self.procs[name] = Proc(name, role, popen, log)
         logger.debug("started %s (pid %d): %s", name, popen.pid, " ".join(cmd))
+
+    def _environ(self) -> dict[str, str]:
+        """A process's environment: the cluster secret and the admin token travel here, never
+        in argv (which every local user can read in /proc)."""
+        environ = child_environ(self.credential, envs.inheritable(os.environ))
+        if self.spec.admin_token:
+            environ["KVRELAY_ADMIN_TOKEN"] = self.spec.admin_token
+        return environ
 
     def wait_ready(self, timeout: float = 120.0, names: Sequence[str] | None = None) -> None:
         """Waits until the router is up and every named worker (default: all) has joined."""
@@ -223,7 +240,7 @@ class Launcher:
 
     def get_json(self, path: str, timeout: float = 2.0, base: str | None = None) -> Any:
         headers = {}
-        token = envs.get("KVRELAY_ADMIN_TOKEN")
+        token = self.spec.admin_token or envs.get("KVRELAY_ADMIN_TOKEN")
         if token:
             headers["Authorization"] = f"Bearer {token}"
         request = urllib.request.Request((base or self.url) + path, headers=headers)

@@ -155,7 +155,7 @@ class DecodeWorker(Worker):
         if transport is None:
             from kvrelay.transport.registry import create_transport
 
-            kwargs = {"context": self.ctx} if name == "tcp" else {}
+            kwargs = {"context": self.ctx, "security": self.security} if name == "tcp" else {}
             transport = self._transports[name] = create_transport(name, **kwargs)
         return transport
 

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 
 SECRET_BYTES = 32
@@ -108,3 +109,20 @@ class ClusterCredential:
 
         secret_key = z85.encode(self.derive_key("zmq-curve"))
         return zmq.curve_public(secret_key), secret_key
+
+
+ENV_INSECURE = "KVRELAY_INSECURE_NO_AUTH"
+
+
+def child_environ(
+    credential: ClusterCredential | None, environ: Mapping[str, str]
+) -> dict[str, str]:
+    """``environ`` for a cluster process this one starts: the secret in
+    ``KVRELAY_CLUSTER_SECRET`` (the environment, never argv, which any local user can read in
+    /proc), or, with ``credential=None``, the explicit opt-out ``KVRELAY_INSECURE_NO_AUTH=1``."""
+    out = {k: v for k, v in environ.items() if k not in (ENV_SECRET, ENV_SECRET_FILE, ENV_INSECURE)}
+    if credential is None:
+        out[ENV_INSECURE] = "1"
+    else:
+        out[ENV_SECRET] = credential.hex()
+    return out

@@ -2,8 +2,10 @@
 
 Sockets (ZMQ; every address is chosen at start, none is hard-coded):
 - the router binds one ROUTER socket; every worker connects a DEALER whose identity is its
-  instance id, and sends ``Register`` then a ``LoadReport`` every heartbeat;
-- every worker binds one ROUTER "peer" socket for the KV handoff with other workers.
+  instance id plus a per-process nonce (the connection the router binds the instance to),
+  and sends ``Register`` then a ``LoadReport`` every heartbeat;
+- every worker binds one ROUTER "peer" socket for the KV handoff with other workers;
+- every one of these sockets is CURVE-secured with the cluster key (``transport/curve.py``).
 
 Request path (disaggregated)::
 

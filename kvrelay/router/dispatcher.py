@@ -21,8 +21,10 @@ judges on the router's own clock of responsiveness: when the event loop itself w
 were waiting in the socket meanwhile.
 
 Token events carry their offset in the output, so events from P and D may arrive in any
-order; duplicates (after a retry) are skipped. Stop strings are applied here, where the
-text is made; workers never see them.
+order; duplicates (after a retry) are skipped. Only the request's current placement speaks
+for it: an event from another instance, or from a connection other than the one its instance
+registered from, is dropped (``not_assigned``); DESIGN.md "Threat model" has the full table.
+Stop strings are applied here, where the text is made; workers never see them.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from kvrelay.router.prefix_index import CacheIndex, PrefixMatch, reusable_block_
 from kvrelay.router.registry import Instance, Placement, Registry
 from kvrelay.text.stop import StopChecker
 from kvrelay.text.tokenizer import Tokenizer
+from kvrelay.transport.curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +122,7 @@ class Dispatcher(Backend):
         model_name: str,
         max_model_len: int,
         settings: DispatcherSettings,
+        security: SocketSecurity,
         metrics: RouterMetrics | None = None,
     ) -> None:
         self.tokenizer = tokenizer
@@ -132,10 +136,15 @@ class Dispatcher(Backend):
         self.metrics = metrics or RouterMetrics()
         self.metrics.watch_registry(self.registry)
         self._ctx = zmq.asyncio.Context()
+        self.security = security
         self._sock = self._ctx.socket(zmq.ROUTER)
+        security.server(self._sock)  # only holders of the cluster secret get through
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._tracked: dict[str, _Tracked] = {}
+        # instance id -> the connection it last registered from (its Aborts reach it even
+        # after the router declared it dead: a paused process finds them when it resumes)
+        self._connections: dict[str, bytes] = {}
         self.admission = Admission(
             settings.max_inflight, settings.max_queue_time, settings.retry_after
         )
@@ -163,6 +172,7 @@ class Dispatcher(Backend):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._sock.close(0)
+        self.security.stop(self._ctx)
         self._ctx.term()
 
     def is_ready(self) -> bool:
@@ -286,7 +296,7 @@ class Dispatcher(Backend):
         self._send_to(identity, msg)
 
     def _send(self, inst: Instance, msg: Any) -> None:
-        self._send_to(inst.instance_id.encode(), msg)
+        self._send_to(inst.connection, msg)
 
     def _send_to(self, identity: bytes, msg: Any) -> None:
         """Sends without waiting; a failure (e.g. the peer left) is logged, not raised.
@@ -329,29 +339,51 @@ class Dispatcher(Backend):
             except ProtocolError as e:
                 logger.warning("dropping a malformed message from %r: %s", identity, e)
                 continue
-            if isinstance(msg, TokenEvent):
-                self._on_tokens(msg)
-            elif isinstance(msg, LoadReport):
-                known = self.registry.report(msg) is not None
-                if not known:
+            self._on_message(identity, msg)
+
+    def _on_message(self, identity: bytes, msg: Any) -> None:
+        """One control message; ``identity`` is the connection it came on (an instance may
+        speak only on the connection it registered from)."""
+        if isinstance(msg, TokenEvent):
+            self._on_tokens(identity, msg)
+        elif isinstance(msg, Register):
+            self._on_register(identity, msg)
+        elif isinstance(msg, LoadReport | CacheEvent):
+            if self.registry.get(msg.instance_id) is None:
+                if isinstance(msg, LoadReport):
                     logger.info(
                         "heartbeat from unregistered %s; asking it to register", msg.instance_id
                     )
+                    ack = RegisterAck(msg.instance_id, known=False, router_id=self.router_id)
+                    self._reply(identity, ack)
+            elif self.registry.get_from(msg.instance_id, identity) is None:
+                self.metrics.refused_control.labels("foreign_connection").inc()
+            elif isinstance(msg, LoadReport):
+                self.registry.report(msg)
                 # the answer also tells the worker this router is alive (router_timeout)
-                self._reply(identity, RegisterAck(msg.instance_id, known, self.router_id))
-            elif isinstance(msg, CacheEvent):
-                if self.registry.get(msg.instance_id) is not None:
-                    self.cache_index.apply(msg)
-            elif isinstance(msg, Register):
-                inst = self.registry.register(msg)
-                self.cache_index.add_instance(inst.instance_id, inst.info.host_id)
-                ack = RegisterAck(inst.instance_id, known=True, router_id=self.router_id)
-                self._reply(identity, ack)
-                logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
+                self._reply(identity, RegisterAck(msg.instance_id, True, self.router_id))
             else:
-                logger.warning("unexpected %s from %r", type(msg).__name__, identity)
+                self.cache_index.apply(msg)
+        else:
+            logger.warning("unexpected %s from %r", type(msg).__name__, identity)
 
-    def _on_tokens(self, event: TokenEvent) -> None:
+    def _on_register(self, identity: bytes, msg: Register) -> None:
+        inst = self.registry.register(msg, identity)
+        if inst is None:
+            self.metrics.refused_control.labels("id_taken").inc()
+            logger.warning(
+                "refused a Register of %s from %r: the id is live on another connection",
+                msg.info.instance_id,
+                identity,
+            )
+            return
+        self.cache_index.add_instance(inst.instance_id, inst.info.host_id)
+        self._connections[inst.instance_id] = identity  # kept after death: late Aborts
+        ack = RegisterAck(inst.instance_id, known=True, router_id=self.router_id)
+        self._reply(identity, ack)
+        logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
+
+    def _on_tokens(self, identity: bytes, event: TokenEvent) -> None:
         tr = self._tracked.get(event.request_id)
         if tr is None or tr.done:  # another router's, or a late event of a finished request
             reason = "unknown_request" if tr is None else "finished_request"
@@ -359,9 +391,19 @@ class Dispatcher(Backend):
             return
         if event.attempt != tr.attempt:  # an instance that missed the re-run (it was paused)
             self.metrics.dropped_events.labels("superseded_attempt").inc()
-            if event.attempt < tr.attempt and not event.finished:
+            is_its_own = self._connections.get(event.instance_id) == identity
+            if event.attempt < tr.attempt and not event.finished and is_its_own:
                 abort = Abort(event.request_id, event.attempt, superseded=True)
-                self._send_to(event.instance_id.encode(), abort)
+                self._send_to(identity, abort)
+            return
+        if not self._is_assigned(tr, identity, event):
+            self.metrics.dropped_events.labels("not_assigned").inc()
+            logger.warning(
+                "dropped a token event for %s from %s (%r): not assigned to it",
+                event.request_id,
+                event.instance_id,
+                identity,
+            )
             return
         if event.error is not None:
             tr.done = True
@@ -376,6 +418,16 @@ class Dispatcher(Backend):
         self._apply(tr, event)
         while not tr.done and len(tr.tokens) in tr.early:
             self._apply(tr, tr.early.pop(len(tr.tokens)))
+
+    def _is_assigned(self, tr: _Tracked, identity: bytes, event: TokenEvent) -> bool:
+        """True when the event comes, on its own connection, from an instance of the
+        request's current placement, and hands off (if it does) within that placement."""
+        assigned = {i.instance_id for i in tr.placement if i is not None}
+        if event.instance_id not in assigned:
+            return False
+        if event.handed_off_to is not None and event.handed_off_to not in assigned:
+            return False
+        return self.registry.get_from(event.instance_id, identity) is not None
 
     def _apply(self, tr: _Tracked, event: TokenEvent) -> None:
         skip = len(tr.tokens) - event.offset  # already streamed (a retry re-sends them)
@@ -463,7 +515,9 @@ class Dispatcher(Backend):
         # the dead too: one that was only paused finds the Abort when it resumes
         abort = Abort(tr.request.request_id, tr.attempt, superseded=True)
         for instance_id in tr.watch:
-            self._send_to(instance_id.encode(), abort)
+            connection = self._connections.get(instance_id)
+            if connection is not None:
+                self._send_to(connection, abort)
         tr.early.clear()
         placement = self._place(tr.request.prompt_token_ids, tr.request.params.cache_salt)
         if placement is None or tr.num_retries >= self.settings.max_retries:

@@ -51,7 +51,8 @@ class RouterMetrics:
             "kvrelay_token_events_dropped",
             "Token events dropped, by reason: unknown_request (another router's, or one it "
             "forgot), finished_request (it already finished), superseded_attempt (from an "
-            "attempt the router re-ran elsewhere)",
+            "attempt the router re-ran elsewhere), not_assigned (from an instance this router did "
+            "not give the request to, or from a connection that is not that instance's)",
             ["reason"],
             registry=r,
         )
@@ -61,6 +62,18 @@ class RouterMetrics:
             "worker liveness)",
             registry=r,
         )
+        self.refused_control = Counter(
+            "kvrelay_control_messages_refused",
+            "Control messages refused, by reason: id_taken (a Register for an instance id live "
+            "on another connection), foreign_connection (a load report or cache event for an "
+            "instance from a connection that is not its own)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("unknown_request", "finished_request", "superseded_attempt", "not_assigned"):
+            self.dropped_events.labels(reason)  # exported at 0 before the first drop
+        for reason in ("id_taken", "foreign_connection"):
+            self.refused_control.labels(reason)
         self.placement_hits = Counter(
             "kvrelay_placement_prefix_hits",
             "Requests placed on a prefill instance expected to hold a prefix of the prompt, "

@@ -39,6 +39,7 @@ class Instance:
     pid: int
     load: LoadReport
     last_seen: float
+    connection: bytes = b""  # the ZMQ routing id it registered from: its only voice
     num_assigned: int = 0  # requests sent since the last load report (not yet counted by it)
     draining: bool = False  # the router asked it to drain (its reports will say so too)
 
@@ -93,11 +94,19 @@ class Registry:
         self.cache_weight = cache_weight
         self._instances: dict[str, Instance] = {}
 
-    def register(self, msg: Register, now: float | None = None) -> Instance:
+    def register(
+        self, msg: Register, connection: bytes = b"", now: float | None = None
+    ) -> Instance | None:
+        """Adds (or, from its own connection, refreshes) an instance; None when the id is
+        live on another connection: a second process under a live id is refused, never a
+        takeover (the first one is reaped when silent, then the id is free again)."""
         now = time.monotonic() if now is None else now
         info = msg.info
+        live = self._instances.get(info.instance_id)
+        if live is not None and live.connection != connection:
+            return None
         empty = LoadReport(info.instance_id, 0, 0, info.layout.num_blocks, info.layout.num_blocks)
-        inst = Instance(info, msg.model_name, msg.max_model_len, msg.pid, empty, now)
+        inst = Instance(info, msg.model_name, msg.max_model_len, msg.pid, empty, now, connection)
         self._instances[info.instance_id] = inst
         self._log_unpairable(inst)
         return inst
@@ -115,6 +124,11 @@ class Registry:
                     inst.role.value, inst.instance_id, inst.info.fingerprint.hex()[:16],
                     peer.role.value, peer.instance_id, peer.info.fingerprint.hex()[:16],
                 )  # fmt: skip
+
+    def get_from(self, instance_id: str, connection: bytes) -> Instance | None:
+        """The instance, if it is live and registered from ``connection``; else None."""
+        inst = self._instances.get(instance_id)
+        return inst if inst is not None and inst.connection == connection else None
 
     def report(self, load: LoadReport, now: float | None = None) -> Instance | None:
         """Records a heartbeat; None when the instance is unknown (it must register again)."""

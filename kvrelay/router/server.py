@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrelay.autoscale.autoscaler import Autoscaler, AutoscalerSettings, UpdateError
 from kvrelay.autoscale.policy import Policy, PolicyConfig
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.router.api import ApiSettings, create_app, parse_json_object
 from kvrelay.router.cache_stats import build_report, fetch_worker_stats
 from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
@@ -33,6 +34,7 @@ from kvrelay.router.errors import ApiError, require_admin_token
 from kvrelay.router.http_guards import with_header_timeout
 from kvrelay.router.text_workers import TextWorkers
 from kvrelay.text.tokenizer import Tokenizer
+from kvrelay.transport.curve import SocketSecurity, describe
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class RouterConfig:
     autoscale_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # hook kwargs
     autoscale_policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
     autoscale_interval: float = 2.0  # seconds between autoscaler evaluations
+    credential: ClusterCredential | None = None  # None: open control socket (opt-out only)
 
     def __post_init__(self) -> None:
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
@@ -103,6 +106,7 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
             config.max_inflight,
             max_queue_time=config.max_queue_time,
         ),
+        SocketSecurity(config.credential),
     )
     settings = ApiSettings(
         served_model_names=(config.model_name,),
@@ -121,7 +125,9 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await backend.start()
         text.start()
-        logger.info("router: workers connect to %s", config.control_addr)
+        logger.info(
+            "router: workers connect to %s (%s)", config.control_addr, describe(backend.security)
+        )
         if autoscaler is not None:
             autoscaler.start()
         try:
@@ -189,6 +195,7 @@ def create_autoscaler(config: RouterConfig, backend: Dispatcher) -> Autoscaler |
             "control_addr": config.control_addr,
             "cluster_id": config.cluster_id,
             "host": config.host,
+            "credential": config.credential,
         }
         options = {**defaults, **options}
     try:

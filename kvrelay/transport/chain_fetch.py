@@ -36,6 +36,7 @@ from kvrelay.transport.chain_wire import (
     ChainMeta,
     byte_view,
 )
+from kvrelay.transport.curve import SocketSecurity
 
 if TYPE_CHECKING:
     from kvrelay.transport.chain_wire import BufferLike
@@ -74,6 +75,7 @@ def fetch(
     bind: str = "tcp://127.0.0.1:0",
     on_serving: Callable[[ChainServer], None] | None = None,
     link_bytes_per_s: float = 0.0,
+    security: SocketSecurity,
 ) -> FetchResult:
     """Pulls one object from the first source that answers, failing over down ``sources``.
 
@@ -89,6 +91,7 @@ def fetch(
         on_serving: called with the new server before the first chunk is requested, e.g. to
             publish its ``addr`` to the next hop.
         link_bytes_per_s: the forwarding server's link rate (``ChainServer``; 0: unlimited).
+        security: how the sources' and the forwarding server's sockets authenticate.
 
     Raises:
         ValueError: a malformed address, or a buffer of the wrong size.
@@ -99,7 +102,7 @@ def fetch(
         raise ValueError(f"need timeout >= {2 * HEARTBEAT_S}s and window >= 1: {timeout}, {window}")
     context = zmq.Context()
     try:
-        return _Fetch(list(sources), context, timeout, window).run(
+        return _Fetch(list(sources), context, timeout, window, security).run(
             make_buffer, bind if forward else None, on_serving, link_bytes_per_s
         )
     finally:
@@ -109,8 +112,15 @@ def fetch(
 class _Fetch:
     """One fetch's state: the destination, which chunks landed, the failover position."""
 
-    def __init__(self, sources: list[str], context: zmq.Context, timeout: float, window: int):
-        self._sources, self._context = sources, context
+    def __init__(
+        self,
+        sources: list[str],
+        context: zmq.Context,
+        timeout: float,
+        window: int,
+        security: SocketSecurity,
+    ):
+        self._sources, self._context, self._security = sources, context, security
         self._timeout, self._window = timeout, window
         self._num_retries = 0
         self._sources_used: list[str] = []
@@ -126,7 +136,7 @@ class _Fetch:
         link_bytes_per_s: float,
     ) -> FetchResult:
         start = time.perf_counter()
-        found = _probe(self._context, self._sources, self._timeout, None)
+        found = _probe(self._context, self._security, self._sources, self._timeout, None)
         if found is None:
             raise ChainError(f"no source answered within {self._timeout:g}s: {self._sources}")
         position, self._meta, socket = found
@@ -136,7 +146,11 @@ class _Fetch:
             self._num_complete = 0  # leading chunks landed and verified
             if bind is not None:
                 self._server = ChainServer(
-                    self._view, self._meta, bind, link_bytes_per_s=link_bytes_per_s
+                    self._view,
+                    self._meta,
+                    bind,
+                    link_bytes_per_s=link_bytes_per_s,
+                    security=self._security,
                 )
                 if on_serving is not None:
                     on_serving(self._server)
@@ -173,7 +187,7 @@ class _Fetch:
             finally:
                 socket.close(linger=0)
             rest = self._sources[position + 1 :]
-            found = _probe(self._context, rest, self._timeout, self._meta)
+            found = _probe(self._context, self._security, rest, self._timeout, self._meta)
             if found is None:
                 raise ChainError(f"{self._meta.name}: every source failed: {self._sources}")
             offset, _, socket = found
@@ -250,7 +264,11 @@ class _Fetch:
 
 
 def _probe(
-    context: zmq.Context, addrs: list[str], timeout: float, expected: ChainMeta | None
+    context: zmq.Context,
+    security: SocketSecurity,
+    addrs: list[str],
+    timeout: float,
+    expected: ChainMeta | None,
 ) -> tuple[int, ChainMeta, zmq.Socket] | None:
     """Asks every address for the meta at once; returns the first-listed that answered.
 
@@ -262,7 +280,7 @@ def _probe(
     chosen: int | None = None
     try:
         for addr in addrs:
-            sockets.append(_dealer(context, addr))
+            sockets.append(_dealer(context, security, addr))
             sockets[-1].send(MSG_META, flags=zmq.NOBLOCK)  # queued until connected
         answers = _collect_metas(sockets, addrs, time.monotonic() + timeout, expected)
         chosen = min(answers, default=None)
@@ -320,9 +338,10 @@ def _read_meta(socket: zmq.Socket, addr: str) -> ChainMeta | None:
         return None
 
 
-def _dealer(context: zmq.Context, addr: str) -> zmq.Socket:
+def _dealer(context: zmq.Context, security: SocketSecurity, addr: str) -> zmq.Socket:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    security.client(socket)
     try:
         socket.connect(addr)
     except zmq.ZMQError as e:

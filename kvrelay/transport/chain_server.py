@@ -37,6 +37,7 @@ from kvrelay.transport.chain_wire import (
     ChainMeta,
     byte_view,
 )
+from kvrelay.transport.curve import SocketSecurity
 from kvrelay.transport.rate_limit import TokenBucket
 
 if TYPE_CHECKING:
@@ -60,7 +61,8 @@ class ChainServer:
     it is marked available; chunks ``< num_available`` must not change after that. With
     ``link_bytes_per_s > 0`` chunk data leaves at most that fast (0: as fast as it can).
     ``mark_available`` may be called from any one thread; everything else is internal to
-    the server thread. ``addr`` is the bound endpoint with the real port.
+    the server thread. ``addr`` is the bound endpoint with the real port. ``security``
+    decides who may fetch (``SocketSecurity``: CURVE clients with the cluster key).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class ChainServer:
         *,
         complete: bool = False,
         link_bytes_per_s: float = 0.0,
+        security: SocketSecurity,
     ) -> None:
         if link_bytes_per_s < 0:
             raise ValueError(f"link_bytes_per_s must be >= 0 (0: off), got {link_bytes_per_s}")
@@ -88,12 +91,15 @@ class ChainServer:
         self._paced_ready: float | None = None  # when the head of _paced may go (tokens taken)
         self._available_at_first_serve: int | None = None
         self._context = zmq.Context()
+        self._security = security
         self._socket = self._context.socket(zmq.ROUTER)
+        security.server(self._socket)  # only cluster members may fetch the weights
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
             self._socket.bind(bind)
         except zmq.ZMQError:
             self._socket.close()
+            security.stop(self._context)
             self._context.term()
             raise
         self.addr: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -132,6 +138,7 @@ class ChainServer:
         self._is_closed = True
         os.close(self._wake_r)
         os.close(self._wake_w)
+        self._security.stop(self._context)
         self._context.term()
 
     def __enter__(self) -> ChainServer:

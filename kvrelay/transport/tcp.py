@@ -40,6 +40,7 @@ from kvrelay.transport.blocks import (
 )
 from kvrelay.transport.checksum import SlabCache
 from kvrelay.transport.copier import SlabCopier
+from kvrelay.transport.curve import SocketSecurity
 
 if TYPE_CHECKING:
     import torch
@@ -113,7 +114,8 @@ class TcpTransport(KvTransport):
     name = "tcp"
     checks_lease = False  # the source checks it (``lookup``) on its own clock
 
-    def __init__(self, context: zmq.Context | None = None) -> None:
+    def __init__(self, security: SocketSecurity, context: zmq.Context | None = None) -> None:
+        self._security = security  # every pull socket is a CURVE client of the peer
         self._context = context if context is not None else zmq.Context()
         self._owns_context = context is None
         self._sockets: dict[str, zmq.Socket] = {}
@@ -198,6 +200,7 @@ class TcpTransport(KvTransport):
         if socket is None:
             socket = self._context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
+            self._security.client(socket)
             socket.connect(addr)
             self._sockets[addr] = socket
         return socket

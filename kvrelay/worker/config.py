@@ -20,6 +20,7 @@ from kvrelay.engine.identity import model_identity
 from kvrelay.engine.loader import TORCH_DTYPES
 from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.messages import KvLayout, Role
+from kvrelay.transport.curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +51,12 @@ class WorkerConfig:
     redis_cert_file: str = ""  # L2 TLS: client certificate, when Redis asks for one
     redis_key_file: str = ""  # L2 TLS: the client certificate's key
     l2_encrypt: bool | None = None  # AEAD on L2 blocks; None: on when a cluster secret is set
-    cluster_secret_file: str = ""  # the cluster secret; "": KVRELAY_CLUSTER_SECRET(_FILE)
     corrupt_transfers: int = 0  # test hook: corrupt this many received transfers
     param_peers: str = ""  # hosts serving the weights (`kvrelay pool serve`), nearest first
     param_pool: bool = True  # attach weights from the host's parameter pool (made once per host)
     drain_timeout: float = 30.0  # on SIGTERM: seconds to finish running requests before exiting
     engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    credential: ClusterCredential | None = None  # None: open sockets (--insecure-no-auth)
 
     def __post_init__(self) -> None:
         if not self.router_timeout > self.heartbeat_interval:
@@ -134,12 +135,6 @@ def create_tiers(config: WorkerConfig, engine_config: EngineConfig) -> TieredCac
     return TieredCache(tiers) if tiers else None
 
 
-def load_credential(config: WorkerConfig) -> ClusterCredential | None:
-    """The cluster credential of this worker: ``cluster_secret_file``, else the
-    ``KVRELAY_CLUSTER_SECRET(_FILE)`` environment; None when none is set."""
-    return ClusterCredential.load(config.cluster_secret_file or None)
-
-
 def create_redis_tier(config: WorkerConfig, fmt: BlockFormat) -> KvTier:
     """The L2 tier: sealed with the cluster's keys (encrypted unless ``l2_encrypt`` is
     False); unkeyed, with a warning, when there is no cluster secret."""
@@ -153,7 +148,7 @@ def create_redis_tier(config: WorkerConfig, fmt: BlockFormat) -> KvTier:
         cert_file=config.redis_cert_file,
         key_file=config.redis_key_file,
     )
-    credential = load_credential(config)
+    credential = config.credential  # the one that secures the sockets too
     encrypt = credential is not None if config.l2_encrypt is None else config.l2_encrypt
     return RedisTier(endpoint, fmt, credential=credential, encrypt=encrypt)
 
@@ -164,7 +159,7 @@ def layout_from_shape(shape: tuple[int, ...], dtype: torch.dtype) -> KvLayout:
     return KvLayout(num_layers, num_blocks, block_size, num_kv_heads, head_dim, names[dtype])
 
 
-def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
+def open_param_pool(config: WorkerConfig, dtype: str, security: SocketSecurity) -> ParamPool:
     """This host's parameter pool: attached if ready, else filled from ``param_peers``
     (a chain), else built from the checkpoint on disk."""
     from kvrelay.cachetier.param_locks import interest
@@ -179,7 +174,7 @@ def open_param_pool(config: WorkerConfig, dtype: str) -> ParamPool:
     with interest(name):  # no gc frees a pool found ready here before the attach below
         if peers and not any(p.name == name and p.state == "ready" for p in list_pools()):
             try:
-                return fetch_pool(fingerprint, dtype, peers).pool
+                return fetch_pool(fingerprint, dtype, peers, security=security).pool
             # no peer, another process fills it, or a peer serves other weights (ValueError)
             except (ChainError, FileExistsError, ValueError) as e:
                 logger.warning("weights from peers failed (%s); using the host pool or disk", e)

@@ -14,6 +14,7 @@ from typing import Any
 import zmq
 
 from kvrelay.protocol.messages import encode
+from kvrelay.transport.curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -21,10 +22,14 @@ logger = logging.getLogger(__name__)
 class PeerLinks:
     """The bound peer socket of one worker and its cached links to other workers."""
 
-    def __init__(self, ctx: zmq.Context, instance_id: str, host: str, port: int) -> None:
+    def __init__(
+        self, ctx: zmq.Context, instance_id: str, host: str, port: int, security: SocketSecurity
+    ) -> None:
         self.instance_id = instance_id
         self._ctx = ctx
+        self._security = security
         self.socket = ctx.socket(zmq.ROUTER)
+        security.server(self.socket)  # only cluster members may pull KV or announce it
         self.socket.setsockopt(zmq.LINGER, 0)
         addr = f"tcp://{host}"
         if port:
@@ -41,6 +46,7 @@ class PeerLinks:
             link = self._ctx.socket(zmq.DEALER)
             link.setsockopt(zmq.LINGER, 0)
             link.setsockopt(zmq.SNDHWM, 10000)
+            self._security.client(link)
             link.connect(addr)
             self._links[addr] = link
         try:

@@ -26,6 +26,7 @@ import zmq
 
 from kvrelay.engine.engine import RequestOutput
 from kvrelay.protocol.messages import LoadReport, TokenEvent, encode
+from kvrelay.transport.curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +35,19 @@ class RouterLinks:
     """The DEALER links of one worker to its routers, the request -> router map, the heartbeat."""
 
     def __init__(
-        self, ctx: zmq.Context, instance_id: str, router_addr: str, heartbeat_interval: float
+        self,
+        ctx: zmq.Context,
+        instance_id: str,
+        router_addr: str,
+        heartbeat_interval: float,
+        security: SocketSecurity,
     ) -> None:
         self.instance_id = instance_id
+        self._security = security
+        # the routing id is this process's own: a router takes an instance's messages only
+        # from the connection it registered from, so a second process under a live id is
+        # refused, and the same process after a router restart is not
+        self._routing_id = f"{instance_id}/{uuid.uuid4().hex[:8]}".encode()
         self.links = [self._connect(ctx, addr) for addr in router_addr.split(",")]
         self.lock = threading.RLock()  # router links: loop thread + heartbeat thread
         self.origin: dict[str, zmq.Socket] = {}  # request id -> the router that sent it
@@ -52,8 +63,9 @@ class RouterLinks:
 
     def _connect(self, ctx: zmq.Context, addr: str) -> zmq.Socket:
         link = ctx.socket(zmq.DEALER)
-        link.setsockopt(zmq.IDENTITY, self.instance_id.encode())
+        link.setsockopt(zmq.IDENTITY, self._routing_id)
         link.setsockopt(zmq.LINGER, 0)
+        self._security.client(link)
         link.connect(addr.strip())
         return link
 

@@ -59,6 +59,7 @@ from kvrelay.protocol.messages import (
     Undrain,
     decode,
 )
+from kvrelay.transport.curve import SocketSecurity, describe
 from kvrelay.worker import stats as worker_stats
 from kvrelay.worker.cache_feed import DeviceCacheFeed
 from kvrelay.worker.config import (
@@ -92,6 +93,8 @@ class Worker:
         self.device = resolve_device(engine_config.device)
         check_transport_for_device(config.transport, self.device)
         self.ctx = zmq.Context()
+        self.security = SocketSecurity(config.credential)
+        logger.info("%s: %s", config.instance_id, describe(self.security))
         self.metrics = WorkerMetrics(config.instance_id, config.role.value)
         self._kv_segment: str | None = None
         self._shared_pool: Any = None
@@ -106,9 +109,12 @@ class Worker:
         )
         self.layout = self._layout()
         self.routers = RouterLinks(
-            self.ctx, config.instance_id, config.router_addr, config.heartbeat_interval
+            self.ctx, config.instance_id, config.router_addr, config.heartbeat_interval,
+            self.security,
+        )  # fmt: skip
+        self.peers = PeerLinks(
+            self.ctx, config.instance_id, config.host, config.peer_port, self.security
         )
-        self.peers = PeerLinks(self.ctx, config.instance_id, config.host, config.peer_port)
         self.peer = self.peers.socket
         self.metrics.watch_tiers(self.tier_stats)
         self.status = StatusServer(
@@ -133,7 +139,7 @@ class Worker:
         if not self.config.param_pool:
             return None
         try:
-            return open_param_pool(self.config, dtype)
+            return open_param_pool(self.config, dtype, self.security)
         except OSError as e:  # e.g. /dev/shm too small: the weights go to private memory
             logger.warning(
                 "%s: no parameter pool (%s); loading from disk", self.config.instance_id, e
@@ -506,6 +512,7 @@ class Worker:
             self.tiers.close()
         if self.param_pool is not None:
             self.param_pool.close()
+        self.security.stop(self.ctx)
         self.ctx.term()
         logger.info("%s stopped", self.instance_id)
 

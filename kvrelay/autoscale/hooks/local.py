@@ -45,6 +45,7 @@ from kvrelay import envs
 from kvrelay.autoscale.base import HookError, ScaleDecision, ScalingHook
 from kvrelay.autoscale.standby import Activation
 from kvrelay.cli.launcher import free_port
+from kvrelay.protocol.credential import ClusterCredential, child_environ
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,8 @@ class LocalHook(ScalingHook):
         standby: warm standby processes to keep (0: every start is a fresh process).
         start_timeout_s: longest wait for a new worker to be ready.
         stop_timeout_s: longest wait for a stopped worker to exit before SIGKILL.
+        credential: the cluster credential its workers get (in their environment, never
+            argv); None: they start with --insecure-no-auth, as the router did.
     """
 
     name = "local"
@@ -103,17 +106,21 @@ class LocalHook(ScalingHook):
         standby: int = 1,
         start_timeout_s: float = 120.0,
         stop_timeout_s: float = 30.0,
+        credential: ClusterCredential | None = None,
     ) -> None:
         if isinstance(worker_args, str) or not all(isinstance(a, str) for a in worker_args):
             raise ValueError(f"worker_args must be a list of strings, got {worker_args!r}")
         for arg in worker_args:
             if arg.split("=", 1)[0] in _RESERVED_FLAGS:
                 raise ValueError(f"worker_args may not set {arg!r}: the local hook sets it")
+        if credential is not None and not isinstance(credential, ClusterCredential):
+            raise ValueError("credential is the router's own; it cannot be an option")
         if standby < 0:
             raise ValueError(f"standby must be >= 0, got {standby}")
         if start_timeout_s <= 0 or stop_timeout_s <= 0:
             raise ValueError("start_timeout_s and stop_timeout_s must be > 0")
         self.host = host
+        self._credential = credential
         self.num_standby = standby
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -230,7 +237,7 @@ class LocalHook(ScalingHook):
             stdout=log,
             stderr=subprocess.STDOUT if log else None,
             start_new_session=True,  # signals to the router's group do not skip the drain
-            env=envs.inheritable(os.environ),
+            env=child_environ(self._credential, envs.inheritable(os.environ)),
         )
         return _Proc(popen, log, time.monotonic())
 
