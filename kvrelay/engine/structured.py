@@ -105,8 +105,8 @@ class GrammarCache:
         try:
             if spec.kind == "json":
                 return compiler.compile_json_schema(spec.spec, any_whitespace=False)
-            if spec.kind == "json_object":
-                return compiler.compile_builtin_json_grammar()
+            if spec.kind == "json_object":  # an object (xgrammar's builtin is any JSON value)
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.spec)
             if spec.kind == "choice":

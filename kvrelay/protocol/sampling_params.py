@@ -50,9 +50,10 @@ def _as_tuple(value: object) -> tuple[object, ...]:
 class StructuredOutput:
     """A grammar the output must match (vLLM's ``structured_outputs``), as plain data.
 
-    ``kind`` says how ``spec`` reads: ``json`` a JSON schema (serialised, sorted keys, so equal
-    schemas are equal values), ``json_object`` any JSON object (``spec`` empty), ``regex`` a
-    regular expression, ``choice`` one of ``choices``, ``grammar`` an EBNF (GBNF) grammar.
+    ``kind`` says how ``spec`` reads: ``json`` a JSON schema (serialised; key order kept: it
+    is the order the grammar writes properties in), ``json_object`` any JSON object (``spec``
+    empty), ``regex`` a regular expression, ``choice`` one of ``choices``, ``grammar`` an
+    EBNF (GBNF) grammar.
     Hashable: it keys the engine's compiled-grammar cache.
     """
 

@@ -45,6 +45,8 @@ class RouterConfig:
     autoscale_options: dict[str, Any] = dataclasses.field(default_factory=dict)  # hook kwargs
     autoscale_policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
     autoscale_interval: float = 2.0  # seconds between autoscaler evaluations
+    tool_call_parser: str | None = "auto"  # ApiSettings.tool_call_parser
+    trust_request_chat_template: bool = False  # apply a request's chat_template (else 400)
 
     @property
     def model_name(self) -> str:
@@ -81,6 +83,8 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
         served_model_names=(config.model_name,),
         max_body_bytes=config.max_body_bytes,
         admin_token=config.admin_token,
+        tool_call_parser=config.tool_call_parser,
+        trust_request_chat_template=config.trust_request_chat_template,
     )
     app = create_app(backend, tokenizer, settings)
     add_operations_routes(app, backend, settings)

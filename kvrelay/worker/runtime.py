@@ -331,6 +331,7 @@ class Worker:
                     finished=True,
                     finish_reason="abort",
                     error=str(e),
+                    error_param=getattr(e, "param", None),
                 )
             )
 
