@@ -72,6 +72,12 @@ class GrammarCache:
         self._lock = threading.Lock()
         self.num_compiled = 0  # compilations (cache misses), for tests and metrics
 
+    def warm_up(self) -> None:
+        """Imports xgrammar and builds the tokenizer's tables now (seconds), so the first
+        structured request does not stall a worker's loop (and its heartbeats) for that."""
+        with self._lock:
+            self._get_compiler()
+
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar of ``spec``; raises GrammarError naming the request field."""
         with self._lock:
