@@ -20,7 +20,14 @@ from pydantic import BaseModel, Field
 from kvrelay import LLM, SamplingParams
 from kvrelay.protocol.sampling_params import StructuredOutput
 from tests.cluster_harness import running_cluster, worker_stats
-from tests.structured_cases import LONG_SCHEMA, MAX_TOKENS, SCHEMAS, schema_format, spec_text
+from tests.structured_cases import (
+    LONG_MAX_TOKENS,
+    LONG_SCHEMA,
+    MAX_TOKENS,
+    SCHEMAS,
+    schema_format,
+    spec_text,
+)
 
 ROUTER_ARGS = ("--dead-after", "1.5", "--served-model-name", "tiny", "--tool-call-parser", "hermes")
 PROMPT = "Describe the record as JSON"
@@ -122,26 +129,30 @@ def test_every_choice_validates_stream_and_not(cluster, name):
 
 
 def test_greedy_is_the_same_colocated_disaggregated_and_offline(colocated, disagg, model_dir):
-    """The first token is sampled on prefill; decode goes on from a replayed matcher."""
+    """The first token is sampled on prefill; decode goes on from a replayed matcher; a prefix
+    cache hit (the second disaggregated run) changes nothing."""
     schema = SCHEMAS["nested"]
+    prompt = " ".join([PROMPT] * 8)  # several full KV blocks: the repeat hits the cache
     llm = LLM(model_dir, num_blocks=256)
     params = SamplingParams(
         temperature=0,
         max_tokens=MAX_TOKENS,
         structured_outputs=StructuredOutput("json", spec_text(schema)),
     )
-    offline = llm.generate(PROMPT, params)[0].outputs[0].text
-    texts = []
-    for launcher in (colocated, disagg, disagg):  # twice on disagg: the second hits the cache
+    offline = llm.generate(prompt, params)[0].outputs[0].text
+    texts, cached = [], []
+    for launcher in (colocated, disagg, disagg):
         out = _client(launcher).completions.create(
             model="tiny",
-            prompt=PROMPT,
+            prompt=prompt,
             temperature=0,
             max_tokens=MAX_TOKENS,
             extra_body={"response_format": schema_format("nested", schema)},
         )
         texts.append(out.choices[0].text)
+        cached.append(out.usage.prompt_tokens_details.cached_tokens)
     assert texts == [offline] * 3
+    assert cached[2] > 0
     jsonschema.validate(json.loads(offline), schema)
 
 
@@ -314,7 +325,7 @@ def test_decode_killed_mid_stream_keeps_the_grammar(model_dir, tmp_path):
     """The re-run replays the streamed tokens into a new matcher and finishes the array."""
     llm = LLM(model_dir, num_blocks=256)
     grammar = StructuredOutput("json", spec_text(LONG_SCHEMA))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=grammar)
+    params = SamplingParams(temperature=0, max_tokens=LONG_MAX_TOKENS, structured_outputs=grammar)
     reference = llm.generate(PROMPT, params)[0].outputs[0].text
     with running_cluster(
         model_dir, tmp_path, num_prefill=1, num_decode=2, router_args=ROUTER_ARGS
@@ -323,7 +334,7 @@ def test_decode_killed_mid_stream_keeps_the_grammar(model_dir, tmp_path):
             model="tiny",
             prompt=PROMPT,
             temperature=0,
-            max_tokens=MAX_TOKENS,
+            max_tokens=LONG_MAX_TOKENS,
             stream=True,
             extra_body={"response_format": schema_format("long", LONG_SCHEMA)},
         )
@@ -337,7 +348,7 @@ def test_decode_killed_mid_stream_keeps_the_grammar(model_dir, tmp_path):
                 launcher.kill(victim, signal.SIGKILL)
         assert victim is not None
     assert "".join(parts) == reference
-    jsonschema.validate(json.loads(reference), LONG_SCHEMA)
+    jsonschema.validate(json.loads(reference), LONG_SCHEMA)  # ended by the grammar, not length
 
 
 def test_langchain_bind_tools_and_with_structured_output(colocated):

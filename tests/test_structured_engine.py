@@ -195,3 +195,23 @@ def test_params_refuse_what_a_grammar_cannot_honour():
         StructuredOutput("xml", "x")
     with pytest.raises(ValueError, match="spec"):
         StructuredOutput("json")
+
+
+def test_json_strings_never_hold_raw_control_characters(llm):
+    """xgrammar's JSON strings admit U+0000-U+001F; JSON (and json.loads) does not."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}},
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        temperature=1.0, seed=0, n=8, max_tokens=60, structured_outputs=_json(schema)
+    )
+    for output in llm.generate(["a pet", "hello"], params):
+        for choice in output.outputs:
+            assert choice.finish_reason == "stop"
+            jsonschema.validate(json.loads(choice.text), schema)
+    control = llm.engine.tokenizer.encode("\x03", add_special_tokens=False)
+    bits = llm.engine.grammars._json_bits
+    assert all(not (int(bits[t // 32]) >> (t % 32)) & 1 for t in control)

@@ -68,6 +68,7 @@ class GrammarCache:
         self._stop_token_ids = sorted(stop_token_ids)
         self._capacity = capacity
         self._compiler: Any = None
+        self._json_bits: torch.Tensor | None = None  # int32 words: tokens valid JSON may hold
         self._grammars: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0  # compilations (cache misses), for tests and metrics
@@ -100,7 +101,9 @@ class GrammarCache:
         """
         import xgrammar as xgr
 
-        matcher = xgr.GrammarMatcher(self.compile(spec))
+        grammar = self.compile(spec)
+        is_json = spec.kind in ("json", "json_object")
+        matcher = SequenceGrammar(xgr.GrammarMatcher(grammar), self._json_bits if is_json else None)
         for token_id in accepted:
             if not matcher.accept_token(token_id):
                 raise GrammarError(f"output token {token_id} does not match the grammar")
@@ -132,7 +135,43 @@ class GrammarCache:
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            self._json_bits = _without_control_chars(info.decoded_vocab, self.vocab_size)
         return self._compiler
+
+
+def _without_control_chars(decoded_vocab: Sequence[bytes], vocab_size: int) -> torch.Tensor:
+    """A bitmask row allowing every token except those holding a control character (U+0000 to
+    U+001F). xgrammar's JSON strings admit raw control characters, which JSON forbids (and
+    ``json.loads`` refuses); compact JSON (no newlines, ``any_whitespace=False``) never holds
+    one, so a JSON grammar's mask is ANDed with this row."""
+    allowed = torch.ones(-(-vocab_size // 32) * 32, dtype=torch.bool)
+    for token_id, text in enumerate(decoded_vocab[:vocab_size]):
+        if any(byte < 0x20 for byte in text):
+            allowed[token_id] = False
+    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+    words = (allowed.view(-1, 32).to(torch.int64) * weights).sum(dim=1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+class SequenceGrammar:
+    """One sequence's matcher, plus the tokens its kind of grammar never allows."""
+
+    __slots__ = ("_allowed", "_matcher")
+
+    def __init__(self, matcher: Any, allowed: torch.Tensor | None) -> None:
+        self._matcher = matcher
+        self._allowed = allowed
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, index)
+        if self._allowed is not None:
+            bitmask[index].bitwise_and_(self._allowed)
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self._matcher.accept_token(token_id))
+
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
 
 
 def _regex_literal(text: str) -> str:
