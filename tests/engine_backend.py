@@ -69,6 +69,7 @@ class EngineBackend(Backend):
 
     def __init__(self, model_dir: str | Path, model_name: str = "tiny", **engine_args: Any):
         self.engine = LLMEngine.from_args(model_dir, **engine_args)
+        self.engine.grammars.warm_up()  # as workers do: no request waits seconds for it
         assert self.engine.tokenizer is not None
         self.tokenizer = self.engine.tokenizer
         self.model_name = model_name
