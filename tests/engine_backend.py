@@ -26,7 +26,14 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput
-from kvrelay.router.backend import Backend, Delta, GenerateInput, GenerationFailed, Unavailable
+from kvrelay.router.backend import (
+    Backend,
+    Delta,
+    GenerateInput,
+    GenerationFailed,
+    InvalidRequest,
+    Unavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +69,7 @@ class EngineBackend(Backend):
 
     def __init__(self, model_dir: str | Path, model_name: str = "tiny", **engine_args: Any):
         self.engine = LLMEngine.from_args(model_dir, **engine_args)
+        self.engine.grammars.warm_up()  # as workers do: no request waits seconds for it
         assert self.engine.tokenizer is not None
         self.tokenizer = self.engine.tokenizer
         self.model_name = model_name
@@ -175,7 +183,11 @@ class EngineBackend(Backend):
         try:
             self.engine.add_request(request.request_id, request.prompt_token_ids, request.params)
         except (RequestError, ValueError) as exc:
-            sink.deliver(GenerationFailed(f"engine refused the request: {exc}"))
+            param = getattr(exc, "param", None)  # the request's fault: 400, as the dispatcher
+            if param is not None:
+                sink.deliver(InvalidRequest(str(exc), param))
+            else:
+                sink.deliver(GenerationFailed(f"engine refused the request: {exc}"))
             return
         self._sinks[request.request_id] = sink
 

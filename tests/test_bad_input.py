@@ -281,7 +281,9 @@ FUZZ_FIELDS = [
     "repetition_penalty", "logprobs", "top_logprobs", "echo", "stream", "stream_options",
     "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
     "skip_special_tokens", "user", "best_of", "add_generation_prompt", "continue_final_message",
-    "chat_template_kwargs", "return_tokens_as_token_ids",
+    "chat_template_kwargs", "return_tokens_as_token_ids", "response_format",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+    "tools", "tool_choice", "parallel_tool_calls", "chat_template",
 ]  # fmt: skip
 
 

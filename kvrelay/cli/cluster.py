@@ -52,6 +52,7 @@ def add_cluster_parsers(sub: Any) -> None:
         "KVRELAY_CLUSTER_SECRET, else a new one per cluster); every process gets it in its "
         "environment",
     )
+    _add_chat_args(up)
 
     serve = sub.add_parser(
         "serve",
@@ -73,6 +74,30 @@ def add_cluster_parsers(sub: Any) -> None:
     )
     serve.add_argument("--autoscale-options", default="{}", help="router: hook options (JSON)")
     _add_autoscale_args(serve)
+    _add_chat_args(serve)
+
+
+def _add_chat_args(p: argparse.ArgumentParser) -> None:
+    from kvrelay.text.tool_parsers import TOOL_PARSERS
+
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "none", *TOOL_PARSERS],
+        help="router: how tool_choice 'auto' finds calls in the output ('auto': detect the "
+        "format from the chat template; 'none': answer 400 to tool_choice 'auto')",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="router: apply a request's 'chat_template' (default: answer 400; a request's "
+        "template runs on the router and changes what the model is told)",
+    )
+
+
+def chat_router_args(args: argparse.Namespace) -> list[str]:
+    out = ["--tool-call-parser", args.tool_call_parser]
+    return out + (["--trust-request-chat-template"] if args.trust_request_chat_template else [])
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -232,6 +257,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     default = 0 if args.colocated else 1
     router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
+    router_args += chat_router_args(args)
     cluster_id = args.cluster_id or ""
     if args.autoscale:
         if args.colocated:
@@ -295,6 +321,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 autoscale_policy=autoscale_policy(args),
                 autoscale_interval=args.autoscale_interval,
                 credential=credential,
+                tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
+                trust_request_chat_template=args.trust_request_chat_template,
             )
         )
         return 0

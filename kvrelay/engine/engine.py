@@ -32,6 +32,7 @@ from kvrelay.engine.runner import ModelRunner, kv_cache_shape
 from kvrelay.engine.sampling import Sampler
 from kvrelay.engine.scheduler import Scheduler
 from kvrelay.engine.sequence import Sequence, SequenceStatus
+from kvrelay.engine.structured import GrammarCache, GrammarError
 from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
 from kvrelay.text.stop import StopChecker
 from kvrelay.text.tokenizer import Tokenizer
@@ -67,7 +68,15 @@ def resolve_device(name: str) -> torch.device:
 
 
 class RequestError(ValueError):
-    """A request the engine cannot run (too long, bad parameters); nothing was queued."""
+    """A request the engine cannot run (too long, bad parameters); nothing was queued.
+
+    ``param`` names the request field at fault when the client sent something invalid (a
+    schema that does not compile); None for limits of this engine.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(slots=True)
@@ -166,6 +175,7 @@ class LLMEngine:
             LlamaModel(mc, weights), kv_cache, config.cache.block_size, sampler
         )
         self._stops: dict[str, StopChecker] = {}
+        self.grammars = GrammarCache(config.model, mc.vocab_size, self.eos_token_ids)
 
     @classmethod
     def from_args(
@@ -254,7 +264,14 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (engine started without one)")
         prompt = list(prompt_token_ids)
-        return Sequence(request_id, prompt, params, time.monotonic(), token_ids=prompt + outputs)
+        seq = Sequence(request_id, prompt, params, time.monotonic(), token_ids=prompt + outputs)
+        if params.structured_outputs is not None:
+            # a re-run or a hand-off replays the tokens already sent: matcher state never travels
+            try:
+                seq.matcher = self.grammars.create_matcher(params.structured_outputs, outputs)
+            except GrammarError as exc:
+                raise RequestError(str(exc), param=exc.param) from exc
+        return seq
 
     def _validate(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
         max_len = self.config.scheduler.max_model_len

@@ -53,6 +53,7 @@ class ModelRunner:
             for i, item in enumerate(plan.scheduled):
                 if item.needs_sample:
                     token_ids[i], logprobs[i] = out.token_ids[j], out.logprobs[j]
+                    _advance_grammar(item.seq, out.token_ids[j])
                     j += 1
         return StepResult(token_ids, logprobs)
 
@@ -120,4 +121,12 @@ class ModelRunner:
     def _sample_request(self, seq: Sequence) -> SampleRequest:
         if seq.generator is None:
             seq.generator = create_generator(seq.params, self.device)  # None without a seed
-        return SampleRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator)
+        return SampleRequest(
+            seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, seq.matcher
+        )
+
+
+def _advance_grammar(seq: Sequence, token_id: int) -> None:
+    """Moves the sequence's matcher past the token the sampler chose under its mask."""
+    if seq.matcher is not None and not seq.matcher.accept_token(token_id):
+        raise AssertionError(f"{seq.seq_id}: token {token_id} was sampled outside its grammar")

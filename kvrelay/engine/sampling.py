@@ -2,7 +2,10 @@
 
 One step's logits (one row per request) go through, in this order::
 
-    raw logits ──► logprobs: log_softmax of the raw logits (vLLM's default ``raw_logprobs``)
+    raw logits ──► grammar mask (rows with a matcher: refused tokens at -inf, as vLLM does)
+        │
+        ├──► logprobs: log_softmax of these logits (vLLM's default ``raw_logprobs``; under a
+        │    grammar they are the model's distribution renormalised over allowed tokens)
         │
         ├─ penalties: repetition (prompt + output tokens), then frequency, presence (output)
         ├─ min_tokens: eos ids and stop_token_ids set to -inf while the output is too short
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -48,6 +51,7 @@ class SampleRequest(NamedTuple):
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None  # the request's own (seeded); None: the shared one
+    matcher: Any = None  # an xgrammar GrammarMatcher at this step's state; None: no grammar
 
 
 class SampleOutput(NamedTuple):
@@ -153,20 +157,23 @@ def _is_plain_greedy(request: SampleRequest) -> bool:
         and not params.has_penalties
         and params.logprobs is None
         and len(request.output_token_ids) >= params.min_tokens
+        and request.matcher is None
     )
 
 
 class Sampler:
     """Chooses one token per row of a step's logits.
 
-    Holds only the shared generator (one per device, seeded with ``seed``); never mutates the
-    logits it is given.
+    Holds only the shared generator (one per device, seeded with ``seed``) and the grammar
+    bitmask buffer; never mutates the logits it is given, nor the matchers (the runner advances
+    them with the chosen tokens).
     """
 
     def __init__(self, eos_token_ids: Iterable[int], seed: int = 0) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._masker: Any = None  # structured.GrammarMasker, made on the first grammar row
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[SampleRequest]) -> SampleOutput:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
@@ -177,9 +184,25 @@ class Sampler:
         logits = logits.float()
         if all(_is_plain_greedy(r) for r in requests):
             return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * len(requests))
+        logits = self._apply_grammars(logits, requests)
         scores = self._apply_constraints(logits, requests)
         token_ids = self._choose(scores, requests)
         return SampleOutput(token_ids.tolist(), compute_logprobs(logits, token_ids, requests))
+
+    def _apply_grammars(
+        self, logits: torch.Tensor, requests: Sequence[SampleRequest]
+    ) -> torch.Tensor:
+        """A copy of ``logits`` with every row's grammar mask applied; ``logits`` when none."""
+        matchers = [r.matcher for r in requests]
+        if all(m is None for m in matchers):
+            return logits
+        if self._masker is None:
+            from kvrelay.engine.structured import GrammarMasker
+
+            self._masker = GrammarMasker()
+        masked = logits.clone()
+        self._masker.apply(masked, matchers)
+        return masked
 
     def _apply_constraints(
         self, logits: torch.Tensor, requests: Sequence[SampleRequest]

@@ -55,6 +55,7 @@ class Sequence:
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     stop_reason: int | str | None = None
     generator: Any = None  # torch.Generator for seeded sampling; owned by the runner side
+    matcher: Any = None  # xgrammar GrammarMatcher; has accepted exactly the output tokens
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -38,7 +38,7 @@ from typing import Any, Literal, TypeVar
 import msgpack
 
 from kvrelay.protocol.errors import ProtocolError
-from kvrelay.protocol.sampling_params import SamplingParams
+from kvrelay.protocol.sampling_params import SamplingParams, StructuredOutput
 
 _EXT_CODE = 1
 
@@ -167,6 +167,7 @@ class TokenEvent:
     handed_off_to: str | None = None  # prefill: the decode instance that continues
     error: str | None = None  # the worker could not run the request
     attempt: int = 0  # GenerateRequest.attempt of the run that made these tokens
+    error_param: str | None = None  # set when ``error`` is the request's fault: its bad field
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -257,6 +258,7 @@ WIRE_TYPES: tuple[type, ...] = (
     Shutdown,
     SamplingParams,
     Undrain,  # new types go last: the tags of the others stay what older processes send
+    StructuredOutput,
 )
 _TAG = {cls: i for i, cls in enumerate(WIRE_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in WIRE_TYPES}

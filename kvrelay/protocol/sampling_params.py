@@ -20,6 +20,8 @@ PENALTY_RANGE = (-2.0, 2.0)  # presence / frequency penalty, inclusive (OpenAI's
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts, inclusive
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_SPEC_CHARS = 1 << 20  # a schema / regex / grammar larger than this is refused
 
 
 def _fail(name: str, value: object, rule: str) -> NoReturn:
@@ -43,6 +45,47 @@ def _as_tuple(value: object) -> tuple[object, ...]:
     if isinstance(value, Iterable):
         return tuple(value)
     return (value,)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the output must match (vLLM's ``structured_outputs``), as plain data.
+
+    ``kind`` says how ``spec`` reads: ``json`` a JSON schema (serialised; key order kept: it
+    is the order the grammar writes properties in), ``json_object`` any JSON object (``spec``
+    empty), ``regex`` a regular expression, ``choice`` one of ``choices``, ``grammar`` an
+    EBNF (GBNF) grammar.
+    Hashable: it keys the engine's compiled-grammar cache.
+    """
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "choices", _as_tuple(self.choices))
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(
+                f"StructuredOutput.kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}"
+            )
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise ValueError(
+                f"StructuredOutput.spec must be a string of at most {MAX_STRUCTURED_SPEC_CHARS}"
+                " characters"
+            )
+        needs_spec = self.kind in ("json", "regex", "grammar")
+        if needs_spec != bool(self.spec):
+            raise ValueError(
+                f"StructuredOutput.spec must be {'set' if needs_spec else 'empty'}"
+                f" for kind {self.kind!r}"
+            )
+        if (self.kind == "choice") != bool(self.choices) or not all(
+            isinstance(c, str) and c for c in self.choices
+        ):
+            raise ValueError(
+                "StructuredOutput.choices must be non-empty strings for kind 'choice' only,"
+                f" got {self.choices!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +114,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     skip_special_tokens: bool = True  # drop special tokens when detokenising
     cache_salt: str | None = None  # prefix cache shared only with requests of the same salt
+    structured_outputs: StructuredOutput | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop))
@@ -87,6 +131,7 @@ class SamplingParams:
                 self.cache_salt,
                 f"None or a string of 1 to {MAX_CACHE_SALT_LEN} chars",
             )
+        self._check_structured()
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "a bool")
@@ -138,6 +183,17 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if not (_is_int(token_id) and token_id >= 0):
                 _fail("stop_token_ids", token_id, "integers >= 0")
+
+    def _check_structured(self) -> None:
+        """A grammar decides when the output may end: eos must end it, and may come early."""
+        if self.structured_outputs is None:
+            return
+        if not isinstance(self.structured_outputs, StructuredOutput):
+            _fail("structured_outputs", self.structured_outputs, "None or a StructuredOutput")
+        if self.ignore_eos:
+            _fail("ignore_eos", self.ignore_eos, "false with structured outputs")
+        if self.min_tokens:
+            _fail("min_tokens", self.min_tokens, "0 with structured outputs")
 
     @property
     def is_greedy(self) -> bool:

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvrelay.protocol.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+from kvrelay.protocol.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, StructuredOutput
 from kvrelay.router.backend import Backend, GenerateInput
 from kvrelay.router.errors import (
     ApiError,
@@ -60,13 +60,17 @@ from kvrelay.router.sse import (
     sse_events,
     until_disconnected,
 )
+from kvrelay.router.structured import ToolPlan, plan_tools, resolve_structured
 from kvrelay.router.text_workers import PromptTooLong, TextWorkers
 from kvrelay.text.tokenizer import Tokenizer, TokenizerError
+from kvrelay.text.tool_parsers import ToolParser, create_tool_parser, detect_tool_parser
 
 logger = logging.getLogger(__name__)
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
-_RESERVED_TEMPLATE_KWARGS = frozenset({"self", "messages", "add_generation_prompt", "tools"})
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"self", "messages", "add_generation_prompt", "tools", "chat_template"}
+)
 _CHAT_PARAM_NAMES = {"logprobs": "top_logprobs"}
 
 
@@ -79,6 +83,7 @@ class ChoiceSpec(NamedTuple):
     default_max_tokens: int | None  # when not requested; None = up to the context window
     logprobs: int | None  # SamplingParams.logprobs
     param_names: dict[str, str]  # SamplingParams field -> request field, where they differ
+    structured: StructuredOutput | None = None  # the grammar every choice must match
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +102,9 @@ class ApiSettings:
     max_tokens_limit: int | None = None  # clamps every request's max_tokens; None = no cap
     api_keys: tuple[str, ...] = ()  # bearer keys accepted on /v1/*; () = no check
     body_timeout: float = 30.0  # seconds to receive a request body before 408
+    tool_call_parser: str | None = "auto"  # tool_choice "auto": a parser name; "auto" detects
+    # it from the chat template; None: no parser ("auto" tool choice answers 400)
+    trust_request_chat_template: bool = False  # apply a request's `chat_template` (else 400)
 
     def __post_init__(self) -> None:
         if any(not name for name in self.served_model_names):
@@ -117,6 +125,8 @@ class ApiSettings:
         _check_range("default_max_tokens", self.default_max_tokens, 1 << 31)
         if self.max_tokens_limit is not None:
             _check_range("max_tokens_limit", self.max_tokens_limit, 1 << 31)
+        if self.tool_call_parser not in (None, "auto"):
+            create_tool_parser(self.tool_call_parser)  # ValueError naming the choices
 
 
 def _check_range(name: str, value: int, high: int, low: int = 1) -> None:
@@ -164,9 +174,14 @@ class OpenAIApi:
     tokens: TokenStrings = field(init=False)
     model_names: tuple[str, ...] = field(init=False)
     created: int = field(init=False)
+    tool_parser: ToolParser | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.tokens = TokenStrings(self.tokenizer)
+        name = self.settings.tool_call_parser
+        if name == "auto":
+            name = detect_tool_parser(self.tokenizer.chat_template)
+        self.tool_parser = create_tool_parser(name) if name else None
         self.model_names = self.settings.served_model_names or (self.backend.model_name,)
         self.created = int(time.time())
 
@@ -219,6 +234,7 @@ class OpenAIApi:
             default_max_tokens=self.settings.default_max_tokens,
             logprobs=req.logprobs,
             param_names={},
+            structured=resolve_structured(req.response_format, req.structured_outputs, req.guided),
         )
         inputs = self._inputs(builder, req, n, spec)
         return await self._respond(request, builder, inputs, req.stream)
@@ -228,14 +244,23 @@ class OpenAIApi:
         model = self._model_name(req.model)
         n = self._check_n(req.n, 1)
         self._check_chat_options(req)
-        prompt = await self._chat_prompt(req)
+        tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+        structured = resolve_structured(req.response_format, req.structured_outputs, req.guided)
+        if tools.structured is not None:
+            if structured is not None:
+                raise bad_request(
+                    f"'tool_choice' {tools.mode!r} cannot be combined with a response format",
+                    "response_format",
+                )
+            structured = tools.structured
+        prompt = await self._chat_prompt(req, tools)
         options = ResponseOptions(
             include_usage=req.include_usage,
             want_logprobs=req.logprobs,
             tokens_as_ids=req.return_tokens_as_token_ids,
         )
-        builder = ChatBuilder(model, [prompt], n, self.tokens, options)
-        inputs = self._inputs(builder, req, n, _chat_spec(req))
+        builder = ChatBuilder(model, [prompt], n, self.tokens, options, tools)
+        inputs = self._inputs(builder, req, n, _chat_spec(req, structured))
         return await self._respond(request, builder, inputs, req.stream)
 
     # ---- checks
@@ -304,6 +329,13 @@ class OpenAIApi:
                 "'continue_final_message' needs 'add_generation_prompt' set to false",
                 "continue_final_message",
             )
+        if req.chat_template is not None and not self.settings.trust_request_chat_template:
+            raise bad_request(
+                "'chat_template' is not accepted by this deployment: a request's template runs "
+                "on the router and changes what the model is told (start the router with "
+                "--trust-request-chat-template to allow it)",
+                "chat_template",
+            )
         reserved = _RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {})
         if reserved:
             raise bad_request(
@@ -328,16 +360,19 @@ class OpenAIApi:
         text = self.tokenizer.decode(prompt, skip_special_tokens=False) if echo else ""
         return PromptInfo(list(prompt), text)
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> PromptInfo:
+    async def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolPlan) -> PromptInfo:
         messages = [m.to_template() for m in req.messages]
         try:
             text = await self.text.apply_chat_template(
                 messages,
                 add_generation_prompt=req.add_generation_prompt,
+                tools=list(tools.tools) or None,
+                chat_template=req.chat_template,
                 **(req.chat_template_kwargs or {}),
             )
         except TokenizerError as exc:
-            raise bad_request(str(exc), "messages") from exc
+            param = "chat_template" if req.chat_template is not None else "messages"
+            raise bad_request(str(exc), param) from exc
         except RecursionError:
             raise bad_request("the messages are nested too deeply", "messages") from None
         if req.continue_final_message:
@@ -380,6 +415,7 @@ class OpenAIApi:
                 spec.logprobs,
                 spec.param_names,
                 seed_offset=choice.index % n,
+                structured=spec.structured,
             )
             inputs.append(GenerateInput(builder.request_id(choice.index), prompt.token_ids, params))
         return inputs
@@ -417,7 +453,7 @@ class OpenAIApi:
                 choices.close()
 
 
-def _chat_spec(req: ChatCompletionRequest) -> ChoiceSpec:
+def _chat_spec(req: ChatCompletionRequest, structured: StructuredOutput | None) -> ChoiceSpec:
     """Chat names the length ``max_completion_tokens`` (``max_tokens`` is the old name)."""
     max_tokens: int | None = req.max_tokens
     param = "max_tokens"
@@ -431,6 +467,7 @@ def _chat_spec(req: ChatCompletionRequest) -> ChoiceSpec:
         default_max_tokens=None,
         logprobs=logprobs,
         param_names={**_CHAT_PARAM_NAMES, "max_tokens": param},
+        structured=structured,
     )
 
 

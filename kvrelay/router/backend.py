@@ -45,6 +45,16 @@ class GenerationFailed(BackendError):
     status_code = 500
 
 
+class InvalidRequest(BackendError):
+    """A worker refused the request as invalid (a grammar that does not compile): 400."""
+
+    status_code = 400
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True, slots=True)
 class GenerateInput:
     request_id: str

@@ -60,9 +60,11 @@ from kvrelay.protocol.sampling_params import TokenLogprobs
 from kvrelay.router.admission import Admission
 from kvrelay.router.backend import (
     Backend,
+    BackendError,
     Delta,
     GenerateInput,
     GenerationFailed,
+    InvalidRequest,
     Unavailable,
 )
 from kvrelay.router.metrics import RouterMetrics
@@ -407,7 +409,10 @@ class Dispatcher(Backend):
             return
         if event.error is not None:
             tr.done = True
-            tr.queue.put_nowait(GenerationFailed(f"worker {event.instance_id}: {event.error}"))
+            error: BackendError = GenerationFailed(f"worker {event.instance_id}: {event.error}")
+            if event.error_param is not None:
+                error = InvalidRequest(event.error, event.error_param)
+            tr.queue.put_nowait(error)
             return
         if event.handed_off_to is not None:
             tr.watch.discard(event.instance_id)

@@ -48,7 +48,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_RETRY_AFTER_S = 1  # Retry-After when a BackendError names none
-_BACKEND_ERROR_TYPES = {429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+_BACKEND_ERROR_TYPES = {
+    400: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
 _OBJECT_EXPECTED = re.compile(r"a valid dictionary or instance of \w+")  # pydantic's wording
 _BACKEND_ERROR_CODES = {429: "rate_limit_exceeded", 500: "generation_failed", 503: "unavailable"}
 
@@ -107,6 +112,7 @@ def from_backend_error(exc: BackendError) -> ApiError:
         type=_BACKEND_ERROR_TYPES.get(status, "server_error"),
         code=_BACKEND_ERROR_CODES.get(status),
         headers=headers,
+        param=getattr(exc, "param", None),
     )
 
 

@@ -9,13 +9,14 @@ are ignored (OpenAI clients send ``metadata``, ``store``...), and ``null`` means
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, PlainValidator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvrelay.protocol.sampling_params import SamplingParams
+from kvrelay.protocol.sampling_params import SamplingParams, StructuredOutput
 from kvrelay.router.errors import ApiError, bad_request
 
 Prompt = list[str] | list[list[int]]  # one entry per prompt of a batch
@@ -83,10 +84,26 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
     def to_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: OpenAI's serialised tool-call
+        ``arguments`` become objects (as vLLM and transformers' templates want them)."""
         message = self.model_dump(exclude_none=True)
         if self.role == "developer":  # OpenAI's newer name for the system role
             message["role"] = "system"
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [_call_for_template(call) for call in calls]
         return message
+
+
+def _call_for_template(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _check_prompt(value: object) -> Prompt:
@@ -137,6 +154,18 @@ class _GenerateRequest(_Strict):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     cache_salt: str | None = None  # vLLM's: prefix cache shared only within one salt
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {json|regex|choice|grammar: ...}
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of the same
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @property
+    def guided(self) -> dict[str, Any]:
+        """The ``guided_*`` fields that are set."""
+        names = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        return {name: value for name in names if (value := getattr(self, name)) is not None}
 
     @property
     def include_usage(self) -> bool:
@@ -159,6 +188,10 @@ class ChatCompletionRequest(_GenerateRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- request -> SamplingParams ------------------------------------------------------------
@@ -189,6 +222,7 @@ def sampling_params(
     logprobs: int | None,
     param_names: dict[str, str],
     seed_offset: int = 0,
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     """The ``n == 1`` params of one choice.
 
@@ -198,6 +232,7 @@ def sampling_params(
         logprobs: ``SamplingParams.logprobs``.
         param_names: SamplingParams field -> request field, where the names differ.
         seed_offset: added to the request's seed (choice ``i`` of ``n`` gets ``seed + i``).
+        structured: the grammar the output must match (``structured.resolve_structured``).
 
     Raises:
         ApiError: 400 naming the offending request field.
@@ -206,7 +241,13 @@ def sampling_params(
     if request.seed is not None:
         kwargs["seed"] = request.seed + seed_offset
     try:
-        return SamplingParams(n=1, max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        return SamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            structured_outputs=structured,
+            **kwargs,
+        )
     except ValueError as exc:
         message = str(exc)
         match = _PARAM_NAME.match(message)

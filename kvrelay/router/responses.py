@@ -17,7 +17,9 @@ from typing import Any
 
 from kvrelay.protocol.sampling_params import TokenLogprobs
 from kvrelay.router.backend import Delta
+from kvrelay.router.structured import ToolPlan, new_call_id
 from kvrelay.text.tokenizer import REPLACEMENT_CHAR, Tokenizer, TokenizerError
+from kvrelay.text.tool_parsers import ToolCall
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to this too
 
@@ -98,6 +100,7 @@ class ChoiceState:
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     text_offset: int = 0  # completions logprobs: characters of token text reported so far
+    num_sent_chars: int = 0  # chat with tools, stream: characters of text sent as content
     started: bool = False  # a delta arrived (echo and role chunks are sent once)
 
     def add(self, delta: Delta) -> None:
@@ -327,10 +330,45 @@ class CompletionBuilder(ResponseBuilder):
         choice.text_offset += len(self.tokens.text(token_id))
 
 
+def _tool_calls(calls: Iterable[Any], with_index: bool) -> list[dict[str, Any]]:
+    return [
+        {
+            **({"index": i} if with_index else {}),
+            "id": new_call_id(),
+            "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments},
+        }
+        for i, call in enumerate(calls)
+    ]
+
+
+def _finish_reason(choice: ChoiceState, has_calls: bool) -> str | None:
+    return "tool_calls" if has_calls and choice.finish_reason == "stop" else choice.finish_reason
+
+
 class ChatBuilder(ResponseBuilder):
+    """Chat responses; with ``tools``, a choice's text is read back as tool calls.
+
+    Streaming with tools: a ``named`` choice streams its arguments as they come; ``auto``
+    streams the text that cannot be part of a call (``ToolParser.content_len``) and sends the
+    calls when the choice ends; ``required`` sends its calls when the choice ends.
+    """
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+
+    def __init__(
+        self,
+        model: str,
+        prompts: Sequence[PromptInfo],
+        n: int,
+        tokens: TokenStrings,
+        options: ResponseOptions,
+        tools: ToolPlan | None = None,
+    ) -> None:
+        super().__init__(model, prompts, n, tokens, options)
+        self.tools = tools or ToolPlan("none")
 
     def start_chunks(self) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": ""}
@@ -340,13 +378,67 @@ class ChatBuilder(ResponseBuilder):
         ]
 
     def _final_choice(self, choice: ChoiceState) -> dict[str, Any]:
+        text = "".join(choice.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        parsed = self.tools.extract(text)
+        calls = parsed.calls
+        if calls:
+            message = {
+                "role": "assistant",
+                "content": parsed.content,
+                "tool_calls": _tool_calls(parsed.calls, with_index=False),
+            }
         return {
             "index": choice.index,
-            "message": {"role": "assistant", "content": "".join(choice.text)},
+            "message": message,
             "logprobs": self._logprobs(choice.logprobs) if self.options.want_logprobs else None,
-            "finish_reason": choice.finish_reason,
+            "finish_reason": _finish_reason(choice, bool(calls)),
             "stop_reason": choice.stop_reason,
         }
+
+    def delta_chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
+        if self.tools.mode == "none":
+            return super().delta_chunk(index, delta)
+        choice = self.choices[index]
+        first = not choice.started
+        choice.started = True
+        choice.add(delta)
+        body = self._delta_choice(choice, delta, first)
+        if self.tools.mode == "named":
+            body["delta"] = self._named_delta(delta, first)
+        else:
+            body["delta"] = self._parsed_delta(choice, delta.finished)
+        if delta.finished:
+            has_calls = self.tools.mode == "named" or "tool_calls" in body["delta"]
+            body["finish_reason"] = _finish_reason(choice, has_calls)
+            body["stop_reason"] = delta.stop_reason
+        elif not body["delta"] and not (self.options.want_logprobs and delta.logprobs):
+            return None
+        return self.chunk([body])
+
+    def _named_delta(self, delta: Delta, first: bool) -> dict[str, Any]:
+        """The forced function's call: its name first, then its arguments as they come."""
+        if first:
+            call = _tool_calls([ToolCall(self.tools.name, delta.text)], with_index=True)
+            return {"tool_calls": call}
+        if delta.text:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
+        return {}
+
+    def _parsed_delta(self, choice: ChoiceState, finished: bool) -> dict[str, Any]:
+        """Content that cannot be a call at once; the calls (or the rest) at the end."""
+        text = "".join(choice.text)
+        if finished:
+            parsed = self.tools.extract(text)
+            if parsed.calls:
+                return {"tool_calls": _tool_calls(parsed.calls, with_index=True)}
+            rest = text[choice.num_sent_chars :]
+            return {"content": rest} if rest else {}
+        parser = self.tools.parser  # None for "required": all of it is the call
+        ready = 0 if parser is None else parser.content_len(text)
+        content = text[choice.num_sent_chars : ready]
+        choice.num_sent_chars = max(choice.num_sent_chars, ready)
+        return {"content": content} if content else {}
 
     def _delta_choice(self, choice: ChoiceState, delta: Delta, first: bool) -> dict[str, Any]:
         logprobs = None

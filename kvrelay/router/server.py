@@ -71,6 +71,9 @@ class RouterConfig:
         if not self.header_timeout > 0:
             raise ValueError(f"header_timeout must be > 0, got {self.header_timeout}")
 
+    tool_call_parser: str | None = "auto"  # ApiSettings.tool_call_parser
+    trust_request_chat_template: bool = False  # apply a request's chat_template (else 400)
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model).name
@@ -114,6 +117,8 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
         admin_token=config.admin_token,
         api_keys=config.api_keys,
         body_timeout=config.body_timeout,
+        tool_call_parser=config.tool_call_parser,
+        trust_request_chat_template=config.trust_request_chat_template,
     )
     text = TextWorkers(tokenizer, config.model)
     app = create_app(backend, tokenizer, settings, text)

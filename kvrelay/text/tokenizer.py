@@ -7,6 +7,7 @@ ids and on rendered chat templates. Imports neither torch nor transformers: the 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -163,17 +164,19 @@ class Tokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
         **kwargs: Any,
     ) -> str:
         """Renders ``messages`` with the model's chat template, as transformers does.
 
         Text parts of list-valued ``content`` are joined with newlines first. Extra keyword
         arguments become template variables and override the named special tokens.
+        ``chat_template`` replaces the model's template for this call (sandboxed like it).
 
         Raises:
             TokenizerError: no chat template, a malformed message, or the template failed.
         """
-        template = self._template()
+        template = self._template() if chat_template is None else _compile(chat_template)
         variables: dict[str, Any] = {
             **self._named_tokens,
             **kwargs,
@@ -305,6 +308,15 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
+    """A chat template given with a request (the last few are kept compiled)."""
+    try:
+        return _create_jinja_env().from_string(source)
+    except jinja2.TemplateError as exc:
+        raise TokenizerError(f"chat template does not compile: {exc}") from exc
 
 
 def _create_jinja_env() -> ImmutableSandboxedEnvironment:

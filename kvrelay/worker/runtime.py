@@ -107,6 +107,7 @@ class Worker:
             tiers=self.tiers,
             weights=None if self.param_pool is None else pool_weights(self.param_pool, self.device),
         )
+        self.engine.grammars.warm_up()  # before registering: heartbeats must not stall on it
         self.layout = self._layout()
         self.routers = RouterLinks(
             self.ctx, config.instance_id, config.router_addr, config.heartbeat_interval,
@@ -418,6 +419,7 @@ class Worker:
                     finished=True,
                     finish_reason="abort",
                     error=str(e),
+                    error_param=getattr(e, "param", None),
                 )
             )
 
