@@ -39,6 +39,7 @@ __all__ = [
     "cmd_make_tiny",
     "cmd_pool",
     "cmd_serve",
+    "cmd_sim",
     "cmd_up",
     "engine_cli_args",
     "engine_kwargs",
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parser(sub)
     add_pool_parser(sub)
     add_cache_parser(sub)
+    _add_sim_parser(sub)
     return parser
 
 
@@ -79,6 +81,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _add_sim_parser(sub: Any) -> None:
+    from kvrelay.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from kvrelay.sim.cli import cmd_sim as run
+
+    return run(args)
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "chat": cmd_chat,
@@ -87,6 +101,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "pool": cmd_pool,
     "cache": cmd_cache,
+    "sim": cmd_sim,
 }
 
 
