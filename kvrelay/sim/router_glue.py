@@ -58,7 +58,7 @@ class RouterView:
         self.registry.remove(instance_id)
         self.cache_index.remove_instance(instance_id)
 
-    def place(self, segments: Sequence[tuple[int, int]]) -> Placement | None:
+    def route(self, segments: Sequence[tuple[int, int]]) -> Placement | None:
         """Where the router sends a prompt (cache-aware: with the blocks each instance holds)."""
         matched = None
         if self.is_cache_aware and segments:

@@ -140,7 +140,7 @@ class Simulator:
                 self._ready(payload)
 
     def _arrive(self, req: SimRequest) -> None:
-        placement = self.router.place(req.segments)
+        placement = self.router.route(req.segments)
         if placement is None:
             self.rejected.append(req)
             self.num_unfinished -= 1
