@@ -52,17 +52,24 @@ def simulate(
 
 
 def smallest(
-    score: Callable[[int], float], target: float, start: int, limit: int = 4096
+    score: Callable[[int], float], target: float, guess: int, limit: int = 8192
 ) -> int | None:
-    """The smallest n >= 1 with score(n) >= target (assumed monotone): doubling from ``start``,
-    then bisecting to within 5%. None when doubling stops helping (score up < 0.002) or passes
-    ``limit``: some requests miss the SLO on any number of instances."""
-    lo, hi = 0, max(1, start)
-    last = -1.0
-    while (now := score(hi)) < target:
-        if now - last < 0.002 or hi * 2 > limit:
-            return None
-        last, lo, hi = now, hi, hi * 2
+    """The smallest n >= 1 with score(n) >= target (assumed monotone), to within 5%: from
+    ``guess`` halving down or doubling up to a bracket, then bisecting. None when doubling
+    stops helping (score up < 0.002) or passes ``limit``: some requests miss the SLO on any
+    number of instances."""
+    hi = max(1, guess)
+    if score(hi) >= target:
+        lo = hi // 2
+        while lo >= 1 and score(lo) >= target:
+            hi, lo = lo, lo // 2
+    else:
+        lo, last = hi, score(hi)
+        hi *= 2
+        while (now := score(hi)) < target:
+            if now - last < 0.002 or hi * 2 > limit:
+                return None
+            lo, last, hi = hi, now, hi * 2
     while hi - lo > max(1, hi // 20):
         mid = (lo + hi) // 2
         if score(mid) >= target:
@@ -90,16 +97,26 @@ def size_fleets(
 ) -> list[dict[str, Any]]:
     rows = []
     for name, trace in traces.items():
-        for rate in args.rates:
-            rows += size_one(profile, args, name, trace, rate)
+        found: tuple[float, dict[str, Any]] | None = None  # the previous rate's fleets
+        for rate in sorted(args.rates):
+            rows += size_one(profile, args, name, trace, rate, found)
+            found = (rate, {r["mode"]: r for r in rows[-2:]})
     return rows
 
 
 def size_one(
-    profile: Profile, args: argparse.Namespace, name: str, trace: list[TraceRequest], rate: float
+    profile: Profile,
+    args: argparse.Namespace,
+    name: str,
+    trace: list[TraceRequest],
+    rate: float,
+    found: tuple[float, dict[str, Any]] | None,
 ) -> list[dict[str, Any]]:
-    """The smallest P/D and colocated fleets for one trace at one rate."""
-    base = FleetConfig(slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    """The smallest P/D and colocated fleets for one trace at one rate (``found``: a lower
+    rate's answers, scaled as first guesses)."""
+    base = FleetConfig(
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, placement=args.sizing_placement
+    )
     workload = WorkloadConfig(rate=rate, duration_s=WINDOW_S[rate] * args.window_scale)
     est_p, est_d = estimates(profile, trace, rate)
     cache: dict[tuple[int, int, int], dict[str, Any]] = {}
@@ -112,10 +129,19 @@ def size_one(
             print(f"  {name} {rate:g}x P{p} D{d} C{c}: attainment {got:.3f}", flush=True)
         return float(cache[(p, d, c)]["slo_attainment"])
 
-    goal, d_wide = args.attainment, 2 * est_d + 2
-    p = smallest(lambda n: att(n, d_wide, 0), goal, est_p)
-    d = smallest(lambda n: att(p, n, 0), goal, est_d) if p else None
-    c = smallest(lambda n: att(0, 0, n), goal, est_p + est_d)
+    guess_p, guess_d, guess_c = est_p, est_d, est_p + est_d
+    if found is not None:
+        scale = rate / found[0]
+        key = found[1]["P/D"].get("key")
+        if key:
+            guess_p, guess_d = round(key[0] * scale), round(key[1] * scale)
+        key = found[1]["colocated"].get("key")
+        if key:
+            guess_c = round(key[2] * scale)
+    goal, d_wide = args.attainment, 2 * max(est_d, guess_d) + 2
+    p = smallest(lambda n: att(n, d_wide, 0), goal, guess_p)
+    d = smallest(lambda n: att(p, n, 0), goal, guess_d) if p else None
+    c = smallest(lambda n: att(0, 0, n), goal, guess_c)
     rows = []
     for mode, key in (
         ("P/D", (p, d, 0) if p and d else None),
@@ -125,7 +151,7 @@ def size_one(
         n = sum(key) if key else None
         rows.append({
             "trace": name, "rate": rate, "mode": mode, "window_s": workload.duration_s,
-            "fleet": _fleet_name(mode, key), "instances": n,
+            "fleet": _fleet_name(mode, key), "instances": n, "key": key,
             "requests": s["num_requests"] if s else None,
             "goodput": s["goodput"] if s else None,
             "goodput_per_instance": s["goodput"] / n if s and n else None,
@@ -145,12 +171,13 @@ def burst_runs(
         rate=1.0, duration_s=900.0 * args.window_scale, burst_rate=5.0,
         burst_start_s=300.0 * args.window_scale, burst_len_s=120.0,
     )  # fmt: skip
+    est_p, est_d = estimates(profile, trace, 1.0)
+    # an operator's floor: the mean 1x load's estimate; the policy adds the rest
     policy = (
         PolicyConfig(window_s=30.0)
-        .with_target("prefill", slo_ms=args.slo_ttft_ms, min_instances=1, max_instances=512)
-        .with_target("decode", slo_ms=args.slo_tpot_ms, min_instances=1, max_instances=512)
+        .with_target("prefill", slo_ms=args.slo_ttft_ms, min_instances=est_p, max_instances=512)
+        .with_target("decode", slo_ms=args.slo_tpot_ms, min_instances=est_d, max_instances=512)
     )
-    est_p, est_d = estimates(profile, trace, 1.0)
     for label, starts in (
         ("this machine", profile.start_s),
         ("1B model (Scale-up section)", START_1B),
@@ -158,8 +185,9 @@ def burst_runs(
         prof = dataclasses.replace(profile, start_s=dict(starts))
         for mode in ("disk", "pool", "peer"):
             fleet = FleetConfig(
-                prefill=est_p + 1, decode=est_d + 1, autoscale=True, policy=policy,
+                prefill=est_p, decode=est_d, autoscale=True, policy=policy,
                 start_mode=mode, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                placement=args.sizing_placement,
             )  # fmt: skip
             s, wall = simulate(prof, trace, workload, fleet)
             b = s["burst"]
@@ -178,11 +206,13 @@ def placement_runs(
     profile: Profile, args: argparse.Namespace, trace: list[TraceRequest]
 ) -> list[dict[str, Any]]:
     rows = []
-    rate = args.placement_rate
-    workload = WorkloadConfig(rate=rate, duration_s=60.0 * args.window_scale, tenants=args.tenants)
-    est_p, est_d = estimates(profile, trace, rate)
-    scale = 100 / (est_p + est_d)
-    p, d = max(1, round(est_p * scale)), max(1, round(est_d * scale))
+    # a rate whose mean load needs about 1/1.3 of the fleet
+    one_p, one_d = estimates(profile, trace, 1.0)
+    n = args.placement_instances
+    rate = round(n / 1.3 / (one_p + one_d), 1)
+    workload = WorkloadConfig(rate=rate, duration_s=120.0 * args.window_scale, tenants=args.tenants)
+    p = max(1, round(n * one_p / (one_p + one_d)))
+    d = max(1, n - p)
     for placement in ("cache-aware", "load-only"):
         fleet = FleetConfig(
             prefill=p, decode=d, placement=placement,  # type: ignore[arg-type]
@@ -207,8 +237,10 @@ def speed_runs(
     """Wall time of the simulator vs requests and instances (conversation trace)."""
     rows = []
     est_p, est_d = estimates(profile, trace, args.speed_rate)
-    cases = [(args.speed_rate, 3600.0 * args.window_scale, 1.0)]
-    cases += [(args.speed_rate, 600.0 * args.window_scale, f) for f in (1.0, 2.0, 4.0)]
+    hour = 3600.0 * args.window_scale
+    cases = [(args.speed_rate, hour, 1.0), (args.speed_rate, hour / 6, 1.0)]
+    cases += [(args.speed_rate, hour / 3, 1.0), (args.speed_rate, hour / 6, 2.0)]
+    cases += [(args.speed_rate, hour / 6, 4.0)]
     for rate, duration, factor in cases:
         p, d = math.ceil(est_p * 1.3 * factor), math.ceil(est_d * 1.3 * factor)
         fleet = FleetConfig(
@@ -266,8 +298,9 @@ def markdown(profile: Profile, args: argparse.Namespace, res: dict[str, Any]) ->
         ),
         "",
         "**Burst**: the conversation trace at 1x for 900 s with 5x from 300 s to 420 s; the "
-        "fleet starts at the mean load's estimate + 1 per role and the real policy (window 30 s, "
-        "defaults otherwise) scales it. Violations: requests arriving from the burst's start on "
+        "fleet starts at the mean 1x load's estimate per role, which is also the policy's "
+        "minimum, and the real policy (window 30 s, defaults otherwise: one instance per "
+        "evaluation, 15 s up-cooldown) scales it. Violations: requests arriving from the burst's start on "
         "that miss an SLO; recovered: the end of the last 5 s bin (by arrival) with > 10% "
         "violating.",
         "",
@@ -280,8 +313,10 @@ def markdown(profile: Profile, args: argparse.Namespace, res: dict[str, Any]) ->
               fmt(r["instance_seconds"], 0), fmt(r["attainment"], 3)] for r in res["burst"]],
         ),
         "",
-        f"**Placement** on about 100 instances: the conversation trace at {args.placement_rate:g}x "
-        f"for 60 s, {args.tenants} tenants.",
+        f"**Placement** on {args.placement_instances} instances: the conversation trace for "
+        f"{120 * args.window_scale:g} s at the rate in the table (mean load about 1/1.3 of the "
+        f"fleet), {args.tenants} tenants; the router's cache_weight 1 (a matched device block "
+        "is worth one queued request).",
         "",
         markdown_table(
             ["placement", "fleet", "requests", "device hit rate", "L1 hit rate",
@@ -293,7 +328,8 @@ def markdown(profile: Profile, args: argparse.Namespace, res: dict[str, Any]) ->
         ),
         "",
         "**Simulator speed** (wall time on this 2-CPU machine, one process, `nice`d, the machine "
-        "shared): the conversation trace, fleets sized 1.3x, 2.6x and 5.2x the estimate.",
+        "shared), cache-aware placement: the conversation trace, P/D fleets of 1.3x, 2.6x and "
+        "5.2x the mean load's estimate.",
         "",
         markdown_table(
             ["rate", "trace s", "requests", "instances", "wall s", "requests / wall s"],
@@ -311,9 +347,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rates", type=float, nargs="+", default=[1.0, 10.0, 100.0])
     p.add_argument("--window-scale", type=float, default=1.0, help="shorten every window")
     p.add_argument("--attainment", type=float, default=0.9)
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=10000.0, help="CPU instances: 10 s")
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
-    p.add_argument("--placement-rate", type=float, default=5.0)
+    p.add_argument("--sizing-placement", choices=("cache-aware", "load-only"), default="load-only")
+    p.add_argument("--placement-instances", type=int, default=100)
     p.add_argument("--tenants", type=int, default=100)
     p.add_argument("--speed-rate", type=float, default=10.0)
     p.add_argument(
