@@ -300,9 +300,9 @@ def markdown(profile: Profile, args: argparse.Namespace, res: dict[str, Any]) ->
         "**Burst**: the conversation trace at 1x for 900 s with 5x from 300 s to 420 s; the "
         "fleet starts at the mean 1x load's estimate per role, which is also the policy's "
         "minimum, and the real policy (window 30 s, defaults otherwise: one instance per "
-        "evaluation, 15 s up-cooldown) scales it. Violations: requests arriving from the burst's start on "
-        "that miss an SLO; recovered: the end of the last 5 s bin (by arrival) with > 10% "
-        "violating.",
+        "evaluation, 15 s up-cooldown) scales it. Violations: requests arriving from the "
+        "burst's start on that miss an SLO; recovered: the end of the last 5 s bin (by "
+        "arrival) with > 10% violating.",
         "",
         markdown_table(
             ["start times", "mode", "start s", "violations", "of requests", "recovered after s",
