@@ -1,6 +1,8 @@
 """``kvrelay sim profile``: measures this machine's ``Profile`` with the real engine.
 
-What is timed (each point the median of ``repeats``):
+What is timed (each point the fastest of ``repeats``: on a machine shared with other jobs the
+minimum is the best estimate of the uncontended cost, which is what an instance of its own
+would see):
 
 - prefill: ``LLMEngine.step()`` over fresh random prompts (no prefix hit), ``batch`` prompts
   of ``tokens`` each computed in one step; fitted to ``a + b * tokens + c * attn``.
@@ -20,7 +22,6 @@ from __future__ import annotations
 import logging
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import threading
@@ -133,9 +134,7 @@ def _measure_prefill(
                 engine.step()
                 times.append(time.perf_counter() - start)
                 _run_all(engine)
-            rows.append(
-                (float(batch * tokens), batch * tokens * tokens / 2, statistics.median(times))
-            )
+            rows.append((float(batch * tokens), batch * tokens * tokens / 2, min(times)))
             logger.info("prefill %d x %d tokens: %.1f ms", batch, tokens, rows[-1][2] * 1e3)
     return rows
 
@@ -160,9 +159,7 @@ def _measure_decode(
                 engine.step()
                 times.append(time.perf_counter() - start)
             _run_all(engine)
-            rows.append(
-                (float(batch), float(batch * (context + steps // 2)), statistics.median(times))
-            )
+            rows.append((float(batch), float(batch * (context + steps // 2)), min(times)))
             logger.info("decode %d x %d context: %.1f ms", batch, context, rows[-1][2] * 1e3)
     return rows
 
@@ -212,7 +209,7 @@ def _median_time(fn: Callable[[], None], repeats: int) -> float:
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def _tcp_time(
