@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.bench import trace_requests
+from kvrelay.sim.profile import Profile
 from kvrelay.sim.trace import TraceRequest
 from tests.cluster_harness import running_cluster
 
@@ -59,3 +60,19 @@ def test_bench_trace_replays_lengths_against_1p1d(tiny_model_dir: Path, tmp_path
     assert data["goodput"] == data["request_throughput"] > 0
     pytest.importorskip("matplotlib")
     assert plot.stat().st_size > 10_000
+
+
+@pytest.mark.timeout(300)
+def test_sim_profile_measures_the_engine(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "-m", "kvrelay", "sim", "profile", "--model", str(tiny_model_dir),
+           "--out", str(out), "--quick", "--repeats", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    profile = Profile.load(out)
+    assert profile.model == tiny_model_dir.name and profile.threads == 1
+    assert profile.prefill_s(256, 256 * 128) > profile.prefill_s(16, 128) > 0
+    assert profile.decode_s(8, 800) > 0
+    assert set(profile.start_s) == {"disk", "pool", "peer"} and min(profile.start_s.values()) > 0
+    assert all(link.bytes_per_s > 0 for link in profile.handoff.values())
+    assert len(profile.points["prefill (tokens, attn, s)"]) == 4

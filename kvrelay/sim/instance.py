@@ -79,6 +79,7 @@ class SimInstance:
         self.busy = False
         self.draining = False
         self._plan: list[tuple[Prefill, int]] = []
+        self.reported: tuple[int, int, int, int, bool] | None = None  # the last LoadReport
 
     # ------------------------------------------------------------------ load (LoadReport)
     @property

@@ -34,15 +34,19 @@ from kvrelay.sim.profile import Link, Profile, fit_linear
 
 logger = logging.getLogger(__name__)
 
-PREFILL_TOKENS = (32, 128, 512, 1024, 2048)
-PREFILL_BATCHES = (1, 2)
+PREFILL_POINTS = ((1, 32), (2, 32), (1, 128), (2, 128), (1, 512), (2, 512), (1, 1024), (1, 2048))
 DECODE_BATCHES = (1, 8, 32)
 DECODE_CONTEXTS = (128, 1024)
 HANDOFF_BLOCKS = (4, 64, 256)
+Stat = Callable[[list[float]], float]  # repeats -> one figure (min, or statistics.median)
 
 
 def measure_profile(
-    model_dir: str, threads: int = 1, repeats: int = 3, quick: bool = False
+    model_dir: str,
+    threads: int = 1,
+    repeats: int = 3,
+    quick: bool = False,
+    statistic: Callable[[list[float]], float] = min,
 ) -> Profile:
     """Measures every part of the profile (about a minute or two for a 135M model on 2 CPUs;
     ``quick``: fewer and shorter points, for tests)."""
@@ -54,7 +58,9 @@ def measure_profile(
 
     torch.set_num_threads(threads)
     max_len = ModelConfig.from_dir(check_model_dir(model_dir)).max_position_embeddings
-    prefill_tokens = tuple(t for t in PREFILL_TOKENS[: 3 if quick else None] if t < max_len - 8)
+    points = PREFILL_POINTS[: 4 if quick else None]
+    points = tuple((b, t) for b, t in points if t < max_len - 8)
+    prefill_tokens = tuple(t for _, t in points)
     contexts = tuple(c for c in ((32, 128) if quick else DECODE_CONTEXTS) if c < max_len - 64)
     batches = DECODE_BATCHES[:2] if quick else DECODE_BATCHES
     config = build_engine_config(
@@ -66,14 +72,14 @@ def measure_profile(
     )
     engine = LLMEngine(config)
     vocab = config.model_config.vocab_size
-    prefill_rows = _measure_prefill(engine, vocab, prefill_tokens, repeats)
-    decode_rows = _measure_decode(engine, vocab, batches, contexts, repeats)
+    prefill_rows = _measure_prefill(engine, vocab, points, repeats, statistic)
+    decode_rows = _measure_decode(engine, vocab, batches, contexts, repeats, statistic)
     mc = config.model_config
     elem = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
     block_bytes = config.cache.block_size * mc.kv_bytes_per_token * elem
     del engine
     handoff, handoff_rows = _measure_handoff(
-        mc, config.cache.block_size, config.dtype, threads, repeats
+        mc, config.cache.block_size, config.dtype, threads, repeats, statistic
     )
     weight_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     start_s, start_parts = _measure_start(model_dir, config, handoff["tcp"], weight_bytes)
@@ -119,28 +125,32 @@ def _run_all(engine: Any) -> None:
 
 
 def _measure_prefill(
-    engine: Any, vocab: int, lens: tuple[int, ...], repeats: int
+    engine: Any, vocab: int, points: tuple[tuple[int, int], ...], repeats: int, stat: Stat
 ) -> list[tuple[float, float, float]]:
     rng = random.Random(0)
     rows = []
-    for tokens in lens:
-        for batch in PREFILL_BATCHES:
-            times = []
-            for _ in range(repeats):
-                for i in range(batch):
-                    prompt = [rng.randrange(4, vocab) for _ in range(tokens)]
-                    engine.add_request(f"p{rng.random()}-{i}", prompt, _params(1))
-                start = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - start)
-                _run_all(engine)
-            rows.append((float(batch * tokens), batch * tokens * tokens / 2, min(times)))
-            logger.info("prefill %d x %d tokens: %.1f ms", batch, tokens, rows[-1][2] * 1e3)
+    for batch, tokens in points:
+        times = []
+        for _ in range(repeats):
+            for i in range(batch):
+                prompt = [rng.randrange(4, vocab) for _ in range(tokens)]
+                engine.add_request(f"p{rng.random()}-{i}", prompt, _params(1))
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+            _run_all(engine)
+        rows.append((float(batch * tokens), batch * tokens * tokens / 2, stat(times)))
+        logger.info("prefill %d x %d tokens: %.1f ms", batch, tokens, rows[-1][2] * 1e3)
     return rows
 
 
 def _measure_decode(
-    engine: Any, vocab: int, batches: tuple[int, ...], contexts: tuple[int, ...], repeats: int
+    engine: Any,
+    vocab: int,
+    batches: tuple[int, ...],
+    contexts: tuple[int, ...],
+    repeats: int,
+    stat: Stat,
 ) -> list[tuple[float, float, float]]:
     rng = random.Random(1)
     rows = []
@@ -159,13 +169,13 @@ def _measure_decode(
                 engine.step()
                 times.append(time.perf_counter() - start)
             _run_all(engine)
-            rows.append((float(batch), float(batch * (context + steps // 2)), min(times)))
+            rows.append((float(batch), float(batch * (context + steps // 2)), stat(times)))
             logger.info("decode %d x %d context: %.1f ms", batch, context, rows[-1][2] * 1e3)
     return rows
 
 
 def _measure_handoff(
-    mc: Any, block_size: int, dtype: str, threads: int, repeats: int
+    mc: Any, block_size: int, dtype: str, threads: int, repeats: int, stat: Stat
 ) -> tuple[dict[str, Link], list[tuple[str, int, float]]]:
     import torch
 
@@ -189,9 +199,11 @@ def _measure_handoff(
                 copier.checksum(src_slabs, runs)
                 copier.copy_and_checksum(src_slabs, dst_slabs, runs)
 
-            rows.append(("shm", nbytes, _median_time(shm, repeats + 2)))
+            rows.append(("shm", nbytes, _time(shm, repeats + 2, stat)))
             payload = [s[:n].copy() for s in src_slabs]
-            rows.append(("tcp", nbytes, _tcp_time(payload, copier, dst_slabs, runs, repeats + 2)))
+            rows.append(
+                ("tcp", nbytes, _tcp_time(payload, copier, dst_slabs, runs, repeats + 2, stat))
+            )
     finally:
         copier.close()
     links = {}
@@ -202,18 +214,18 @@ def _measure_handoff(
     return links, rows
 
 
-def _median_time(fn: Callable[[], None], repeats: int) -> float:
+def _time(fn: Callable[[], None], repeats: int, stat: Stat) -> float:
     fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return stat(times)
 
 
 def _tcp_time(
-    payload: list[Any], copier: Any, dst_slabs: Any, runs: list[Any], repeats: int
+    payload: list[Any], copier: Any, dst_slabs: Any, runs: list[Any], repeats: int, stat: Stat
 ) -> float:
     import numpy as np
     import zmq
@@ -236,7 +248,7 @@ def _tcp_time(
             copier.checksum(payload, runs)  # the source's lease checksum
             copier.copy_and_checksum(slabs, dst_slabs, runs)
 
-        return _median_time(once, repeats)
+        return _time(once, repeats, stat)
     finally:
         rx.close(0)
         tx.close(0)

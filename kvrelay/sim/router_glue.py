@@ -72,20 +72,26 @@ class RouterView:
     def heartbeat(
         self, instances: Iterable[SimInstance], now: float, host_reporters: dict[str, str]
     ) -> None:
-        """Every instance's LoadReport and cache deltas, as its heartbeat sends them."""
+        """Every instance's LoadReport and cache deltas, as its heartbeat sends them. A report
+        equal to the last one, with nothing assigned since, is skipped: it would change
+        nothing the registry uses (``last_seen`` only matters to ``reap``, never called)."""
+        registry = self.registry
         for inst in instances:
-            self.registry.report(
-                LoadReport(
-                    inst.instance_id,
-                    inst.num_waiting,
-                    inst.num_running,
-                    inst.free_blocks,
-                    inst.total_blocks,
-                    inst.num_pending_kv,
-                    draining=inst.draining,
-                ),
-                now,
+            state = (
+                inst.num_waiting,
+                inst.num_running,
+                inst.free_blocks,
+                inst.num_pending_kv,
+                inst.draining,
             )
+            known = registry.get(inst.instance_id)
+            if known is None or state != inst.reported or known.num_assigned:
+                inst.reported = state
+                report = LoadReport(
+                    inst.instance_id, state[0], state[1], state[2], inst.total_blocks, state[3],
+                    draining=state[4],
+                )  # fmt: skip
+                registry.report(report, now)
             if not self.is_cache_aware:
                 continue
             stored, evicted = inst.device.drain_events()
