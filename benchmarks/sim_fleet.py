@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -340,6 +341,14 @@ def markdown(profile: Profile, args: argparse.Namespace, res: dict[str, Any]) ->
     return "\n".join(out)
 
 
+def _command(args: argparse.Namespace) -> str:
+    """The command that reruns this (a render of saved results shows the run's command)."""
+    line = command_line(__file__)
+    if args.from_json is not None:
+        line = line.replace(f" --from-json {args.from_json}", f" --json {args.from_json}")
+    return line
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", type=Path, required=True)
@@ -357,6 +366,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--skip", nargs="*", default=[], choices=("sizing", "burst", "placement", "speed")
     )
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--from-json", type=Path, default=None, help="render a saved run's results")
     p.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     return p.parse_args(argv)
 
@@ -372,14 +382,17 @@ def main(argv: list[str] | None = None) -> int:
         "placement": lambda: placement_runs(profile, args, traces["conv"]),
         "speed": lambda: speed_runs(profile, args, traces["conv"]),
     }
+    if args.from_json is not None:
+        res = json.loads(args.from_json.read_text())
     for name, step in steps.items():
-        res[name] = [] if name in args.skip else step()
+        if name not in res:
+            res[name] = [] if name in args.skip else step()
     if args.json is not None:
         write_json(args.json, res)
     body = markdown(profile, args, res)
     print(body)
     if not args.no_write:
-        update_benchmarks_md(TITLE, body, command_line(__file__))
+        update_benchmarks_md(TITLE, body, _command(args))
     return 0
 
 

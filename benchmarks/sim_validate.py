@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import tempfile
 import time
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fleets", nargs="+", default=list(FLEETS), choices=list(FLEETS))
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--from-json", type=Path, default=None, help="render a saved run's results")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     trace = cap_requests(
@@ -100,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         args.max_output_tokens, args.time_scale,
     )  # fmt: skip
     results: dict[str, Any] = {}
-    for name in args.fleets:
+    if args.from_json is not None:
+        results = json.loads(args.from_json.read_text())
+    for name in [f for f in args.fleets if f not in results]:
         started = time.time()
         real = real_run(args, FLEETS[name], trace)
         sim = sim_run(args, FLEETS[name], trace)
@@ -111,7 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     body = markdown(args, results)
     print(body)
     if not args.no_write:
-        update_benchmarks_md(TITLE, body, command_line(__file__))
+        line = command_line(__file__)
+        if args.from_json is not None:
+            line = line.replace(f" --from-json {args.from_json}", f" --json {args.from_json}")
+        update_benchmarks_md(TITLE, body, line)
     return 0
 
 
