@@ -40,6 +40,25 @@ TITLE = "Simulator: P/D vs colocated at fleet scale, burst autoscaling, cache-aw
 START_1B = {"disk": 11.05, "pool": 4.47, "peer": 7.88}  # Scale-up section, 1b model
 
 
+def rerun_command(script: str) -> str:
+    """This run's command, as it reruns the measurement: ``--from-json F`` becomes
+    ``--json F`` and ``--note`` is left out."""
+    argv, out = sys.argv[1:], []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--note":
+            i += 2
+            continue
+        out.append("--json" if argv[i] == "--from-json" else argv[i])
+        i += 1
+    saved = sys.argv
+    sys.argv = [saved[0], *out]
+    try:
+        return command_line(script)
+    finally:
+        sys.argv = saved
+
+
 def simulate(
     profile: Profile, trace: list[TraceRequest], workload: WorkloadConfig, fleet: FleetConfig
 ) -> tuple[dict[str, Any], float]:
@@ -341,14 +360,6 @@ def markdown(profile: Profile, args: argparse.Namespace, res: dict[str, Any]) ->
     return "\n".join(out)
 
 
-def _command(args: argparse.Namespace) -> str:
-    """The command that reruns this (a render of saved results shows the run's command)."""
-    line = command_line(__file__)
-    if args.from_json is not None:
-        line = line.replace(f" --from-json {args.from_json}", f" --json {args.from_json}")
-    return line
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", type=Path, required=True)
@@ -367,6 +378,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--from-json", type=Path, default=None, help="render a saved run's results")
+    p.add_argument("--note", default="", help="a paragraph appended to the section")
     p.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
     return p.parse_args(argv)
 
@@ -389,10 +401,10 @@ def main(argv: list[str] | None = None) -> int:
             res[name] = [] if name in args.skip else step()
     if args.json is not None:
         write_json(args.json, res)
-    body = markdown(profile, args, res)
+    body = markdown(profile, args, res) + (f"\n\n{args.note}" if args.note else "")
     print(body)
     if not args.no_write:
-        update_benchmarks_md(TITLE, body, _command(args))
+        update_benchmarks_md(TITLE, body, rerun_command(__file__))
     return 0
 
 

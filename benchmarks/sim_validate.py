@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command_line, markdown_table, update_benchmarks_md, write_json
+from common import markdown_table, update_benchmarks_md, write_json
+from sim_fleet import rerun_command
 
 from kvrelay.bench import LoadConfig, Slo, run_bench, trace_requests, warm_up
 from kvrelay.cluster.launcher import ClusterSpec, Launcher
@@ -95,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fleets", nargs="+", default=list(FLEETS), choices=list(FLEETS))
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--from-json", type=Path, default=None, help="render a saved run's results")
+    p.add_argument("--note", default="", help="a paragraph appended to the section")
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     trace = cap_requests(
@@ -112,13 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         print(name, {k: (real[k], sim[k]) for k in ("ttft_ms", "tpot_ms")}, flush=True)
     if args.json is not None:
         write_json(args.json, results)
-    body = markdown(args, results)
+    body = markdown(args, results) + (f"\n\n{args.note}" if args.note else "")
     print(body)
     if not args.no_write:
-        line = command_line(__file__)
-        if args.from_json is not None:
-            line = line.replace(f" --from-json {args.from_json}", f" --json {args.from_json}")
-        update_benchmarks_md(TITLE, body, line)
+        update_benchmarks_md(TITLE, body, rerun_command(__file__))
     return 0
 
 
