@@ -346,6 +346,10 @@ def markdown(profile: Profile, args: argparse.Namespace, res: dict[str, Any]) ->
               f"{r['hit_host']:.1%}", f"{r['computed_share']:.1%}", fmt(r["ttft_p50"], 0),
               fmt(r["ttft_p99"], 0), fmt(r["attainment"], 3)] for r in res["placement"]],
         ),
+    ]  # fmt: skip
+    if not res["speed"]:
+        return "\n".join(out)
+    out += [
         "",
         "**Simulator speed** (wall time on this 2-CPU machine, one process, `nice`d, the machine "
         "shared), cache-aware placement: the conversation trace, P/D fleets of 1.3x, 2.6x and "
