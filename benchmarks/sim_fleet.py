@@ -317,7 +317,8 @@ def markdown(profile: Profile, args: argparse.Namespace, res: dict[str, Any]) ->
               fmt(r["ttft_p99"], 0), fmt(r["tpot_p99"], 1)] for r in res["sizing"]],
         ),
         "",
-        "**Burst**: the conversation trace at 1x for 900 s with 5x from 300 s to 420 s; the "
+        f"**Burst**: the conversation trace at 1x for {900 * args.window_scale:g} s with 5x from "
+        f"{300 * args.window_scale:g} s for 120 s; the "
         "fleet starts at the mean 1x load's estimate per role, which is also the policy's "
         "minimum, and the real policy (window 30 s, defaults otherwise: one instance per "
         "evaluation, 15 s up-cooldown) scales it. Violations: requests arriving from the "
@@ -339,10 +340,11 @@ def markdown(profile: Profile, args: argparse.Namespace, res: dict[str, Any]) ->
         "is worth one queued request).",
         "",
         markdown_table(
-            ["placement", "fleet", "requests", "device hit rate", "L1 hit rate",
+            ["placement", "fleet", "rate", "requests", "device hit rate", "L1 hit rate",
              "prompt tokens computed",
              "TTFT p50 ms", "TTFT p99 ms", "attainment"],
-            [[r["placement"], r["fleet"], fmt(r["requests"]), f"{r['hit_device']:.1%}",
+            [[r["placement"], r["fleet"], f"{r['rate']:g}x", fmt(r["requests"]),
+              f"{r['hit_device']:.1%}",
               f"{r['hit_host']:.1%}", f"{r['computed_share']:.1%}", fmt(r["ttft_p50"], 0),
               fmt(r["ttft_p99"], 0), fmt(r["attainment"], 3)] for r in res["placement"]],
         ),
