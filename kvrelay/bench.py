@@ -16,7 +16,16 @@ A request that answers an error status, an error event, or ends without usage or
 is failed: it counts in ``num_failed`` and against SLO attainment, never in a percentile.
 Goodput is the completed requests meeting both SLOs (TTFT and TPOT) per second of the run.
 
-Only the standard library, httpx and tqdm are used: no torch.
+``--trace FILE`` replays a trace instead (``kvrelay.sim.trace``: the Splitwise CSVs, aiperf's
+mooncake JSONL): each request at its arrival time times ``--time-scale``, a prompt of exactly
+its length and its output length forced. Prompts are token ids sent to ``/v1/completions``
+(the OpenAI API accepts a list of ids as the prompt), so the server sees exactly that many
+prompt tokens without a tokenizer round trip; a server that only takes text is not supported.
+Ids are uniform in ``[4, vocab_size)`` seeded per request; a mooncake ``hash_ids`` entry names
+one 512-token block whose ids are seeded by the hash id, so equal ids are equal prompt blocks
+and the trace's prefix sharing reaches the server.
+
+Only the standard library, httpx and tqdm are used: no torch (``--plot`` imports matplotlib).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -35,6 +45,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from kvrelay.sim.trace import MOONCAKE_BLOCK_TOKENS, TraceRequest, cap_requests, load_trace
 
 if TYPE_CHECKING:
     import httpx
@@ -62,6 +74,7 @@ class LoadConfig:
     vocab_size: int = 2000  # prompt ids are drawn from [4, vocab_size)
     concurrency_limit: int | None = None  # requests in flight at most; None = no limit
     request_timeout_s: float = 600.0  # longest wait for a connection or the next chunk
+    trace: str | None = None  # the replayed trace file (then rate is not used)
 
     def __post_init__(self) -> None:
         if not self.rate > 0:
@@ -148,6 +161,31 @@ class Summary:
 
 
 # ---------------------------------------------------------------------------- workload
+
+
+def trace_requests(
+    trace: Sequence[TraceRequest], seed: int = 0, vocab_size: int = 2000
+) -> list[RequestSpec]:
+    """A replay of ``trace`` (already capped and time-scaled): token-id prompts of the exact
+    lengths; the blocks named by mooncake ``hash_ids`` get the same ids wherever they recur."""
+    blocks: dict[int, list[int]] = {}
+
+    def block(hash_id: int) -> list[int]:
+        if hash_id not in blocks:
+            rng = random.Random(f"{seed}/block/{hash_id}")
+            ids = [rng.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(MOONCAKE_BLOCK_TOKENS)]
+            blocks[hash_id] = ids
+        return blocks[hash_id]
+
+    out = []
+    for i, r in enumerate(trace):
+        prompt = [t for h in r.hash_ids for t in block(h)][: r.prompt_len]
+        rng = random.Random(f"{seed}/request/{i}")
+        prompt += [
+            rng.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(r.prompt_len - len(prompt))
+        ]
+        out.append(RequestSpec(prompt, r.output_len, r.arrival_s))
+    return out
 
 
 def make_requests(config: LoadConfig) -> list[RequestSpec]:
@@ -260,7 +298,7 @@ async def run_load(
     async with httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=limits) as client:
         bar = tqdm(
             total=len(requests),
-            desc=f"rate {config.rate:g}/s",
+            desc=f"trace {Path(config.trace).name}" if config.trace else f"rate {config.rate:g}/s",
             unit="req",
             file=sys.stderr,
             disable=not show_progress,
@@ -403,7 +441,9 @@ def report(config: LoadConfig, summary: Summary) -> str:
     ]
     lines = [
         f"{s.num_completed}/{s.num_requests} completed, {s.num_failed} failed "
-        f"in {s.duration_s:.1f} s (rate {config.rate:g} req/s, seed {config.seed})",
+        f"in {s.duration_s:.1f} s ("
+        + (f"trace {config.trace}" if config.trace else f"rate {config.rate:g} req/s")
+        + f", seed {config.seed})",
         format_table(("metric", "mean", "p50", "p90", "p99"), rows),
         f"request throughput  {s.request_throughput:.3f} req/s",
         f"output throughput   {s.output_throughput:.1f} tok/s",
@@ -424,10 +464,14 @@ def result_json(
 
 
 def run_bench(
-    config: LoadConfig, slo: Slo, show_progress: bool = True
+    config: LoadConfig,
+    slo: Slo,
+    show_progress: bool = True,
+    requests: Sequence[RequestSpec] | None = None,
 ) -> tuple[Summary, list[RequestRecord]]:
-    """One timed run of ``config``'s workload (no server check, no warm-up)."""
-    records, duration_s = asyncio.run(run_load(config, make_requests(config), show_progress))
+    """One timed run of ``requests`` (default: ``config``'s workload); no check, no warm-up."""
+    requests = make_requests(config) if requests is None else requests
+    records, duration_s = asyncio.run(run_load(config, requests, show_progress))
     return summarize(records, duration_s, slo), records
 
 
@@ -462,6 +506,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per chunk")
     p.add_argument("--num-warmup", type=int, default=1, help="untimed requests first")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--trace", type=Path, default=None, help="replay this trace (CSV or JSONL)")
+    p.add_argument("--trace-format", choices=("splitwise", "mooncake"), default=None)
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace gaps x this (2: half rate)")
+    p.add_argument("--max-requests", type=int, default=None, help="trace: the first N requests")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="trace: cap prompts")
+    p.add_argument("--max-output-tokens", type=int, default=None, help="trace: cap outputs")
+    p.add_argument("--plot", type=Path, default=None, help="TTFT/TPOT plots (PNG; needs [plot])")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -480,6 +531,23 @@ def run_cli(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout,
     )
     slo = Slo(args.slo_ttft_ms, args.slo_tpot_ms)
+    requests = None
+    if args.trace is not None:
+        trace = cap_requests(
+            load_trace(args.trace, args.trace_format),
+            args.max_requests,
+            args.max_prompt_tokens,
+            args.max_output_tokens,
+            args.time_scale,
+        )
+        requests = trace_requests(trace, args.seed, args.vocab_size)
+        config = dataclasses.replace(
+            config,
+            num_requests=len(requests),
+            trace=str(args.trace),
+            prompt_lens=(1, max(len(r.prompt_ids) for r in requests)),
+            output_lens=(1, max(r.output_len for r in requests)),
+        )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     try:
         check_server(config)
@@ -487,8 +555,12 @@ def run_cli(args: argparse.Namespace) -> int:
     except BenchError as exc:
         logger.error("%s", exc)
         return 1
-    summary, records = run_bench(config, slo, show_progress=not args.no_progress)
+    summary, records = run_bench(config, slo, not args.no_progress, requests)
     print(report(config, summary))
+    if args.plot is not None:
+        from kvrelay.sim.plots import plot_bench
+
+        plot_bench(records, slo, args.plot)
     if args.json is not None:
         data = result_json(config, summary, records)
         args.json.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -31,7 +31,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvrelay.autoscale.base import HookError, ScaleDecision, ScalingHook
@@ -48,7 +48,7 @@ from kvrelay.protocol.messages import Role
 
 if TYPE_CHECKING:
     from kvrelay.router.dispatcher import Dispatcher, LatencySample
-    from kvrelay.router.registry import Instance
+    from kvrelay.router.registry import Instance, Registry
 
 logger = logging.getLogger(__name__)
 
@@ -194,32 +194,12 @@ class Autoscaler:
     def _role_observation(
         self, role: Role, samples: list[LatencySample], now: float
     ) -> RoleObservation:
-        instances = tuple(self._load(inst, now) for inst in self._live(role))
-        if role is Role.PREFILL:
-            latencies = tuple(s.ttft_s * 1000 for s in samples)
-        else:
-            latencies = tuple(s.tpot_s * 1000 for s in samples if s.tpot_s is not None)
-        return RoleObservation(instances, latencies)
+        live = live_instances(self.backend.registry, role)
+        ages = {i.instance_id: now - self._first_seen.setdefault(i.instance_id, now) for i in live}
+        return role_observation(role, live, samples, ages, self._is_removable)
 
-    def _live(self, role: Role) -> list[Instance]:
-        return [
-            i for i in self.backend.registry.instances(role) if not (i.draining or i.load.draining)
-        ]
-
-    def _load(self, inst: Instance, now: float) -> InstanceLoad:
-        load = inst.load
-        queued = load.num_waiting + inst.num_assigned
-        if inst.role is Role.DECODE:
-            queued += load.num_pending_kv  # hand-offs waiting for room
-        first_seen = self._first_seen.setdefault(inst.instance_id, now)
-        return InstanceLoad(
-            instance_id=inst.instance_id,
-            num_queued=queued,
-            num_running=load.num_running,
-            kv_usage=1.0 - load.num_free_blocks / max(1, load.num_total_blocks),
-            age_s=now - first_seen,
-            is_removable=not isinstance(self.hook, OwningHook) or self.hook.owns(inst.instance_id),
-        )
+    def _is_removable(self, instance_id: str) -> bool:
+        return not isinstance(self.hook, OwningHook) or self.hook.owns(instance_id)
 
     def _holds(self, obs: Observation, now: float) -> dict[ScaledRole, str]:
         """Roles the policy must leave alone now, and why."""
@@ -426,6 +406,47 @@ class Autoscaler:
         self.forced = forced
         self._wake.set()
         return self.state()
+
+
+def live_instances(registry: Registry, role: Role) -> list[Instance]:
+    """The role's instances the policy counts: registered and not draining."""
+    return [i for i in registry.instances(role) if not (i.draining or i.load.draining)]
+
+
+def instance_load(inst: Instance, age_s: float, is_removable: bool) -> InstanceLoad:
+    """One instance as the policy sees it, from the router's view of its load."""
+    load = inst.load
+    queued = load.num_waiting + inst.num_assigned
+    if inst.role is Role.DECODE:
+        queued += load.num_pending_kv  # hand-offs waiting for room
+    return InstanceLoad(
+        instance_id=inst.instance_id,
+        num_queued=queued,
+        num_running=load.num_running,
+        kv_usage=1.0 - load.num_free_blocks / max(1, load.num_total_blocks),
+        age_s=age_s,
+        is_removable=is_removable,
+    )
+
+
+def role_observation(
+    role: Role,
+    live: Sequence[Instance],
+    samples: Sequence[LatencySample],
+    ages: Mapping[str, float],
+    is_removable: Callable[[str], bool],
+) -> RoleObservation:
+    """What the policy reads for one role: its live instances' loads (``ages``: seconds since
+    each joined) and the window's TTFTs (prefill) or mean TPOTs (decode), in ms. Pure: the
+    autoscaler and the simulator (``kvrelay.sim``) both build observations with it."""
+    instances = tuple(
+        instance_load(i, ages.get(i.instance_id, 0.0), is_removable(i.instance_id)) for i in live
+    )
+    if role is Role.PREFILL:
+        latencies = tuple(s.ttft_s * 1000 for s in samples)
+    else:
+        latencies = tuple(s.tpot_s * 1000 for s in samples if s.tpot_s is not None)
+    return RoleObservation(instances, latencies)
 
 
 def _counts(decision: ScaleDecision) -> dict[ScaledRole, tuple[int, int]]:

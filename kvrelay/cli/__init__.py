@@ -45,6 +45,7 @@ __all__ = [
     "cmd_pool",
     "cmd_secret",
     "cmd_serve",
+    "cmd_sim",
     "cmd_up",
     "engine_cli_args",
     "engine_kwargs",
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_pool_parser(sub)
     add_cache_parser(sub)
     add_secret_parser(sub)
+    _add_sim_parser(sub)
     return parser
 
 
@@ -87,6 +89,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _add_sim_parser(sub: Any) -> None:
+    from kvrelay.sim.cli import add_sim_parser
+
+    add_sim_parser(sub)
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    from kvrelay.sim.cli import cmd_sim as run
+
+    return run(args)
+
+
 COMMANDS = {
     "generate": cmd_generate,
     "chat": cmd_chat,
@@ -97,6 +111,7 @@ COMMANDS = {
     "cache": cmd_cache,
     "model": cmd_model,
     "secret": cmd_secret,
+    "sim": cmd_sim,
 }
 
 

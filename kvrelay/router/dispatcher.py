@@ -273,8 +273,7 @@ class Dispatcher(Backend):
         if placement.decode is not None:
             decode_info = placement.decode.info
             tr.watch.add(placement.decode.instance_id)
-            placement.decode.num_assigned += 1
-        placement.prefill.num_assigned += 1
+        self.registry.assign(placement)
         worker_params = dataclasses.replace(tr.request.params, stop=(), n=1)
         msg = GenerateRequest(
             tr.request.request_id,

@@ -175,6 +175,13 @@ class Registry:
     def is_ready(self) -> bool:
         return self.place() is not None
 
+    def assign(self, placement: Placement) -> None:
+        """Counts a request sent to the placement's instances (in their load until their
+        next report)."""
+        placement.prefill.num_assigned += 1
+        if placement.decode is not None:
+            placement.decode.num_assigned += 1
+
     def place(
         self, exclude: Iterable[str] = (), matched: Mapping[str, PrefixMatch] | None = None
     ) -> Placement | None:
