@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -113,15 +114,23 @@ def handle(engine: Any, system: str, cmd: dict[str, Any]) -> dict[str, Any]:
     raise ValueError(f"unknown op {op!r}")
 
 
+def answers_channel() -> Any:
+    """The real stdout, for answers only; fd 1 then goes to stderr (vLLM logs to stdout)."""
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return channel
+
+
 def main() -> int:
     args = parse_args()
+    answers = answers_channel()
     engine = create_engine(args)
-    print(json.dumps({"ready": True}), flush=True)
+    answers.write(json.dumps({"ready": True}) + "\n")
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
             break
-        print(json.dumps(handle(engine, args.system, cmd)), flush=True)
+        answers.write(json.dumps(handle(engine, args.system, cmd)) + "\n")
     return 0
 
 
