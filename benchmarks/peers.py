@@ -148,6 +148,7 @@ def interleaved(engines: list[Engine], repeats: int, **cmd: Any) -> dict[str, li
             answer = engine.call(**cmd)
             answer["load1"] = os.getloadavg()[0]
             runs[engine.name].append(answer)
+            print(f"{cmd['op']} {engine.name}: {json.dumps(answer)}", file=sys.stderr, flush=True)
     return runs
 
 
