@@ -106,9 +106,23 @@ class Proc:
     log: IO[bytes] | None
 
 
+def worker_threads(spec: ClusterSpec, num_cpus: int) -> int:
+    """torch threads per worker when ``--threads`` is not given: the CPUs split between the
+    workers ``spec`` starts. torch's default (every core in every worker) oversubscribes the
+    machine: two 2-thread OpenMP pools on 2 cores spin at each other's barriers, and every
+    small op of a decode step (an attention call per layer) pays a descheduled thread."""
+    num_workers = spec.num_prefill + spec.num_decode + spec.num_colocated
+    return max(1, num_cpus // max(1, num_workers))
+
+
+def available_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class Launcher:
     def __init__(self, spec: ClusterSpec) -> None:
         self.spec = spec
+        self.threads_per_worker = worker_threads(spec, available_cpus())
         self.cluster_id = spec.cluster_id or f"up{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.credential: ClusterCredential | None = None
         if not spec.insecure_no_auth:
@@ -164,14 +178,17 @@ class Launcher:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         name = f"{role}-{self._counts[role]}"
         self._counts[role] += 1
-        pool = []
-        if "--host-pool" not in (*self.spec.worker_args, *extra_args):
-            pool = ["--host-pool", self.host_pool_name]  # removed with the cluster at stop
+        given = (*self.spec.worker_args, *extra_args)
+        defaults = []
+        if "--host-pool" not in given:
+            defaults += ["--host-pool", self.host_pool_name]  # removed with the cluster at stop
+        if "--threads" not in given:
+            defaults += ["--threads", str(self.threads_per_worker)]
         args = [
             "--cluster-id", self.cluster_id,
             "--instance-id", name,
             "--transport", self.spec.transport,
-            *pool,
+            *defaults,
             *self.spec.worker_args,
             *extra_args,
         ]  # fmt: skip

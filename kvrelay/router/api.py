@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: ``create_app(backend, tokenizer, settings) -> FastAPI``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (the process is up), ``GET /ready`` (``backend.is_ready()``). Other routes
+``GET /health`` (the process is up), ``GET /ready`` (``backend.is_ready()``), and vLLM's
+``POST /tokenize`` / ``POST /detokenize`` (``router/tokenize.py``). Other routes
 (``/metrics``, ``/admin/*``) are added by the caller with ``app.include_router``; admin
 routers should depend on ``errors.require_admin_token(settings)``. Add middleware as pure
 ASGI middleware (not ``@app.middleware("http")``), so client disconnects still reach the
@@ -160,6 +161,9 @@ def create_app(
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/ready", api.ready, methods=["GET"])
+    from kvrelay.router.tokenize import add_tokenize_routes  # it imports this module
+
+    add_tokenize_routes(app, api)
     return app
 
 
@@ -216,7 +220,7 @@ class OpenAIApi:
 
     async def completions(self, request: Request) -> Response:
         req = parse_request(await request.body(), CompletionRequest)
-        model = self._model_name(req.model)
+        model = self.model_name(req.model)
         n = self._check_n(req.n, len(req.prompt))
         self._check_completion_options(req, n)
         prompts = [await self._completion_prompt(p, req.echo) for p in req.prompt]
@@ -241,9 +245,9 @@ class OpenAIApi:
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
-        model = self._model_name(req.model)
+        model = self.model_name(req.model)
         n = self._check_n(req.n, 1)
-        self._check_chat_options(req)
+        self.check_chat_options(req)
         tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         structured = resolve_structured(req.response_format, req.structured_outputs, req.guided)
         if tools.structured is not None:
@@ -253,7 +257,7 @@ class OpenAIApi:
                     "response_format",
                 )
             structured = tools.structured
-        prompt = await self._chat_prompt(req, tools)
+        prompt = await self.chat_prompt(req, tools)
         options = ResponseOptions(
             include_usage=req.include_usage,
             want_logprobs=req.logprobs,
@@ -265,7 +269,7 @@ class OpenAIApi:
 
     # ---- checks
 
-    def _model_name(self, requested: str | None) -> str:
+    def model_name(self, requested: str | None) -> str:
         if requested is None:
             return self.model_names[0]
         if requested not in self.model_names:
@@ -317,7 +321,7 @@ class OpenAIApi:
         if req.best_of is not None and req.best_of != n:
             raise bad_request("'best_of' is not supported (it must equal n)", "best_of")
 
-    def _check_chat_options(self, req: ChatCompletionRequest) -> None:
+    def check_chat_options(self, req: ChatCompletionRequest) -> None:
         self._check_stop(req.stop)
         self._check_logprobs(req.top_logprobs, "top_logprobs")
         if req.top_logprobs is not None and not req.logprobs:
@@ -348,7 +352,7 @@ class OpenAIApi:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("'prompt' must not be empty", "prompt")
-            return PromptInfo(await self._encode(prompt, True, "prompt"), prompt)
+            return PromptInfo(await self.encode(prompt, True, "prompt"), prompt)
         if not prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
         bad = next((t for t in prompt if not 0 <= t < self.tokenizer.vocab_size), None)
@@ -360,7 +364,15 @@ class OpenAIApi:
         text = self.tokenizer.decode(prompt, skip_special_tokens=False) if echo else ""
         return PromptInfo(list(prompt), text)
 
-    async def _chat_prompt(self, req: ChatCompletionRequest, tools: ToolPlan) -> PromptInfo:
+    async def chat_prompt(
+        self, req: ChatCompletionRequest, tools: ToolPlan | None = None
+    ) -> PromptInfo:
+        """The request's messages through the chat template, tokenized (``tools``: the plan
+        of its ``tools`` / ``tool_choice``; made here when not given, as for /tokenize)."""
+        if tools is None:
+            tools = plan_tools(
+                req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser
+            )
         messages = [m.to_template() for m in req.messages]
         try:
             text = await self.text.apply_chat_template(
@@ -377,9 +389,9 @@ class OpenAIApi:
             raise bad_request("the messages are nested too deeply", "messages") from None
         if req.continue_final_message:
             text = _cut_after_final_message(text, req.messages[-1].text)
-        return PromptInfo(await self._encode(text, False, "messages"), text)
+        return PromptInfo(await self.encode(text, False, "messages"), text)
 
-    async def _encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         try:
             return await self.text.encode(text, add_special_tokens, self.backend.max_model_len)
         except PromptTooLong as exc:  # what resolve_max_tokens says, without the ids

