@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import command_line, markdown_table, update_benchmarks_md
 from kvrelay.cli.launcher import free_port
+from kvrelay.protocol.credential import ClusterCredential
 from tests.cluster_harness import metric_value
 from tests.netns_harness import Host, Hosts, netns_unavailable, wait_for
 
@@ -57,13 +59,15 @@ class Cluster:
         self.port, self.control = free_port(), free_port()
         self.url = f"http://{self.router_host.addr}:{self.port}"
         self.procs: list[Any] = []
+        secret = ClusterCredential.generate().hex()  # every process holds it (not in argv)
+        self.env = {**os.environ, "KVRELAY_CLUSTER_SECRET": secret}
 
     def start(self, prefill: Host, decode: Host) -> None:
         h = self.router_host
         self.procs.append(h.kvrelay(
             ["serve", "--role", "router", "--model", self.model, "--host", h.addr,
              "--port", str(self.port), "--control-addr", f"tcp://{h.addr}:{self.control}",
-             "--served-model-name", "m"], self.logs / "router.log",
+             "--served-model-name", "m"], self.logs / "router.log", self.env,
         ))  # fmt: skip
         for role, host in (("prefill", prefill), ("decode", decode)):
             self.procs.append(host.kvrelay(
@@ -72,6 +76,7 @@ class Cluster:
                  "--instance-id", role, "--control-addr", f"tcp://{h.addr}:{self.control}",
                  "--threads", str(self.threads), "--kv-cache-memory", "1.5",
                  "--no-prefix-caching", "--host-pool", "off"], self.logs / f"{role}.log",
+                self.env,
             ))  # fmt: skip
         wait_for(lambda: self._joined() >= {"prefill", "decode"}, 180, "workers joined")
 

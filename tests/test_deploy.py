@@ -542,7 +542,7 @@ def test_compose_services_serve_a_completion(tmp_path: Path, fake_kvrelay: Path)
         res = httpx.post(
             f"{router}/v1/completions",
             json={
-                "model": "tiny",
+                "model": "smollm2",
                 "prompt": "The cache moves to the decode worker. " * 4,
                 "max_tokens": 8,
                 "temperature": 0,

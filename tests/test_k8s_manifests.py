@@ -201,7 +201,7 @@ def test_workers_reach_the_router_through_its_service() -> None:
         assert args.control_addr == "tcp://kvrelay-router:5557"
         pod_name = SAMPLE_FIELDS["metadata.name"]
         assert (args.advertise_host, args.instance_id) == ("10.0.0.7", pod_name)
-        assert args.model == "/models/tiny"
+        assert args.model == "/models/smollm2"
         assert (args.status_port, args.peer_port) == (8001, 8002)
 
 

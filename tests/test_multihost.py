@@ -20,6 +20,7 @@ import pytest
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.cli.launcher import free_port
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.transport.shm_pool import cleanup_segments, list_segments
 from tests.cluster_harness import metric_value
 from tests.netns_harness import Host, Hosts, leftovers, require_netns, wait_for
@@ -65,6 +66,12 @@ class Cluster:
         self.cluster_id = f"mh{os.getpid()}{time.monotonic_ns() % 10**8}"
         self.routers: dict[str, tuple[Host, int, int]] = {}  # name -> host, HTTP, control
         self.procs: dict[str, object] = {}
+        # every process of the cluster holds its secret (in the environment, never argv)
+        secret = ClusterCredential.generate().hex()
+        self.env = {**os.environ, "KVRELAY_CLUSTER_SECRET": secret}
+
+    def kvrelay(self, host: Host, args: list[str], log: Path):
+        return host.kvrelay(args, log, self.env)
 
     def control_addrs(self) -> str:
         return ",".join(f"tcp://{h.addr}:{c}" for h, _, c in self.routers.values())
@@ -88,7 +95,8 @@ class Cluster:
     def start_router(self, host: Host, name: str = "router-0") -> None:
         port, control = free_port(), free_port()
         self.routers[name] = (host, port, control)
-        self.procs[name] = host.kvrelay(
+        self.procs[name] = self.kvrelay(
+            host,
             ["serve", "--role", "router", "--model", str(self.model), "--host", host.addr,
              "--port", str(port), "--control-addr", f"tcp://{host.addr}:{control}",
              "--dead-after", "1.5", "--served-model-name", "tiny"],
@@ -96,7 +104,8 @@ class Cluster:
         )  # fmt: skip
 
     def start_worker(self, host: Host, role: str, name: str, *extra: str) -> None:
-        self.procs[name] = host.kvrelay(
+        self.procs[name] = self.kvrelay(
+            host,
             ["serve", "--role", role, "--model", str(self.model), "--host", host.addr,
              "--advertise-host", host.addr, "--host-id", f"host{host.index}",
              "--cluster-id", self.cluster_id, "--instance-id", name,
@@ -263,16 +272,17 @@ def test_parameter_pool_chain_across_shaped_hosts(cluster_on, expected, tmp_path
         host.shape("200mbit")
     model = str(cluster.model)
     src, mid = f"tcp://{h1.addr}:{free_port()}", f"tcp://{h2.addr}:{free_port()}"
-    cluster.procs["serve"] = h1.kvrelay(
-        ["pool", "serve", "--model", model, "--bind", src], tmp_path / "serve.log"
+    cluster.procs["serve"] = cluster.kvrelay(
+        h1, ["pool", "serve", "--model", model, "--bind", src], tmp_path / "serve.log"
     )
     _log_line(tmp_path / "serve.log", "serving at", 60)
-    cluster.procs["fetch-h2"] = h2.kvrelay(
+    cluster.procs["fetch-h2"] = cluster.kvrelay(
+        h2,
         ["pool", "fetch", "--model", model, "--from", src, "--forward-bind", mid],
         tmp_path / "fetch-h2.log",
     )
-    fetch3 = h3.kvrelay(
-        ["pool", "fetch", "--model", model, "--from", f"{mid},{src}"], tmp_path / "fetch-h3.log"
+    fetch3 = cluster.kvrelay(
+        h3, ["pool", "fetch", "--model", model, "--from", f"{mid},{src}"], tmp_path / "fetch-h3.log"
     )
     assert fetch3.wait(timeout=120) == 0
     lines = (tmp_path / "fetch-h3.log").read_text().splitlines()

@@ -32,6 +32,9 @@ import array
 import asyncio
 import concurrent.futures
 import multiprocessing
+import os
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,7 @@ from kvrelay.text.tokenizer import Tokenizer
 
 INLINE_CHARS = 16_384  # shorter texts are encoded on the loop
 PROCESS_CHARS = 262_144  # longer texts are encoded in the child process
+PARENT_CHECK_S = 1.0  # how often the child checks that its router still lives
 
 _child_tokenizer: Tokenizer | None = None
 
@@ -105,7 +109,7 @@ class TextWorkers:
                 max_workers=1,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_child,
-                initargs=(self._model_dir,),
+                initargs=(self._model_dir, os.getpid()),
             )
         return self._pool
 
@@ -115,9 +119,18 @@ class TextWorkers:
             self._pool = None
 
 
-def _init_child(model_dir: str) -> None:
+def _init_child(model_dir: str, parent_pid: int) -> None:
     global _child_tokenizer
     _child_tokenizer = Tokenizer.from_pretrained(model_dir)
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Ends the child once its router is gone. A router killed with SIGKILL never shuts the
+    pool down, and the child, blocked on the pool's call queue, would otherwise live on."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(0)
 
 
 def _encode_in_child(text: str, add_special_tokens: bool, limit: int | None) -> bytes | int:
