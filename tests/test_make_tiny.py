@@ -95,7 +95,12 @@ def test_same_seed_gives_same_bytes_and_other_seed_other_weights(tmp_path: Path)
     second = make_tiny(tmp_path / "b", seed=11)
     other = make_tiny(tmp_path / "c", seed=12)
     for name in sorted(p.name for p in first.iterdir()):
+        if name == "kvrelay-identity.json":  # records each file's (dev, inode, times) too
+            continue
         assert (first / name).read_bytes() == (second / name).read_bytes(), name
+    identity = json.loads((first / "kvrelay-identity.json").read_text())["identity"]
+    assert json.loads((second / "kvrelay-identity.json").read_text())["identity"] == identity
+    assert json.loads((other / "kvrelay-identity.json").read_text())["identity"] != identity
     assert (first / "model.safetensors").read_bytes() != (other / "model.safetensors").read_bytes()
     assert (first / "tokenizer.json").read_bytes() == (other / "tokenizer.json").read_bytes()
 

@@ -33,10 +33,15 @@ from kvrelay.cachetier.segments import SHM_DIR
 from kvrelay.cli.launcher import ClusterSpec, Launcher
 from kvrelay.engine import identity
 from kvrelay.engine.identity import IDENTITY_FILE, model_identity
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.messages import KvLayout, LoadReport, PeerInfo, Register, Role
 from kvrelay.router.registry import Registry
+from kvrelay.transport.curve import SocketSecurity
 from tests.cluster_harness import metric_value, read_text, running_cluster, worker_stats
 from tests.redis_server import redis_server  # noqa: F401 - fixture
+
+CREDENTIAL = ClusterCredential.generate()  # the pool server's and the fetcher's
+MEMBER = SocketSecurity(CREDENTIAL)
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = 1 << 16
@@ -202,14 +207,19 @@ def test_a_peer_serving_other_weights_fills_nothing(twins) -> None:
     serve = subprocess.Popen(
         [sys.executable, "-m", "kvrelay", "pool", "serve", "--model", str(a),
          "--scope", f"{run}s", "--bind", "tcp://127.0.0.1:0"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "KVRELAY_CLUSTER_SECRET": CREDENTIAL.hex()},
     )  # fmt: skip
     try:
         addr = serve.stdout.readline().strip().rsplit(" ", 1)[-1]  # type: ignore[union-attr]
         with pytest.raises(ValueError, match="a peer serves model"):
-            fetch_pool(model_identity(b, "float32"), "float32", [addr], scope=f"{run}r")
+            fetch_pool(
+                model_identity(b, "float32"), "float32", [addr], scope=f"{run}r", security=MEMBER
+            )
         assert param_ops.list_pools(f"{run}r") == []
-        got = fetch_pool(model_identity(a, "float32"), "float32", [addr], scope=f"{run}r")
+        got = fetch_pool(
+            model_identity(a, "float32"), "float32", [addr], scope=f"{run}r", security=MEMBER
+        )
         with got.pool as pool:  # the control: the same peer fills a pool of its own model
             assert pool.manifest.fingerprint == model_identity(a, "float32")
     finally:

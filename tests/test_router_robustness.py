@@ -177,7 +177,9 @@ def test_paused_worker_drops_the_superseded_attempt(cluster: Launcher) -> None:
 
 
 def test_queue_bound_answers_429_and_503_with_retry_after(cluster: Launcher) -> None:
-    stream = _stream(cluster, max_tokens=200)  # holds the only slot (--max-inflight 1)
+    # holds the only slot (--max-inflight 1) for seconds, far past --max-queue-time even on a
+    # quiet machine (200 tokens of the tiny model took under 0.5 s there)
+    stream = _stream(cluster, max_tokens=2000)
     it = iter(stream)
     next(it)
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
