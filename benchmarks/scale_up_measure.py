@@ -25,6 +25,7 @@ from scale_up_setup import (
     START_TIMEOUT_S,
     BenchError,
     Checkpoint,
+    bench_environ,
     evict_page_cache,
     pool_server,
     read_line,
@@ -44,13 +45,16 @@ RECEIVER_CODE = """\
 import json, sys, time
 from kvrelay.cachetier.param_transfer import fetch_pool
 from kvrelay.engine.identity import model_identity
+from kvrelay.protocol.credential import ClusterCredential
+from kvrelay.transport.curve import SocketSecurity
 model, dtype, scope, bind, sources, link = sys.argv[1:7]
 fingerprint = model_identity(model, dtype)
 print("ready", flush=True)
 sys.stdin.readline()
 start = time.time()
 got = fetch_pool(fingerprint, dtype, sources.split(","), scope=scope, forward_bind=bind,
-                 timeout=60.0, link_bytes_per_s=float(link))
+                 timeout=60.0, link_bytes_per_s=float(link),
+                 security=SocketSecurity(ClusterCredential.load()))
 print(json.dumps({"start": start, "end": time.time(), "seconds": got.seconds,
                   "sources": list(got.sources_used)}), flush=True)
 sys.stdin.readline()  # forward until the benchmark closes stdin
@@ -319,7 +323,9 @@ def run_chain(
                 argv = [ckpt.path, ckpt.dtype, f"{tag}k{k}", addr, ",".join(plan[addr]), link]
                 cmd = [sys.executable, "-c", RECEIVER_CODE, *map(str, argv)]
                 pipe = subprocess.PIPE
-                procs.append(subprocess.Popen(cmd, stdin=pipe, stdout=pipe, stderr=log))
+                procs.append(
+                    subprocess.Popen(cmd, stdin=pipe, stdout=pipe, stderr=log, env=bench_environ())
+                )
         for k, proc in enumerate(procs):
             read_line(proc, START_TIMEOUT_S, f"receiver {k}")
         if args.quiet_wait > 0:

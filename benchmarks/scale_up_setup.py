@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.cli.launcher import ClusterSpec, Launcher
+from kvrelay.protocol.credential import ClusterCredential, child_environ
 
 SERVED_NAME = "bench"
 MODELS = ("tiny", "small", "medium", "1b")
@@ -203,6 +204,14 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
             proc.wait()
 
 
+CREDENTIAL = ClusterCredential.generate()  # one cluster: workers, pool servers, receivers
+
+
+def bench_environ() -> dict[str, str]:
+    """The environment of a process the benchmark starts: it holds the cluster secret."""
+    return child_environ(CREDENTIAL, os.environ)
+
+
 @contextlib.contextmanager
 def pool_server(
     ckpt: Checkpoint, scope: str, log_dir: Path, link_mbps: float = 0.0
@@ -219,7 +228,7 @@ def pool_server(
         "--link-mbps", str(link_mbps),
     ]  # fmt: skip
     with open(log_dir / f"pool-serve-{scope}.log", "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=bench_environ())
     addr: list[str] = []
 
     def address() -> str:
@@ -247,6 +256,7 @@ def running_cluster(
         worker_args=worker_args,
         router_args=("--served-model-name", SERVED_NAME, "--dead-after", "30"),
         log_dir=str(log_dir),
+        credential=CREDENTIAL,
     )
     launcher = Launcher(spec)
     try:
