@@ -97,6 +97,12 @@ class RouterLinks:
         since = time.monotonic() - timeout
         return {link for link, heard in self._last_heard.items() if heard < since}
 
+    def excuse(self, seconds: float) -> None:
+        """The loop thread itself was held for ``seconds`` (a long step, the process paused):
+        what the routers sent meanwhile waits unread, so their silence is not theirs."""
+        for link in self._last_heard:
+            self._last_heard[link] += seconds
+
     def is_orphan(self, request_id: str, silent: set[zmq.Socket]) -> bool:
         """The request's router is silent (every router, when its origin is unknown)."""
         origin = self.origin.get(request_id)

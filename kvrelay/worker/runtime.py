@@ -133,6 +133,7 @@ class Worker:
         self._exit_deadline: float | None = None  # set by SIGTERM: drain, then exit
         self._last_report = 0.0
         self._last_orphan_check = 0.0
+        self._last_loop_tick = time.monotonic()
 
     # ------------------------------------------------------------------ set-up
     def _open_param_pool(self, dtype: str) -> ParamPool | None:
@@ -374,6 +375,14 @@ class Worker:
     def _abort_orphans(self) -> None:
         """Aborts the requests whose router went silent (killed, partitioned)."""
         now = time.monotonic()
+        held = now - self._last_loop_tick
+        self._last_loop_tick = now
+        if held > self.config.heartbeat_interval:
+            # the loop was held (a long step, or the process was paused): the routers' messages
+            # wait unread, so judge them only after the next poll has read them (an Abort of a
+            # superseded attempt, say, which tells a re-run apart from a dead router)
+            self.routers.excuse(held)
+            return
         if now - self._last_orphan_check < self.config.heartbeat_interval:
             return
         self._last_orphan_check = now
