@@ -104,3 +104,48 @@ def test_resolve_structured_sources():
     with pytest.raises(ApiError) as info:
         resolve_structured(None, {"regex": "a"}, {"guided_regex": "b"})
     assert info.value.param == "guided_regex"
+
+
+# ------------------------------------------------------------------ streaming (partial_calls)
+
+
+def _prefixes(text: str):
+    return (text[:i] for i in range(len(text) + 1))
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (
+            HermesParser(),
+            'Let me look.\n<tool_call>\n{"name": "f", "arguments": {"x": [1, {"y": "a}\\"b"}]}}'
+            '\n</tool_call>\n<tool_call>{"name": "g", "arguments": {}}</tool_call>',
+        ),
+        (
+            Llama3JsonParser(),
+            '<|python_tag|>{"name": "f", "parameters": {"x": "{[,"}}; {"name": "g", "parameters":'
+            ' {"z": null}}',
+        ),
+    ],
+)
+def test_partial_calls_only_grow_and_end_as_the_parse(parser, text):
+    """Every prefix's calls extend the previous prefix's: a name appears once complete and
+    never changes, the arguments' raw text only grows, and the end parses as ``extract``."""
+    seen: list = []
+    for prefix in _prefixes(text):
+        calls = parser.partial_calls(prefix)
+        assert len(calls) >= len([c for c in seen if c.name is not None])
+        for old, new in zip(seen, calls, strict=False):
+            if old.name is not None:
+                assert new.name == old.name
+            assert new.arguments.startswith(old.arguments)
+        seen = calls
+    final = parser.extract(text).calls
+    assert [c.name for c in seen] == [c.name for c in final]
+    assert [json.loads(c.arguments) for c in seen] == [json.loads(c.arguments) for c in final]
+    assert all(c.done for c in seen)
+
+
+def test_partial_calls_of_plain_text_are_none():
+    assert HermesParser().partial_calls("Just an answer, no <tool") == []
+    assert Llama3JsonParser().partial_calls("Paris is the capital.") == []

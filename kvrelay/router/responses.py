@@ -19,7 +19,7 @@ from kvrelay.protocol.sampling_params import TokenLogprobs
 from kvrelay.router.backend import Delta
 from kvrelay.router.structured import ToolPlan, new_call_id
 from kvrelay.text.tokenizer import REPLACEMENT_CHAR, Tokenizer, TokenizerError
-from kvrelay.text.tool_parsers import ToolCall
+from kvrelay.text.tool_parsers import PartialCall, ToolCall
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to this too
 
@@ -101,6 +101,7 @@ class ChoiceState:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     text_offset: int = 0  # completions logprobs: characters of token text reported so far
     num_sent_chars: int = 0  # chat with tools, stream: characters of text sent as content
+    calls_sent: list[int] = field(default_factory=list)  # per call streamed: argument chars sent
     started: bool = False  # a delta arrived (echo and role chunks are sent once)
 
     def add(self, delta: Delta) -> None:
@@ -349,9 +350,10 @@ def _finish_reason(choice: ChoiceState, has_calls: bool) -> str | None:
 class ChatBuilder(ResponseBuilder):
     """Chat responses; with ``tools``, a choice's text is read back as tool calls.
 
-    Streaming with tools: a ``named`` choice streams its arguments as they come; ``auto``
-    streams the text that cannot be part of a call (``ToolParser.content_len``) and sends the
-    calls when the choice ends; ``required`` sends its calls when the choice ends.
+    Streaming with tools: a ``named`` choice streams its arguments as they come; ``auto`` and
+    ``required`` stream the text that cannot be part of a call (``ToolParser.content_len``;
+    none for ``required``), and each call as the model writes it: its id and name once the
+    name is complete, then its arguments' raw JSON text as it grows (``partial_calls``).
     """
 
     object_name = "chat.completion"
@@ -409,7 +411,7 @@ class ChatBuilder(ResponseBuilder):
         else:
             body["delta"] = self._parsed_delta(choice, delta.finished)
         if delta.finished:
-            has_calls = self.tools.mode == "named" or "tool_calls" in body["delta"]
+            has_calls = self.tools.mode == "named" or bool(choice.calls_sent)
             body["finish_reason"] = _finish_reason(choice, has_calls)
             body["stop_reason"] = delta.stop_reason
         elif not body["delta"] and not (self.options.want_logprobs and delta.logprobs):
@@ -426,19 +428,56 @@ class ChatBuilder(ResponseBuilder):
         return {}
 
     def _parsed_delta(self, choice: ChoiceState, finished: bool) -> dict[str, Any]:
-        """Content that cannot be a call at once; the calls (or the rest) at the end."""
+        """Content that cannot be part of a call at once; each call's name once its string is
+        complete, then its arguments as they grow; at the end, what is left."""
         text = "".join(choice.text)
-        if finished:
-            parsed = self.tools.extract(text)
-            if parsed.calls:
-                return {"tool_calls": _tool_calls(parsed.calls, with_index=True)}
-            rest = text[choice.num_sent_chars :]
-            return {"content": rest} if rest else {}
-        parser = self.tools.parser  # None for "required": all of it is the call
-        ready = 0 if parser is None else parser.content_len(text)
+        final = self.tools.extract(text).calls if finished else []
+        parts = self._call_parts(choice, self.tools.partial_calls(text), final)
+        parser = self.tools.parser  # None for "required": all of it is the calls
+        if finished and not choice.calls_sent:
+            ready = len(text)  # no call after all: the rest is content
+        else:
+            ready = 0 if parser is None else parser.content_len(text)
         content = text[choice.num_sent_chars : ready]
         choice.num_sent_chars = max(choice.num_sent_chars, ready)
-        return {"content": content} if content else {}
+        body: dict[str, Any] = {"content": content} if content else {}
+        if parts:
+            body["tool_calls"] = parts
+        return body
+
+    def _call_parts(
+        self, choice: ChoiceState, partial: list[PartialCall], final: list[ToolCall]
+    ) -> list[dict[str, Any]]:
+        """``delta.tool_calls`` entries for what the calls gained since the last chunk: a new
+        call's id and name (once the name is complete), then the growth of its arguments.
+        Arguments written as an object stream as raw text; any other form (a JSON string of
+        the object, say) is sent whole, as the final parse reads it, when the choice ends."""
+        parts = []
+        for i, call in enumerate(partial):
+            if call.name is None:
+                break  # later calls wait for this one's name
+            part: dict[str, Any] = {"index": i, "function": {}}
+            if i == len(choice.calls_sent):
+                part |= {"id": new_call_id(), "type": "function"}
+                part["function"] = {"name": call.name, "arguments": ""}
+                choice.calls_sent.append(0)
+            sent = choice.calls_sent[i]
+            new = ""
+            if call.arguments.startswith("{") and sent >= 0:
+                new = call.arguments[sent:]
+                choice.calls_sent[i] += len(new)
+            elif i < len(final) and sent == 0:
+                new = final[i].arguments
+                choice.calls_sent[i] = -1  # sent whole
+            if new:
+                part["function"]["arguments"] = new
+            if "id" in part or new:
+                parts.append(part)
+        for i in range(len(choice.calls_sent), len(final)):  # a form the scan cannot follow
+            parts.extend(_tool_calls([final[i]], with_index=True))
+            parts[-1]["index"] = i
+            choice.calls_sent.append(-1)
+        return parts
 
     def _delta_choice(self, choice: ChoiceState, delta: Delta, first: bool) -> dict[str, Any]:
         logprobs = None

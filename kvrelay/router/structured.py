@@ -33,7 +33,13 @@ import jsonschema.validators
 
 from kvrelay.protocol.sampling_params import StructuredOutput
 from kvrelay.router.errors import bad_request
-from kvrelay.text.tool_parsers import ParsedTools, ToolCall, ToolParser
+from kvrelay.text.tool_parsers import (
+    ParsedTools,
+    PartialCall,
+    ToolCall,
+    ToolParser,
+    partial_objects,
+)
 
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 GUIDED_FIELDS = {f"guided_{key}": key for key in ("json", "regex", "choice", "grammar")}
@@ -183,6 +189,19 @@ class ToolPlan:
                 return ParsedTools(found.content, found.calls[:1])
             return found
         return ParsedTools(text, [])
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        """The calls of a choice's partial text so far (streaming ``auto`` and ``required``)."""
+        if self.mode == "required":
+            start = len(text) - len(text.lstrip())
+            if not text.startswith("[", start):
+                return []
+            found = partial_objects(text, start + 1, " \n\t,", ("parameters",))
+        elif self.mode == "auto" and self.parser is not None:
+            found = self.parser.partial_calls(text)
+        else:
+            return []
+        return found if self.parallel else found[:1]
 
 
 def _parse_required(text: str) -> ParsedTools:

@@ -1,0 +1,114 @@
+"""Streamed tool calls (``tool_choice`` auto and required): OpenAI-shaped ``delta.tool_calls``
+whose arguments arrive as the model writes them, and add up to what a non-streamed response
+returns. Drives the router's response builder with the deltas a worker's tokens make."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from openai.types.chat import ChatCompletionChunk
+
+from kvrelay.router.backend import Delta
+from kvrelay.router.responses import ChatBuilder, PromptInfo, ResponseOptions, TokenStrings
+from kvrelay.router.structured import plan_tools
+from kvrelay.text.tool_parsers import HermesParser, Llama3JsonParser
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+    for name in ("get_weather", "get_time")
+]
+HERMES = (
+    "Checking both.\n"
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, \\"FR\\" {x}"}}\n'
+    '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"city": "Lima"}}\n</tool_call>'
+)
+REQUIRED = (
+    '[{"name": "get_weather", "parameters": {"city": "Tokyo"}}, '
+    '{"name": "get_time", "parameters": {}}]'
+)
+
+
+def _stream(builder: ChatBuilder, text: str, step: int) -> list[ChatCompletionChunk]:
+    chunks = [ChatCompletionChunk.model_validate(c) for c in builder.start_chunks()]
+    pieces = [text[i : i + step] for i in range(0, len(text), step)]
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        delta = Delta([i], piece, finished=last, finish_reason="stop" if last else None)
+        chunk = builder.delta_chunk(0, delta)
+        if chunk is not None:
+            chunks.append(ChatCompletionChunk.model_validate(chunk))
+    return chunks
+
+
+def _builder(mode: str, parser=None, parallel=True) -> ChatBuilder:
+    tools = plan_tools(TOOLS, mode, parallel, parser)
+    prompt = PromptInfo([1, 2], "")
+    return ChatBuilder("m", [prompt], 1, TokenStrings(None), ResponseOptions(), tools)  # type: ignore[arg-type]
+
+
+def _assemble(chunks: list[ChatCompletionChunk]):
+    content, calls, finish, num_argument_parts = "", {}, None, 0
+    for chunk in chunks:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for part in choice.delta.tool_calls or ():
+            if part.id is not None:  # a call starts: id, type and the complete name at once
+                assert part.index not in calls and part.type == "function"
+                calls[part.index] = {"id": part.id, "name": part.function.name, "arguments": ""}
+            else:
+                assert part.function.name is None
+            calls[part.index]["arguments"] += part.function.arguments or ""
+            num_argument_parts += bool(part.function.arguments)
+        finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish, num_argument_parts
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_auto_streams_content_then_calls_as_they_are_written(step):
+    builder = _builder("auto", HermesParser())
+    content, calls, finish, num_parts = _assemble(_stream(builder, HERMES, step))
+    whole = _builder("auto", HermesParser()).tools.extract(HERMES)
+    assert content == "Checking both.\n" and finish == "tool_calls"
+    assert [c["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [json.loads(c["arguments"]) for c in calls] == [
+        json.loads(c.arguments) for c in whole.calls
+    ]
+    assert len({c["id"] for c in calls}) == 2
+    if step == 1:  # one character a delta: the arguments arrive in many pieces
+        assert num_parts > 20
+
+
+def test_required_streams_each_call_incrementally():
+    content, calls, finish, num_parts = _assemble(_stream(_builder("required"), REQUIRED, 2))
+    assert content == "" and finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Tokyo"}),
+        ("get_time", {}),
+    ]
+    assert num_parts > 5
+
+
+def test_parallel_off_streams_the_first_call_only():
+    builder = _builder("auto", HermesParser(), parallel=False)
+    _, calls, finish, _ = _assemble(_stream(builder, HERMES, 4))
+    assert [c["name"] for c in calls] == ["get_weather"] and finish == "tool_calls"
+
+
+def test_arguments_written_as_a_string_are_sent_whole_at_the_end():
+    text = '{"name": "get_time", "parameters": "{\\"city\\": \\"Lima\\"}"}'
+    _, calls, finish, num_parts = _assemble(_stream(_builder("auto", Llama3JsonParser()), text, 1))
+    assert calls == [{"id": calls[0]["id"], "name": "get_time", "arguments": '{"city": "Lima"}'}]
+    assert finish == "tool_calls" and num_parts == 1
+
+
+def test_text_that_is_no_call_streams_as_content():
+    text = "The weather in Paris is mild; <b>no</b> call needed."
+    content, calls, finish, _ = _assemble(_stream(_builder("auto", HermesParser()), text, 2))
+    assert content == text and calls == [] and finish == "stop"
