@@ -112,3 +112,28 @@ def test_text_that_is_no_call_streams_as_content():
     text = "The weather in Paris is mild; <b>no</b> call needed."
     content, calls, finish, _ = _assemble(_stream(_builder("auto", HermesParser()), text, 2))
     assert content == text and calls == [] and finish == "stop"
+
+
+def test_required_cut_off_by_length_keeps_the_complete_calls():
+    """A small model may repeat calls until max_tokens: the complete ones come back, streamed
+    and not, with finish_reason "length"; the cut-off one is dropped from the parse."""
+    call = '{"name": "get_weather", "parameters": {"city": "Lima"}}'
+    text = f"[{call}, {call}, {call[:30]}"
+    builder = _builder("required")
+    builder.add(0, Delta([1], text, finished=True, finish_reason="length"))
+    (choice,) = builder.response()["choices"]
+    calls = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Lima"})
+    ] * 2
+    chunks = [ChatCompletionChunk.model_validate(c) for c in builder.start_chunks()]
+    streamed = _builder("required")
+    for i in range(0, len(text), 5):
+        last = i + 5 >= len(text)
+        delta = Delta([i], text[i : i + 5], finished=last, finish_reason="length" if last else None)
+        if (chunk := streamed.delta_chunk(0, delta)) is not None:
+            chunks.append(ChatCompletionChunk.model_validate(chunk))
+    _, streamed_calls, finish, _ = _assemble(chunks)
+    assert finish == "length" and len(streamed_calls) == 3  # the third was under way
+    assert [json.loads(c["arguments"]) for c in streamed_calls[:2]] == [{"city": "Lima"}] * 2

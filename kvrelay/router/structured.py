@@ -211,8 +211,24 @@ def _parse_required(text: str) -> ParsedTools:
             for item in json.loads(text)
         ]
     except (ValueError, TypeError, KeyError):
-        return ParsedTools(text, [])  # cut off by max_tokens: show what came
+        # cut off by max_tokens (a small model may repeat calls until then): the calls that
+        # were complete, as a stream would have sent them; the raw text when there are none
+        start = len(text) - len(text.lstrip())
+        found = partial_objects(text, start + 1, " \n\t,", ("parameters",))
+        complete = [
+            ToolCall(call.name, json.dumps(json.loads(call.arguments), ensure_ascii=False))
+            for call in found
+            if call.name is not None and call.done and _is_object(call.arguments)
+        ]
+        return ParsedTools(None, complete) if complete else ParsedTools(text, [])
     return ParsedTools(None, calls)
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def new_call_id() -> str:

@@ -1,0 +1,93 @@
+"""``test_structured_api``'s structured-output and tool tests on the real SmolLM2-135M-Instruct.
+
+A trained model writes what it has learned where the grammar leaves it a choice (strings,
+numbers, which enum value), unlike the random-weight model of ``test_structured_api``, so this
+checks the grammar against real token preferences on a 49,152-token vocabulary: every answer
+still validates, colocated and 1P+1D, greedy and sampled, streamed and not, and greedy output
+is the same colocated, disaggregated (with a prefix-cache hit) and offline.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from tests.test_structured_api import (  # noqa: F401  (fixtures, re-used with this model_dir)
+    MAX_TOKENS,
+    MESSAGES,
+    WEATHER,
+    Pet,
+    _check_call,
+    _client,
+    cluster,
+    colocated,
+    disagg,
+    test_every_choice_validates_stream_and_not,
+    test_greedy_is_the_same_colocated_disaggregated_and_offline,
+    test_openai_parse_returns_a_parsed_object,
+    test_tool_calls_stream_openai_shaped_deltas,
+)
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(real_model_dir):
+    return real_model_dir
+
+
+def test_langchain_bind_tools_and_with_structured_output(colocated):  # noqa: F811
+    """As on the random model, with ``parallel_tool_calls=False``: asked for its tools with
+    parallel calls allowed, this small model repeats the same call until ``max_tokens`` (the
+    complete ones come back: ``test_tool_streaming``), which is its choice, not the grammar's."""
+    from langchain_openai import ChatOpenAI
+
+    model = ChatOpenAI(
+        base_url=colocated.url + "/v1",
+        api_key="unused",
+        model="tiny",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        max_retries=0,
+    )
+    tools = model.bind_tools([WEATHER], tool_choice="any", parallel_tool_calls=False)
+    (call,) = tools.invoke("What is the weather in Lima for the next 3 days?").tool_calls
+    assert call["name"] == "get_weather"
+    jsonschema.validate(call["args"], WEATHER["function"]["parameters"])
+    pet = model.with_structured_output(Pet, method="json_schema").invoke("Describe a pet.")
+    assert isinstance(pet, Pet)
+
+
+def test_tool_choice_required_and_named(cluster):  # noqa: F811
+    """As on the random model, but with parallel calls allowed this small model may repeat its
+    call until ``max_tokens``: then the complete calls come back with ``finish_reason``
+    "length", each one valid; with one call allowed the grammar ends the array after it."""
+    tools = [WEATHER]
+    for parallel in (True, False):
+        out = _client(cluster).chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            tools=tools,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            max_tokens=MAX_TOKENS,
+            seed=4,
+            n=2,
+        )
+        for choice in out.choices:
+            assert choice.finish_reason in (
+                ("tool_calls", "length") if parallel else ("tool_calls",)
+            )
+            assert choice.message.tool_calls and (parallel or len(choice.message.tool_calls) == 1)
+            for call in choice.message.tool_calls:
+                _check_call(call, tools)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = _client(cluster).chat.completions.create(
+        model="tiny", messages=MESSAGES, tools=tools, tool_choice=named, max_tokens=MAX_TOKENS
+    )
+    (call,) = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    json.loads(call.function.arguments)
+    _check_call(call, tools)
