@@ -271,6 +271,42 @@ def split_sections(markdown: str) -> tuple[str, list[tuple[str, str]]]:
     return "\n".join(preamble), [(title, "\n".join(lines)) for title, lines in sections]
 
 
+DTYPES = ("float32", "bfloat16")
+
+
+def add_model_args(parser: Any, what: str = "checkpoint") -> None:
+    """``--model`` (alias ``--model-dir``), ``--size`` and ``--dtype``, the same in every script."""
+    parser.add_argument(
+        "--model",
+        "--model-dir",
+        dest="model_dir",
+        type=Path,
+        help=f"{what} directory (e.g. `kvrelay model get smollm2-135m-instruct DIR`); "
+        "default: a make_tiny checkpoint of --size",
+    )
+    parser.add_argument("--size", default="small", help="make_tiny size when no --model")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV cache")
+
+
+def model_label(model_dir: Path | None, size: str = "small") -> str:
+    """How a section names its model: a GGUF import by its source file, else the directory."""
+    if model_dir is None:
+        return f"make_tiny `{size}` llama"
+    record = model_dir / "kvrelay_import.json"
+    if record.is_file():
+        source = json.loads(record.read_text()).get("source", "")
+        if source:
+            stem, _, quant = source.removesuffix(".gguf").rpartition(".")
+            return f"{stem} ({quant} GGUF, dequantized)" if stem else source
+    return f"`{model_dir.name}`"
+
+
+def section_title(base: str, model_dir: Path | None, size: str, dtype: str) -> str:
+    """One section per script, model and dtype: ``base: model, dtype``."""
+    name = model_label(model_dir, size).split(" (")[0].strip("`")
+    return f"{base}: {name}, {dtype}"
+
+
 def write_json(path: str | Path, data: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 

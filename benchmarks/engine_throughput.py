@@ -32,10 +32,12 @@ from pathlib import Path
 
 import torch
 from common import (
+    add_model_args,
     command_line,
     fmt,
     machine_info,
     measure_memory_bandwidth,
+    section_title,
     update_benchmarks_md,
     write_json,
 )
@@ -66,8 +68,7 @@ STATIC_BATCH_SIZES = (8, 16, 32)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-dir", type=Path, help="checkpoint; default: make one (make_tiny)")
-    parser.add_argument("--size", default="small", help="make_tiny size when no --model-dir")
+    add_model_args(parser)
     parser.add_argument("--num-requests", type=int, help="default 64 (16 with --quick)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per system (median)")
@@ -107,7 +108,7 @@ def measure_kvrelay(
     args: argparse.Namespace, model_dir: Path, requests: list[Request], timing: TimingPolicy
 ) -> tuple[SystemResult, DecodeBound | None]:
     vocab = vocab_size(model_dir)
-    llm = create_llm(model_dir, args.threads)
+    llm = create_llm(model_dir, args.threads, args.dtype)
     result = run_kvrelay(llm, requests, timing, vocab)
     print(f"{result.name}: {fmt(result.tokens_per_s or 0)} tok/s", flush=True)
     if args.skip_decode:
@@ -125,7 +126,7 @@ def measure_hf(
     if args.skip_hf_static and args.skip_hf_cb:
         return []
     vocab = vocab_size(model_dir)
-    model = load_hf_model(model_dir)
+    model = load_hf_model(model_dir, args.dtype)
     results = []
     if not args.skip_hf_static:
         for batch_size in STATIC_BATCH_SIZES:
@@ -163,14 +164,16 @@ def run_all(args: argparse.Namespace, model_dir: Path) -> int:
                 "workload": asdict(workload),
                 "machine": info,
                 "parameters": params,
+                "dtype": args.dtype,
                 "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
                 "decode": None if bound is None else asdict(bound) | {"bound_s": bound.bound_s},
             },
         )
     if not args.no_write:
         body = markdown_body(args, workload, params, results, bound, info)
-        path = update_benchmarks_md(SECTION_TITLE, body, command_line())
-        print(f"\nwrote section {SECTION_TITLE!r} of {path}")
+        title = section_title(SECTION_TITLE, args.model_dir, args.size, args.dtype)
+        path = update_benchmarks_md(title, body, command_line())
+        print(f"\nwrote section {title!r} of {path}")
     return 0
 
 

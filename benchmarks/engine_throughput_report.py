@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from common import fmt, machine_markdown, markdown_table, median, text_table
+from common import fmt, machine_markdown, markdown_table, median, model_label, text_table
 from engine_throughput_systems import (
     CB_NAME,
     DECODE_OUTPUT_LEN,
@@ -93,9 +93,10 @@ def decode_rows(bound: DecodeBound, max_others_cpu: float) -> list[list[str]]:
 
 
 def describe(args: argparse.Namespace, workload: Workload, params: int) -> str:
-    model = f"`{args.model_dir.name}`" if args.model_dir else f"make_tiny `{args.size}` llama"
+    model = model_label(args.model_dir, args.size)
     return (
-        f"Model: {model} ({params / 1e6:.1f}M parameters), float32, {args.threads} threads. "
+        f"Model: {model} ({params / 1e6:.1f}M parameters), {args.dtype}, {args.threads} "
+        "threads. "
         f"{workload.num_requests} requests, prompt lengths {workload.prompt_lens[0]}-"
         f"{workload.prompt_lens[1]}, output lengths {workload.output_lens[0]}-"
         f"{workload.output_lens[1]} (uniform, seed {workload.seed}); greedy with eos ignored, so "

@@ -35,11 +35,11 @@ logger = logging.getLogger("engine_throughput")
 # ---------------------------------------------------------------------------- kvrelay
 
 
-def create_llm(model_dir: Path, threads: int) -> Any:
+def create_llm(model_dir: Path, threads: int, dtype: str = "float32") -> Any:
     from kvrelay import LLM
 
     return LLM(
-        model=str(model_dir), dtype="float32", seed=0, skip_tokenizer_init=True, num_threads=threads
+        model=str(model_dir), dtype=dtype, seed=0, skip_tokenizer_init=True, num_threads=threads
     )
 
 
@@ -118,11 +118,11 @@ def decode_weight_bytes(llm: Any) -> int:
 # ---------------------------------------------------------------------------- transformers
 
 
-def load_hf_model(model_dir: Path) -> Any:
+def load_hf_model(model_dir: Path, dtype: str = "float32") -> Any:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa"
     )
     return model.eval()
 

@@ -39,7 +39,16 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from common import command_line, machine_info, text_table, update_benchmarks_md, write_json
+from common import (
+    add_model_args,
+    command_line,
+    machine_info,
+    model_label,
+    section_title,
+    text_table,
+    update_benchmarks_md,
+    write_json,
+)
 from prefix_cache_clusters import RUNNERS
 from prefix_cache_report import (
     HEADERS,
@@ -64,8 +73,7 @@ logger = logging.getLogger("prefix_cache_bench")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", type=Path, help="checkpoint; default: make one (make_tiny)")
-    p.add_argument("--size", default="small", help="make_tiny size when no --model-dir")
+    add_model_args(p)
     p.add_argument("--users", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--system-tokens", type=int, default=1500, help="shared system prompt")
@@ -132,8 +140,9 @@ def run_all(args: argparse.Namespace, model_dir: Path, model: str) -> int:
         )
     if not args.no_write:
         body = markdown_body(args, workload, model, summaries, info, load)
-        path = update_benchmarks_md(SECTION_TITLE, body, command_line())
-        print(f"\nwrote section {SECTION_TITLE!r} of {path}")
+        title = section_title(SECTION_TITLE, args.model_dir, args.size, args.dtype)
+        path = update_benchmarks_md(title, body, command_line())
+        print(f"\nwrote section {title!r} of {path}")
     return 0 if l2_was_read(summaries) else 1
 
 
@@ -155,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.log_dir is None:
             args.log_dir = str(Path(tmp) / "logs")
         if args.model_dir is not None:
-            return run_all(args, args.model_dir, f"`{args.model_dir.name}`")
+            return run_all(args, args.model_dir, model_label(args.model_dir))
         from kvrelay.engine.make_tiny import make_tiny
 
         model_dir = make_tiny(Path(tmp) / args.size, arch="llama", size=args.size)
-        return run_all(args, model_dir, f"make_tiny `{args.size}` llama")
+        return run_all(args, model_dir, model_label(None, args.size))
 
 
 if __name__ == "__main__":

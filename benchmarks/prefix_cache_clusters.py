@@ -41,7 +41,10 @@ def running_cluster(
     worker_args: Sequence[str] = (),
     cluster_id: str = "",
 ) -> Iterator[Launcher]:
-    common = ("--threads", str(args.threads), "--num-blocks", str(args.num_blocks))
+    common = (
+        *("--threads", str(args.threads), "--num-blocks", str(args.num_blocks)),
+        *("--dtype", args.dtype),
+    )
     spec = ClusterSpec(
         model=str(model_dir),
         num_prefill=1,

@@ -173,7 +173,7 @@ INTERPRETATION = (
 
 def describe(args: argparse.Namespace, workload: Workload, model: str) -> str:
     return (
-        f"Model: {model}, float32; 1 prefill + 1 decode worker, `--threads {args.threads}` "
+        f"Model: {model}, {args.dtype}; 1 prefill + 1 decode worker, `--threads {args.threads}` "
         f"and `--num-blocks {args.num_blocks}` each; KV handed off over shm. Workload: one "
         f"system prompt of {workload.num_system_tokens:,} tokens (the model's tokenizer, text "
         f"alone) shared by {workload.num_users} users x {workload.num_turns} turns; each turn "

@@ -36,8 +36,15 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from common import command_line, machine_info, write_json
-from serve_report import grouped, medians, metrics, report
+from common import (
+    add_model_args,
+    command_line,
+    machine_info,
+    model_label,
+    section_title,
+    write_json,
+)
+from serve_report import SECTION_TITLE, grouped, medians, metrics, report
 from serve_runs import DEFAULT_SYSTEMS, SERVED_NAME, Run, calibrate, create_systems, least_disturbed
 
 from kvrelay.bench import LoadConfig, Slo
@@ -49,8 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from kvrelay.bench import length_range
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model-dir", type=Path, help="checkpoint; default: make one (make_tiny)")
-    p.add_argument("--size", default="small", help="make_tiny size when no --model-dir")
+    add_model_args(p)
     p.add_argument("--rates", default=None, help="req/s, comma-separated; default: calibrate")
     p.add_argument("--calibrate-requests", type=int, default=8, help="burst size to calibrate")
     p.add_argument("--num-requests", type=int, default=32)
@@ -118,7 +124,9 @@ def setup_of(args: argparse.Namespace, model: str) -> dict[str, Any]:
         "num_requests", "prompt_len", "output_len", "seed", "repeats", "threads", "systems",
         "num_blocks", "max_num_batched_tokens", "attempts", "max_outside_cpu",
     )  # fmt: skip
-    return {"model": model, **{name: getattr(args, name) for name in names}}
+    title = section_title(SECTION_TITLE, args.model_dir, args.size, args.dtype)
+    setup = {name: getattr(args, name) for name in names}
+    return {"model": model, "dtype": args.dtype, "title": title, **setup}
 
 
 def parse_rates(text: str) -> list[float]:
@@ -177,11 +185,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.log_dir is None:
             args.log_dir = str(Path(tmp) / "logs")
         if args.model_dir is not None:
-            return run_all(args, args.model_dir, f"`{args.model_dir.name}`")
+            return run_all(args, args.model_dir, model_label(args.model_dir))
         from kvrelay.engine.make_tiny import make_tiny
 
         model_dir = make_tiny(Path(tmp) / args.size, arch="llama", size=args.size)
-        return run_all(args, model_dir, f"make_tiny `{args.size}` llama")
+        return run_all(args, model_dir, model_label(None, args.size))
 
 
 if __name__ == "__main__":

@@ -138,7 +138,8 @@ def describe(setup: dict[str, Any], rates: list[float], slo: Slo) -> str:
             f"was measured again (at most {setup['attempts']} times); the least disturbed counts."
         )
     return (
-        f"Model: {setup['model']}, float32. Workload: {setup['num_requests']} requests per run, "
+        f"Model: {setup['model']}, {setup.get('dtype', 'float32')}. Workload: "
+        f"{setup['num_requests']} requests per run, "
         f"Poisson arrivals at {' and '.join(f'{r:g}' for r in rates)} req/s, random-token "
         f"prompts of {prompt[0]}-{prompt[1]} tokens, outputs of {output[0]}-{output[1]} tokens "
         f"(uniform; greedy, eos ignored; seed {setup['seed']} + repeat, the same requests for "
@@ -250,5 +251,6 @@ def report(data: dict[str, Any], write_md: bool) -> None:
     for line in [*verdict_lines(groups, data["rates"]), conclusion(groups, data["rates"])]:
         print(line)
     if write_md:
-        path = update_benchmarks_md(SECTION_TITLE, markdown_body(data), data["command"])
-        print(f"\nwrote section {SECTION_TITLE!r} of {path}")
+        title = data["setup"].get("title", SECTION_TITLE)
+        path = update_benchmarks_md(title, markdown_body(data), data["command"])
+        print(f"\nwrote section {title!r} of {path}")

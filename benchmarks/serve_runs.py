@@ -70,6 +70,7 @@ def start_cluster(
 ) -> Launcher:
     worker_args = [
         "--threads", str(system.threads),
+        "--dtype", args.dtype,
         "--num-blocks", str(args.num_blocks),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
         "--dead-after", str(DEAD_AFTER_S),  # the router's too: a busy router is not gone

@@ -1,14 +1,15 @@
 """KV handoff bandwidth: shm and tcp pulls against a plain memcpy of the same bytes.
 
 A source process (spawned: a real second process) creates a ``SharedKvPool`` filled with
-random float32 KV, serves ``KvPull`` on a ROUTER socket bound to loopback TCP through
+random KV (``--dtype``), serves ``KvPull`` on a ROUTER socket bound to loopback TCP through
 ``KvSource``, and leases block ids on request, answering with their checksum. This process
 pulls them with ``ShmTransport`` and ``TcpTransport`` into its own plain pool; a pull's time
 covers everything decode waits for: the copy (and, for tcp, the request, the source's gather,
 the socket) and the checksum verification of the destination blocks.
 
-Layouts are the ``small`` and ``medium`` presets of ``kvrelay.engine.make_tiny`` (float32,
-block size 16), at 16, 256 and 2048 tokens; block ids are either one run on each side
+Layouts are a checkpoint's (``--model``, e.g. SmolLM2-135M-Instruct) or, without one, the
+``small`` and ``medium`` presets of ``kvrelay.engine.make_tiny``, in ``--dtype`` (block size 16),
+at 16, 256 and 2048 tokens; block ids are either one run on each side
 (``contiguous``) or a random sample in random order on each side (``scattered``, every block
 its own run: the worst case for a fragmented pool). GB/s is KV bytes moved per second
 (10^9 B/s), median of ``--repeats`` runs after one warm-up. The memcpy baseline is
@@ -28,6 +29,7 @@ import logging
 import math
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 import uuid
@@ -42,11 +44,14 @@ envs.use_passive_openmp_wait()  # as `kvrelay serve` runs the workers: before to
 
 import torch
 from common import (
+    add_model_args,
     command_line,
     machine_info,
     machine_markdown,
     markdown_table,
     median,
+    model_label,
+    section_title,
     text_table,
     update_benchmarks_md,
     write_json,
@@ -105,10 +110,37 @@ class Row:
         return self.tcp_gbps / self.memcpy_gbps
 
 
-def layout_for(size: str, num_blocks: int) -> KvLayout:
-    shape = SIZES[size]
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The KV shape of one model: what a layout needs besides the block count."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+def shapes_of(args: argparse.Namespace) -> list[Shape]:
+    """``--model``'s KV shape, or make_tiny's presets (``small`` only with ``--quick``)."""
+    if args.model_dir is not None:
+        from kvrelay.engine.config import ModelConfig
+
+        cfg = ModelConfig.from_dir(args.model_dir)
+        name = model_label(args.model_dir).split(" (")[0].strip("`")
+        return [Shape(name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.dtype)]
+    sizes = ("small",) if args.quick else MODEL_SIZES
+    return [
+        Shape(
+            size, SIZES[size].num_layers, SIZES[size].num_kv_heads, SIZES[size].head_dim, args.dtype
+        )
+        for size in sizes
+    ]
+
+
+def layout_for(shape: Shape, num_blocks: int) -> KvLayout:
     return KvLayout(
-        shape.num_layers, num_blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim, "float32"
+        shape.num_layers, num_blocks, BLOCK_SIZE, shape.num_kv_heads, shape.head_dim, shape.dtype
     )
 
 
@@ -283,14 +315,18 @@ def measure_case(
     )
 
 
-def run_size(size: str, tokens_list: Sequence[int], repeats: int, cluster_id: str) -> list[Row]:
+def run_size(shape: Shape, tokens_list: Sequence[int], repeats: int, cluster_id: str) -> list[Row]:
     num_blocks = 2 * math.ceil(max(tokens_list) / BLOCK_SIZE) + 16
-    layout = layout_for(size, num_blocks)
-    source = start_source(layout, segment_name(cluster_id, size, "kv"), seed=0)
+    layout = layout_for(shape, num_blocks)
+    size = shape.name
+    source = start_source(
+        layout, segment_name(cluster_id, re.sub(r"[^a-z0-9]", "", size.lower())[:16], "kv"), seed=0
+    )
     try:
         dst_pool = torch.zeros(
-            layout.num_layers, 2, num_blocks, BLOCK_SIZE, layout.num_kv_heads, layout.head_dim
-        )
+            layout.num_layers, 2, num_blocks, BLOCK_SIZE, layout.num_kv_heads, layout.head_dim,
+            dtype=getattr(torch, shape.dtype),
+        )  # fmt: skip
         rows = []
         for tokens in tokens_list:
             for pattern in PATTERNS:
@@ -353,9 +389,11 @@ def goal_lines(rows: Sequence[Row]) -> list[str]:
 
 
 def markdown_body(
-    rows: Sequence[Row], repeats: int, threads: int, loads: tuple[float, float]
+    rows: Sequence[Row], repeats: int, threads: int, loads: tuple[float, float], dtype: str
 ) -> str:
     notes = [
+        f"Model: {', '.join(sorted({r.size for r in rows}))}, {dtype}.",
+        "",
         "A decode-side pull from a source in another process, verification included, against "
         "`copy_` of the same byte count. GB/s = KV bytes moved / s (10^9), median of "
         f"{repeats} runs after a warm-up. memcpy and the pulls' copies run on the same "
@@ -363,7 +401,7 @@ def markdown_body(
         "ratio counts the calling thread's CPU time only, a rough check against time spent "
         "descheduled by other jobs; `checksum` is `kv_checksum` (two-level XXH64 from the "
         "native `kvcopy` library, on the same threads) alone over the destination blocks. "
-        "float32, block size 16; `scattered` puts every block in its own run on both sides. "
+        f"{dtype}, block size 16; `scattered` puts every block in its own run on both sides. "
         "tcp is ZMQ over loopback.",
         "",
         markdown_table(HEADERS, table_rows(rows)),
@@ -401,6 +439,7 @@ def markdown_body(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(parser, "checkpoint whose KV layout to move")
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per case (median)")
     parser.add_argument("--quick", action="store_true", help="small model, 16 and 256 tokens")
     parser.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
@@ -418,12 +457,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    sizes, tokens = (("small",), (16, 256)) if args.quick else (MODEL_SIZES, TOKENS)
+    tokens = (16, 256) if args.quick else TOKENS
     repeats = min(args.repeats, 3) if args.quick else args.repeats
     cluster_id = f"bench{uuid.uuid4().hex[:8]}"
     load_start = os.getloadavg()[0]
     try:
-        rows = [row for size in sizes for row in run_size(size, tokens, repeats, cluster_id)]
+        shapes = shapes_of(args)
+        rows = [row for shape in shapes for row in run_size(shape, tokens, repeats, cluster_id)]
     finally:
         leftovers = cleanup_segments(f"kvrelay-{cluster_id}-")
         if leftovers:
@@ -434,8 +474,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(args.json, {"rows": [asdict(r) for r in rows], "repeats": repeats})
     if not args.no_write:
         loads = (load_start, os.getloadavg()[0])
-        body = markdown_body(rows, repeats, torch.get_num_threads(), loads)
-        path = update_benchmarks_md(SECTION_TITLE, body, command_line(__file__))
+        body = markdown_body(rows, repeats, torch.get_num_threads(), loads, args.dtype)
+        title = SECTION_TITLE
+        if args.model_dir is not None or args.dtype != "float32":
+            title = section_title(SECTION_TITLE, args.model_dir, args.size, args.dtype)
+        path = update_benchmarks_md(title, body, command_line(__file__))
         print(f"wrote {path}")
     return 0
 
