@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import (
+from common import (
     REPO_ROOT,
     command_line,
     machine_info,
@@ -39,7 +39,8 @@ from benchmarks.common import (
     median,
     update_benchmarks_md,
 )
-from benchmarks.scale_up_setup import evict_page_cache
+from scale_up_setup import evict_page_cache
+
 from kvrelay.cli.launcher import free_port
 
 SMOLLM = Path("/work/cache/models/smollm2-hf")

@@ -29,7 +29,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import command_line, markdown_table, update_benchmarks_md
+from common import command_line, markdown_table, update_benchmarks_md
+
 from kvrelay.cli.launcher import free_port
 from kvrelay.protocol.credential import ClusterCredential
 from tests.cluster_harness import metric_value

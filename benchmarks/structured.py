@@ -18,7 +18,7 @@ import logging
 import time
 from pathlib import Path
 
-from benchmarks.common import (
+from common import (
     command_line,
     machine_info,
     machine_markdown,
@@ -26,6 +26,7 @@ from benchmarks.common import (
     median,
     update_benchmarks_md,
 )
+
 from kvrelay import LLM, SamplingParams
 from kvrelay.protocol.sampling_params import StructuredOutput
 

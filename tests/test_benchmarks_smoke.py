@@ -3,6 +3,7 @@ not a timing), and the shared BENCHMARKS.md section writer."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import re
@@ -65,3 +66,22 @@ def test_update_benchmarks_md_replaces_only_its_section(tmp_path: Path) -> None:
     assert "## not a heading" in sections[1][1] and "run b" in sections[1][1]
     common.update_benchmarks_md("B", "b body\n\n```\n## not a heading\n```", "run b", path=path)
     assert path.read_text() == text
+
+
+def test_sections_name_their_model_and_dtype(tmp_path: Path) -> None:
+    common = _load_common()
+    imported = tmp_path / "smollm2"
+    imported.mkdir()
+    record = {"source": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "bfloat16"}
+    (imported / "kvrelay_import.json").write_text(json.dumps(record))
+    assert common.model_label(imported) == "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)"
+    assert common.model_label(tmp_path / "ckpt") == "`ckpt`"
+    assert common.model_label(None, "medium") == "make_tiny `medium` llama"
+    title = common.section_title("Engine throughput (offline, CPU)", imported, "small", "bfloat16")
+    assert title == "Engine throughput (offline, CPU): SmolLM2-135M-Instruct, bfloat16"
+    parser = argparse.ArgumentParser()
+    common.add_model_args(parser)
+    args = parser.parse_args(["--model-dir", str(imported), "--dtype", "bfloat16"])
+    assert args.model_dir == imported and args.dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--dtype", "float64"])
