@@ -226,13 +226,30 @@ def placement_runs(
     profile: Profile, args: argparse.Namespace, trace: list[TraceRequest]
 ) -> list[dict[str, Any]]:
     rows = []
-    # a rate whose mean load needs about 1/1.3 of the fleet
     one_p, one_d = estimates(profile, trace, 1.0)
     n = args.placement_instances
-    rate = round(n / 1.3 / (one_p + one_d), 1)
-    workload = WorkloadConfig(rate=rate, duration_s=120.0 * args.window_scale, tenants=args.tenants)
     p = max(1, round(n * one_p / (one_p + one_d)))
     d = max(1, n - p)
+    for headroom in args.placement_headroom:
+        # a rate whose mean load needs 1/headroom of the fleet
+        rate = round(n / headroom / (one_p + one_d), 1)
+        rows += placement_pair(profile, args, trace, rate, (p, d))
+    return rows
+
+
+def placement_pair(
+    profile: Profile,
+    args: argparse.Namespace,
+    trace: list[TraceRequest],
+    rate: float,
+    fleet_size: tuple[int, int],
+) -> list[dict[str, Any]]:
+    """Cache-aware and load-only placement on one P/D fleet at one rate."""
+    rows = []
+    p, d = fleet_size
+    one_p, one_d = estimates(profile, trace, 1.0)
+    load = rate * (one_p + one_d) / (p + d)  # the mean load's estimate over the fleet
+    workload = WorkloadConfig(rate=rate, duration_s=120.0 * args.window_scale, tenants=args.tenants)
     for placement in ("cache-aware", "load-only"):
         fleet = FleetConfig(
             prefill=p, decode=d, placement=placement,  # type: ignore[arg-type]
@@ -240,7 +257,7 @@ def placement_runs(
         )  # fmt: skip
         s, wall = simulate(profile, trace, workload, fleet)
         rows.append({
-            "placement": placement, "fleet": f"{p}P+{d}D", "rate": rate,
+            "placement": placement, "fleet": f"{p}P+{d}D", "rate": rate, "load": load,
             "requests": s["num_requests"],
             "hit_device": s["hit_rate"]["device"], "hit_host": s["hit_rate"]["host"],
             "computed_share": s["prefill_tokens_computed"] / s["prompt_tokens"],
@@ -335,15 +352,16 @@ def markdown(profile: Profile, args: argparse.Namespace, res: dict[str, Any]) ->
         ),
         "",
         f"**Placement** on {args.placement_instances} instances: the conversation trace for "
-        f"{120 * args.window_scale:g} s at the rate in the table (mean load about 1/1.3 of the "
-        f"fleet), {args.tenants} tenants; the router's cache_weight 1 (a matched device block "
-        "is worth one queued request).",
+        f"{120 * args.window_scale:g} s at the rates in the table (load: the mean load's "
+        f"estimate over the fleet), {args.tenants} tenants; the router's cache_weight 1 (a "
+        "cached prompt token is worth one queued prefill token).",
         "",
         markdown_table(
-            ["placement", "fleet", "rate", "requests", "device hit rate", "L1 hit rate",
+            ["placement", "fleet", "rate", "load", "requests", "device hit rate", "L1 hit rate",
              "prompt tokens computed",
              "TTFT p50 ms", "TTFT p99 ms", "attainment"],
-            [[r["placement"], r["fleet"], f"{r['rate']:g}x", fmt(r["requests"]),
+            [[r["placement"], r["fleet"], f"{r['rate']:g}x", fmt(r.get("load"), 2),
+              fmt(r["requests"]),
               f"{r['hit_device']:.1%}",
               f"{r['hit_host']:.1%}", f"{r['computed_share']:.1%}", fmt(r["ttft_p50"], 0),
               fmt(r["ttft_p99"], 0), fmt(r["attainment"], 3)] for r in res["placement"]],
@@ -377,6 +395,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--slo-tpot-ms", type=float, default=200.0)
     p.add_argument("--sizing-placement", choices=("cache-aware", "load-only"), default="load-only")
     p.add_argument("--placement-instances", type=int, default=100)
+    p.add_argument(
+        "--placement-headroom", type=float, nargs="+", default=[1.3],
+        help="placement runs: the fleet over the mean load's estimate (below 1: overloaded)",
+    )  # fmt: skip
     p.add_argument("--tenants", type=int, default=100)
     p.add_argument("--speed-rate", type=float, default=10.0)
     p.add_argument(

@@ -106,11 +106,14 @@ def test_a_host_index_goes_with_the_last_instance_of_the_host(index: CacheIndex)
 
 
 def _registry(*instances: tuple[str, str, int]) -> Registry:
+    """Prefill instances (id, host, queued prefill tokens) and one decode."""
     registry = Registry()
-    for instance_id, host_id, num_waiting in instances:
+    for instance_id, host_id, num_tokens in instances:
         info = PeerInfo(instance_id, Role.PREFILL, host_id, "tcp://x:1", "", None, LAYOUT, b"f")
         registry.register(Register(info, "tiny", 1024, 1))
-        registry.report(LoadReport(instance_id, num_waiting, 0, 64, 64))
+        num_waiting = -(-num_tokens // LAYOUT.block_size)  # one request a block
+        report = LoadReport(instance_id, num_waiting, 0, 64, 64, num_prefill_tokens=num_tokens)
+        registry.report(report)
     decode_info = PeerInfo("d0", Role.DECODE, "A", "tcp://x:2", "", None, LAYOUT, b"f")
     registry.register(Register(decode_info, "tiny", 1024, 1))
     return registry
@@ -134,11 +137,12 @@ def test_placement_weights_device_above_host_and_load_above_both() -> None:
     assert _chosen(idle, longer) == "p1"  # 3 L1 blocks (1.5) beat 1 device block (1.0)
     both = {"p1": PrefixMatch(2, 2), "p2": PrefixMatch(2, 1)}
     assert _chosen(idle, both) == "p1"  # L1 after the same device prefix
-    # the L1-favoured instance has 3 queued requests: its 4 L1 blocks (2.0) do not win
-    busy = _registry(("p0", "A", 3), ("p1", "B", 0))
+    # the L1-favoured instance has 48 prompt tokens queued (3 blocks of 16): its 4 L1 blocks
+    # (2.0 device blocks, 32 tokens) do not win
+    busy = _registry(("p0", "A", 48), ("p1", "B", 0))
     assert _chosen(busy, {"p0": PrefixMatch(0, 4)}) == "p1"
-    assert _chosen(busy, {"p0": PrefixMatch(0, 5)}) == "p1"  # 2.5 < 3
-    assert _chosen(busy, {"p0": PrefixMatch(0, 7)}) == "p0"  # 3.5 outweighs 3 queued
+    assert _chosen(busy, {"p0": PrefixMatch(0, 5)}) == "p1"  # 40 tokens < 48
+    assert _chosen(busy, {"p0": PrefixMatch(0, 7)}) == "p0"  # 56 tokens outweigh 48 queued
 
 
 def test_placement_pairs_only_equal_hand_off_versions() -> None:

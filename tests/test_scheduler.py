@@ -161,3 +161,27 @@ def test_duplicate_ids_are_rejected():
     add(s, "a", 2)
     with pytest.raises(ValueError, match="duplicate"):
         add(s, "a", 2)
+
+
+def test_num_prefill_tokens_counts_prompt_work_left_less_the_cached_prefix():
+    """What a worker reports as ``LoadReport.num_prefill_tokens`` (the router's queue)."""
+    s = make(max_tokens_step=8)
+    add(s, "long", 20)
+    add(s, "short", 3)
+    assert s.num_prefill_tokens() == 23  # both waiting, nothing cached
+    step(s)  # long 0..8
+    assert s.num_prefill_tokens() == 12 + 3
+    step(s)  # long 8..16
+    assert s.num_prefill_tokens() == 4 + 3
+    step(s)  # long 16..20 and short 0..3: both decode now
+    assert s.num_prefill_tokens() == 0
+    # long's 5 full blocks are cached: a waiting prompt of its first 13 tokens computes only
+    # its last one (3 cached blocks; the block holding the last token is never a hit)
+    s.add(Sequence("again", list(range(10, 23)), SamplingParams(max_tokens=4)))
+    assert s.num_prefill_tokens() == 1
+    s.add(Sequence("other", list(range(50, 56)), SamplingParams(max_tokens=4)))  # no hit
+    assert s.num_prefill_tokens() == 1 + 6
+    while s.has_unfinished():
+        step(s)
+    assert s.num_prefill_tokens() == 0
+    assert s.block_manager.num_leaked() == 0

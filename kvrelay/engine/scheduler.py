@@ -143,6 +143,17 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute: the rest of each running prompt (chunked, or
+        recomputed after a preemption) and each waiting prompt less its device-cached prefix
+        (a lower tier may hold more; that is found at admission). The router's placement
+        weighs a cache hit against this queue (``LoadReport.num_prefill_tokens``)."""
+        num = sum(s.num_tokens - s.num_computed_tokens for s in self.running if s.is_prefill)
+        bm = self.block_manager
+        for seq in self.waiting:
+            num += seq.num_tokens - len(bm.find_cached_prefix(seq)) * bm.block_size
+        return num
+
     def finish(self, seq_id: str, status: SequenceStatus) -> Sequence | None:
         """Ends a sequence now (abort, stop string) and frees its blocks; None if unknown."""
         seq = self._by_id.pop(seq_id, None)

@@ -110,6 +110,9 @@ class RegisterAck:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoadReport:
+    """Worker -> every router, every heartbeat: what placement and the autoscaler read.
+    A message from an older worker lacks the trailing fields and decodes with their defaults."""
+
     instance_id: str
     num_waiting: int
     num_running: int
@@ -118,6 +121,9 @@ class LoadReport:
     num_pending_kv: int = 0  # handoffs waiting for room (decode) or for an ack (prefill)
     num_leaked_blocks: int = 0  # blocks held by nothing the worker knows about (tests)
     draining: bool = False
+    # prompt tokens still to compute: the rest of running prompts, and waiting prompts less
+    # their device-cached prefix (placement's queue, in prefill work; 0 from older workers)
+    num_prefill_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -95,7 +95,13 @@ class DispatcherSettings:
     max_queue_time: float = 0.0  # seconds a request may wait for a slot (0: 429 at once)
     max_retries: int = 3  # re-runs of one request after worker deaths
     retry_after: float = 1.0  # seconds suggested to clients on 429/503
-    cache_weight: float = 1.0  # placement: blocks of cache hit worth one queued request
+    # placement: queued prefill tokens one cached prompt token is worth (1: compare in
+    # prefill time; above 1 favours cache holders past that; 0: ignore the cache)
+    cache_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.cache_weight >= 0:
+            raise ValueError(f"cache_weight must be >= 0, got {self.cache_weight!r}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -249,7 +255,7 @@ class Dispatcher(Backend):
     def _place(self, token_ids: list[int], cache_salt: str | None) -> Placement | None:
         """Cache-aware placement; counts the chosen prefill instance's expected hits."""
         matched = self._matched(token_ids, cache_salt)
-        placement = self.registry.place(matched=matched)
+        placement = self.registry.place(matched=matched, num_prompt_tokens=len(token_ids))
         if placement is not None:
             match = matched.get(placement.prefill.instance_id)
             if match is not None:
@@ -426,7 +432,7 @@ class Dispatcher(Backend):
     def _is_assigned(self, tr: _Tracked, identity: bytes, event: TokenEvent) -> bool:
         """True when the event comes, on its own connection, from an instance of the
         request's current placement, and hands off (if it does) within that placement."""
-        assigned = {i.instance_id for i in tr.placement if i is not None}
+        assigned = {i.instance_id for i in tr.placement.instances}
         if event.instance_id not in assigned:
             return False
         if event.handed_off_to is not None and event.handed_off_to not in assigned:
@@ -535,7 +541,7 @@ class Dispatcher(Backend):
         logger.warning(
             "re-running %s on %s after %d tokens",
             tr.request.request_id,
-            "+".join(i.instance_id for i in placement if i is not None),
+            "+".join(i.instance_id for i in placement.instances),
             len(tr.tokens),
         )
         self._submit(tr, placement)

@@ -31,14 +31,15 @@ from kvrelay.protocol.messages import CacheEvent
 
 logger = logging.getLogger(__name__)
 
-# Placement credit of one matched block, per tier, in device blocks (a device block is
-# worth ``cache_weight`` queued requests). A device hit costs nothing. An L1 hit costs a
-# copy out of shared memory and a checksum: small next to computing the block (reading a
-# 1,501-token prefix from Redis, network included, took a tenth of computing it; see
-# BENCHMARKS.md), so it saves nearly as much. But the L1 index is the staler one (another
-# writer's evictions arrive a heartbeat late; a router never hears of blocks written before
-# it started), so its blocks count half: a device hit beats an L1 hit of the same length,
-# and an L1 run more than twice as long as a device run beats it.
+# Placement credit of one matched block, per tier, in device blocks (a device block saves
+# computing ``block_size`` prompt tokens, each worth ``cache_weight`` queued prefill tokens:
+# ``Registry.place``). A device hit costs nothing. An L1 hit costs a copy out of shared
+# memory and a checksum: small next to computing the block (reading a 1,501-token prefix
+# from Redis, network included, took a tenth of computing it; see BENCHMARKS.md), so it
+# saves nearly as much. But the L1 index is the staler one (another writer's evictions
+# arrive a heartbeat late; a router never hears of blocks written before it started), so
+# its blocks count half: a device hit beats an L1 hit of the same length, and an L1 run
+# more than twice as long as a device run beats it.
 TIER_WEIGHTS = {"device": 1.0, "host": 0.5}
 
 

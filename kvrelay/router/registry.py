@@ -4,12 +4,20 @@ The registry owns worker membership. Instances join with ``Register``, stay aliv
 a ``LoadReport`` every heartbeat, and are dropped when silent for ``dead_after`` seconds.
 
 Placement (DistServe-style, decode pulls):
-- prefill: the live, non-draining prefill instance with the lowest
-  ``load - cache_weight * credit`` (load: waiting + running + pending hand-offs + KV usage;
-  credit: the prompt blocks it would not compute, device hits plus the L1 hits on its host
-  after them, weighted by tier: ``prefix_index.TIER_WEIGHTS``). The load term is not
-  capped, so an instance with more queued requests than its cache credit loses to an idle
-  one; with no match anywhere this is simply the least loaded one.
+- prefill: the live, non-draining prefill instance whose queue plus this prompt is the least
+  prefill work, in tokens, once its cache hit is taken off::
+
+      cost = queued_tokens + num_prompt_tokens - cache_weight * block_size * credit
+
+  ``queued_tokens``: the prompt tokens it still has to compute (``LoadReport.
+  num_prefill_tokens``) plus those of the requests sent since that report; ``credit``: the
+  prompt blocks it would not compute, device hits plus the L1 hits on its host after them,
+  weighted by tier (``prefix_index.TIER_WEIGHTS``). The request waits for the queue, then
+  computes what is not cached, so with ``cache_weight`` 1 both terms are time at one
+  instance's prefill rate: a cache holder wins while its queue exceeds the others' by
+  less than the tokens its hit saves, and loses once the excess is larger. With no
+  match anywhere (or ``cache_weight`` 0) it is the instance with the least queued prefill
+  work. Ties (idle instances) go to the fewest requests, then KV usage (``load_score``).
 - decode: most free KV blocks, then fewest running sequences.
 - a pair shares the KV hand-off version and the model identity (``PeerInfo.fingerprint``:
   every byte of the weights, config and tokenizer, and the dtype); instances of different
@@ -41,6 +49,7 @@ class Instance:
     last_seen: float
     connection: bytes = b""  # the ZMQ routing id it registered from: its only voice
     num_assigned: int = 0  # requests sent since the last load report (not yet counted by it)
+    num_assigned_tokens: int = 0  # their prompt tokens to compute (Placement.num_new_tokens)
     draining: bool = False  # the router asked it to drain (its reports will say so too)
 
     @property
@@ -51,7 +60,13 @@ class Instance:
     def role(self) -> Role:
         return self.info.role
 
+    def queued_tokens(self) -> int:
+        """Prompt tokens it computes before a new request's: as last reported, plus the
+        router's estimate for the requests sent since."""
+        return self.load.num_prefill_tokens + self.num_assigned_tokens
+
     def load_score(self) -> float:
+        """Requests on it (waiting, running, hand-offs, sent since the report) plus KV usage."""
         load = self.load
         queued = load.num_waiting + load.num_running + load.num_pending_kv + self.num_assigned
         usage = 1.0 - load.num_free_blocks / max(1, load.num_total_blocks)
@@ -86,6 +101,12 @@ def can_pair(prefill: PeerInfo, decode: PeerInfo) -> bool:
 class Placement(NamedTuple):
     prefill: Instance  # computes the prompt (or, with no decode, the whole request)
     decode: Instance | None  # continues after the hand-off; None: prefill does everything
+    num_new_tokens: int = 0  # prompt tokens prefill computes: the prompt less its device hit
+
+    @property
+    def instances(self) -> tuple[Instance, ...]:
+        """The instances the request runs on: prefill, then decode if any."""
+        return (self.prefill,) if self.decode is None else (self.prefill, self.decode)
 
 
 class Registry:
@@ -138,6 +159,7 @@ class Registry:
         inst.load = load
         inst.last_seen = time.monotonic() if now is None else now
         inst.num_assigned = 0
+        inst.num_assigned_tokens = 0
         return inst
 
     def get(self, instance_id: str) -> Instance | None:
@@ -177,25 +199,39 @@ class Registry:
 
     def assign(self, placement: Placement) -> None:
         """Counts a request sent to the placement's instances (in their load until their
-        next report)."""
+        next report): one more request on each, its new tokens in the prefill's queue."""
         placement.prefill.num_assigned += 1
+        placement.prefill.num_assigned_tokens += placement.num_new_tokens
         if placement.decode is not None:
             placement.decode.num_assigned += 1
 
     def place(
-        self, exclude: Iterable[str] = (), matched: Mapping[str, PrefixMatch] | None = None
+        self,
+        exclude: Iterable[str] = (),
+        matched: Mapping[str, PrefixMatch] | None = None,
+        num_prompt_tokens: int = 0,
     ) -> Placement | None:
         """Chooses where a new request runs; None when no instance can take it.
 
-        ``matched``: per instance, the prompt blocks it holds (``CacheIndex.match``).
+        Args:
+            exclude: instance ids not to use (a re-run avoids the ones that failed it).
+            matched: per instance, the prompt blocks it holds (``CacheIndex.match``).
+            num_prompt_tokens: the prompt's length (the new tokens the chosen prefill is
+                charged until its next report; ranking does not depend on it).
         """
         exclude = list(exclude)
         matched = matched or {}
 
-        def cost(inst: Instance) -> float:
+        def cost(inst: Instance) -> tuple[float, float]:
             match = matched.get(inst.instance_id)
-            credit = match.credit if match is not None else 0.0
-            return inst.load_score() - self.cache_weight * credit
+            saved = 0.0 if match is None else match.credit * inst.info.layout.block_size
+            work = inst.queued_tokens() + num_prompt_tokens - self.cache_weight * saved
+            return work, inst.load_score()
+
+        def placed(prefill: Instance, decode: Instance | None) -> Placement:
+            match = matched.get(prefill.instance_id)
+            hit = 0 if match is None else match.device_blocks * prefill.info.layout.block_size
+            return Placement(prefill, decode, max(0, num_prompt_tokens - hit))
 
         prefills = self._live(Role.PREFILL, exclude)
         decodes = self._live(Role.DECODE, exclude)
@@ -208,9 +244,9 @@ class Registry:
                     peers,
                     key=lambda d: (-d.load.num_free_blocks, d.load.num_running + d.num_assigned),
                 )
-                return Placement(prefill, decode)
+                return placed(prefill, decode)
         # a colocated instance, or any survivor: every worker can run a request end to end
         for pool in (self._live(Role.COLOCATED, exclude), prefills + decodes):
             if pool:
-                return Placement(min(pool, key=cost), None)
+                return placed(min(pool, key=cost), None)
         return None

@@ -33,16 +33,23 @@ if TYPE_CHECKING:
 class Prefill:
     """A prompt being computed here."""
 
-    __slots__ = ("decode", "done", "load_s", "remaining", "req")
+    __slots__ = ("decode", "done", "load_s", "remaining", "req", "waiting_tokens")
 
     def __init__(
-        self, req: SimRequest, decode: SimInstance | None, remaining: int, done: int, load_s: float
+        self,
+        req: SimRequest,
+        decode: SimInstance | None,
+        remaining: int,
+        done: int,
+        load_s: float,
+        waiting_tokens: int,
     ) -> None:
         self.req = req
         self.decode = decode  # where it decodes; None: here
         self.remaining = remaining  # tokens still to compute
         self.done = done  # tokens in its KV so far (tier hits included)
         self.load_s = load_s  # tier reads, charged to its first step
+        self.waiting_tokens = waiting_tokens  # reported while waiting: prompt - device hit
 
 
 class SimInstance:
@@ -66,6 +73,7 @@ class SimInstance:
         self.host_cache = host_cache
         self.global_cache = global_cache
         self.used_blocks = 0
+        self.num_prefill_tokens = 0  # LoadReport.num_prefill_tokens (see check_integrity)
         self.waiting: deque[Prefill] = deque()  # placed here, not admitted
         self.prefilling: list[Prefill] = []
         self.num_leased = 0  # handed-off prompts whose blocks decode has not pulled yet
@@ -79,7 +87,7 @@ class SimInstance:
         self.busy = False
         self.draining = False
         self._plan: list[tuple[Prefill, int]] = []
-        self.reported: tuple[int, int, int, int, bool] | None = None  # the last LoadReport
+        self.reported: tuple[int, int, int, int, bool, int] | None = None  # the last LoadReport
 
     # ------------------------------------------------------------------ load (LoadReport)
     @property
@@ -126,8 +134,12 @@ class SimInstance:
         if blocks[2]:
             load_s += p.handoff_s("tcp", blocks[2])
         req.prefill_id = self.instance_id
-        entry = Prefill(req, decode, req.computed_tokens, hit_tokens, load_s)
+        # as a worker reports a waiting prompt: less its device-cached prefix only (the
+        # lower tiers are looked up at admission)
+        waiting_tokens = req.prompt_len - min(blocks[0] * self.block_size, hit_tokens)
+        entry = Prefill(req, decode, req.computed_tokens, hit_tokens, load_s, waiting_tokens)
         self.waiting.append(entry)
+        self.num_prefill_tokens += waiting_tokens
         return entry
 
     def _blocks_for(self, entry: Prefill) -> int:
@@ -143,7 +155,9 @@ class SimInstance:
                 break
             self.used_blocks += need
             self.device.shrink(self.free_blocks)
-            self.prefilling.append(self.waiting.popleft())
+            entry = self.waiting.popleft()
+            self.num_prefill_tokens += entry.remaining - entry.waiting_tokens
+            self.prefilling.append(entry)
 
     def _write_tiers(self, req: SimRequest) -> None:
         limit = self.free_blocks
@@ -236,6 +250,7 @@ class SimInstance:
         for entry, chunk in self._plan:
             entry.remaining -= chunk
             entry.done += chunk
+            self.num_prefill_tokens -= chunk
             if entry.remaining:
                 continue
             self.prefilling.remove(entry)
@@ -259,6 +274,9 @@ class SimInstance:
         assert 0 <= self.used_blocks <= self.total_blocks, (self.instance_id, self.used_blocks)
         self.device.check_integrity()
         assert self.num_decoding == len(self._finishing)
+        queued = sum(e.waiting_tokens for e in self.waiting)
+        queued += sum(e.remaining for e in self.prefilling)
+        assert self.num_prefill_tokens == queued, (self.instance_id, self.num_prefill_tokens)
 
     def describe(self) -> dict[str, Any]:
         return {"id": self.instance_id, "role": self.role, "host": self.host_id}

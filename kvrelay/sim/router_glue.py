@@ -59,13 +59,13 @@ class RouterView:
         self.registry.remove(instance_id)
         self.cache_index.remove_instance(instance_id)
 
-    def route(self, segments: Sequence[tuple[int, int]]) -> Placement | None:
+    def route(self, segments: Sequence[tuple[int, int]], prompt_len: int) -> Placement | None:
         """Where the router sends a prompt (cache-aware: with the blocks each instance holds)."""
         matched = None
         if self.is_cache_aware and segments:
             keys = [k for seg, n in segments for k in segment_keys(seg, n)]
             matched = self.cache_index.match(keys)  # type: ignore[arg-type]
-        placement = self.registry.place(matched=matched)
+        placement = self.registry.place(matched=matched, num_prompt_tokens=prompt_len)
         if placement is not None:
             self.registry.assign(placement)
         return placement
@@ -84,13 +84,14 @@ class RouterView:
                 inst.free_blocks,
                 inst.num_pending_kv,
                 inst.draining,
+                inst.num_prefill_tokens,
             )
             known = registry.get(inst.instance_id)
             if known is None or state != inst.reported or known.num_assigned:
                 inst.reported = state
                 report = LoadReport(
                     inst.instance_id, state[0], state[1], state[2], inst.total_blocks, state[3],
-                    draining=state[4],
+                    draining=state[4], num_prefill_tokens=state[5],
                 )  # fmt: skip
                 registry.report(report, now)
             if not self.is_cache_aware:

@@ -138,7 +138,7 @@ class Simulator:
                 self._ready(payload)
 
     def _arrive(self, req: SimRequest) -> None:
-        placement = self.router.route(req.segments)
+        placement = self.router.route(req.segments, req.prompt_len)
         if placement is None:
             self.rejected.append(req)
             self.num_unfinished -= 1

@@ -493,6 +493,7 @@ class Worker:
             num_pending_kv=self.num_pending_kv(),
             num_leaked_blocks=self.num_leaked_blocks(),
             draining=self.is_draining,
+            num_prefill_tokens=self.engine.scheduler.num_prefill_tokens(),
         )
 
     def num_pending_kv(self) -> int:

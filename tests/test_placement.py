@@ -1,0 +1,179 @@
+"""Prefill placement in prefill work: queued prompt tokens against the tokens a cache hit saves.
+
+``Registry.place`` with exact expectations (block size 16, a 600-token prompt whose first 32
+blocks, 512 tokens, are a tenant's system prompt), the old-worker wire default, and a real
+worker reporting its queued prompt tokens through the router's ``/admin/instances``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any
+
+import msgpack
+import openai
+import pytest
+
+from kvrelay.protocol import messages
+from kvrelay.protocol.messages import (
+    WIRE_TYPES,
+    KvLayout,
+    LoadReport,
+    PeerInfo,
+    Register,
+    Role,
+    decode,
+    encode,
+)
+from kvrelay.router.dispatcher import DispatcherSettings
+from kvrelay.router.prefix_index import PrefixMatch
+from kvrelay.router.registry import Registry
+from tests.cluster_harness import running_cluster
+
+LAYOUT = KvLayout(2, 64, 16, 2, 8, "float32")
+PROMPT_LEN = 600
+SYSTEM = PrefixMatch(32, 0)  # the 512-token system prompt in the device cache
+
+
+def _registry(
+    *prefills: tuple[str, int, int], role: Role = Role.PREFILL, cache_weight: float = 1.0
+) -> Registry:
+    """Instances of ``role`` (id, queued prompt tokens, waiting requests) and one decode."""
+    registry = Registry(cache_weight=cache_weight)
+    for instance_id, num_tokens, num_waiting in prefills:
+        info = PeerInfo(instance_id, role, "A", "tcp://x:1", "", None, LAYOUT, b"f")
+        registry.register(Register(info, "tiny", 4096, 1))
+        report = LoadReport(instance_id, num_waiting, 0, 64, 64, num_prefill_tokens=num_tokens)
+        registry.report(report)
+    info = PeerInfo("d0", Role.DECODE, "A", "tcp://x:2", "", None, LAYOUT, b"f")
+    registry.register(Register(info, "tiny", 4096, 1))
+    return registry
+
+
+def _chosen(registry: Registry, matched: dict[str, PrefixMatch] | None = None) -> str:
+    placement = registry.place(matched=matched, num_prompt_tokens=PROMPT_LEN)
+    assert placement is not None
+    return placement.prefill.instance_id
+
+
+def test_no_match_places_on_the_least_queued_prompt_work_then_the_fewest_requests() -> None:
+    # p0 has ten short prompts waiting (40 tokens), p1 one long one (400): tokens decide
+    registry = _registry(("p0", 40, 10), ("p1", 400, 1))
+    assert _chosen(registry) == "p0"
+    assert _chosen(registry, {}) == "p0"
+    # equal work: the fewer requests (the old load score) breaks the tie
+    assert _chosen(_registry(("p0", 100, 3), ("p1", 100, 1))) == "p1"
+    assert _chosen(_registry(("p0", 0, 0), ("p1", 0, 0))) == "p0"  # idle: first registered
+
+
+@pytest.mark.parametrize("role", [Role.PREFILL, Role.COLOCATED])
+def test_a_cache_holder_wins_while_its_queue_is_shorter_than_what_the_hit_saves(
+    role: Role,
+) -> None:
+    # the hit saves 512 of the 600 tokens: the holder's cost is its queue + 88, the idle
+    # instance's 600
+    for queue, winner in ((0, "holder"), (300, "holder"), (511, "holder"), (513, "idle")):
+        registry = _registry(("holder", queue, 1), ("idle", 0, 0), role=role)
+        assert _chosen(registry, {"holder": SYSTEM}) == winner, queue
+    # a tie in work (512 queued = 512 saved) goes to the fewer requests
+    registry = _registry(("holder", 512, 1), ("idle", 0, 0), role=role)
+    assert _chosen(registry, {"holder": SYSTEM}) == "idle"
+
+
+def test_a_cache_holder_with_a_long_queue_loses_to_an_idle_instance() -> None:
+    """The issue #16 case: 32 requests queued behind the holder (about 88 new tokens each
+    after their shared 512-token prefix) no longer outweigh its 32-block hit."""
+    registry = _registry(("holder", 32 * 88, 32), ("idle", 0, 0))
+    assert _chosen(registry, {"holder": SYSTEM}) == "idle"
+    # an L1 hit counts half (256 tokens): a 200-token queue still loses to it, 300 wins
+    host = {"holder": PrefixMatch(0, 32)}
+    assert _chosen(_registry(("holder", 200, 2), ("idle", 0, 0)), host) == "holder"
+    assert _chosen(_registry(("holder", 300, 2), ("idle", 0, 0)), host) == "idle"
+
+
+def test_requests_sent_since_the_report_queue_their_uncached_tokens() -> None:
+    registry = _registry(("holder", 0, 0), ("idle", 0, 0))
+    chosen = []
+    for _ in range(7):
+        placement = registry.place(matched={"holder": SYSTEM}, num_prompt_tokens=PROMPT_LEN)
+        assert placement is not None
+        registry.assign(placement)
+        chosen.append((placement.prefill.instance_id, placement.num_new_tokens))
+    # the holder computes 88 new tokens a request: 6 queued (528) outweigh the 512 saved
+    assert chosen == [("holder", 88)] * 6 + [("idle", PROMPT_LEN)]
+    holder = registry.get("holder")
+    assert holder is not None
+    assert (holder.num_assigned, holder.num_assigned_tokens, holder.queued_tokens()) == (
+        6,
+        528,
+        528,
+    )
+    registry.report(LoadReport("holder", 0, 1, 60, 64, num_prefill_tokens=88))  # it caught up
+    assert holder.queued_tokens() == 88 and holder.num_assigned_tokens == 0
+    assert _chosen(registry, {"holder": SYSTEM}) == "holder"
+
+
+def test_cache_weight_is_queued_tokens_per_cached_token() -> None:
+    matched = {"holder": SYSTEM}
+    queued = (("holder", 100, 1), ("idle", 0, 0))
+    assert _chosen(_registry(*queued, cache_weight=1.0), matched) == "holder"  # 512 > 100
+    assert _chosen(_registry(*queued, cache_weight=0.1), matched) == "idle"  # 51.2 < 100
+    assert _chosen(_registry(*queued, cache_weight=0.0), matched) == "idle"  # load only
+    long_queue = (("holder", 1000, 1), ("idle", 0, 0))
+    assert _chosen(_registry(*long_queue, cache_weight=2.0), matched) == "holder"  # 1024
+    with pytest.raises(ValueError, match="cache_weight must be >= 0"):
+        DispatcherSettings("tcp://127.0.0.1:1", cache_weight=-1.0)
+
+
+def test_a_load_report_from_an_older_worker_decodes_with_no_queued_tokens() -> None:
+    report = LoadReport("p0", 2, 1, 60, 64, 0, 0, False, num_prefill_tokens=123)
+    assert decode(encode(report)) == report
+    values = [getattr(report, f.name) for f in dataclasses.fields(LoadReport)]
+    assert values[-1] == 123  # the new field is the last one: older senders just lack it
+    ext = msgpack.ExtType(
+        1, msgpack.packb([WIRE_TYPES.index(LoadReport), *values[:-1]], default=messages._default)
+    )
+    assert decode(msgpack.packb(ext)) == dataclasses.replace(report, num_prefill_tokens=0)
+
+
+# ---------------------------------------------------------------------------- real processes
+
+
+def _instance(launcher: Any) -> dict[str, Any]:
+    (inst,) = launcher.get_json("/admin/instances")["data"]
+    return dict(inst)
+
+
+def _wait_for(launcher: Any, ready: Any, what: str, timeout: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        inst = _instance(launcher)
+        if ready(inst):
+            return inst
+        assert time.monotonic() < deadline, f"no report {what}: {inst}"
+        time.sleep(0.05)
+
+
+def test_a_worker_reports_its_queued_prompt_tokens(tiny_model_dir, tmp_path) -> None:
+    """One seat (--max-num-seqs 1): a long generation holds it, a second prompt waits, and
+    the worker's load report counts that prompt's tokens until it runs."""
+    worker_args = ("--num-blocks", "512", "--threads", "1", "--max-num-seqs", "1")
+    spec = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1, "worker_args": worker_args}
+    with running_cluster(tiny_model_dir, tmp_path, **spec) as launcher:
+        c = openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
+        assert _instance(launcher)["num_prefill_tokens"] == 0
+        kw: dict[str, Any] = {"model": "tiny", "temperature": 0, "extra_body": {"ignore_eos": True}}
+        first = c.completions.create(
+            prompt="Hold the only seat", max_tokens=3000, stream=True, **kw
+        )
+        next(iter(first))  # running now
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(c.completions.create, prompt="zebra " * 40, max_tokens=2, **kw)
+            inst = _wait_for(launcher, lambda i: i["num_waiting"] == 1, "of a waiting request")
+            first.close()  # the seat frees; the waiting prompt runs
+            second = waiting.result(timeout=120)
+        # nothing of it was cached (it shares no block with the first): all its tokens queued
+        assert inst["num_prefill_tokens"] == second.usage.prompt_tokens > 16
+        _wait_for(launcher, lambda i: i["num_running"] == i["num_prefill_tokens"] == 0, "idle")
