@@ -23,7 +23,9 @@ def free_host_pools_made_by_the_suite() -> Iterator[None]:
     Workers started with default options (``tests/test_deploy.py`` runs compose's commands)
     use the host's L1 pool (``kvrelay-l1-host-*``) and parameter pools (``kvrelay-params-*``),
     which outlive their processes on purpose. Pools that existed before the session, and any
-    a live process still maps or uses, are left alone.
+    a live process still maps or uses, are left alone; so are the per-test pools
+    (``kvrelay-l1-test-*``), which their fixtures remove: another test session on the same
+    machine may be between two opens of one (nothing maps it then) when this one ends.
     """
     from kvrelay.cachetier import host_ops, param_locks, param_ops
 
@@ -34,7 +36,7 @@ def free_host_pools_made_by_the_suite() -> Iterator[None]:
         return
     log = logging.getLogger(__name__)
     for name in sorted(set(os.listdir(shm)) - before):
-        if name.endswith(".lock"):
+        if name.endswith(".lock") or name.startswith("kvrelay-l1-test-"):
             continue
         try:
             if name.startswith("kvrelay-l1-"):
