@@ -215,3 +215,39 @@ def test_json_strings_never_hold_raw_control_characters(llm):
     control = llm.engine.tokenizer.encode("\x03", add_special_tokens=False)
     bits = llm.engine.grammars._json_bits
     assert all(not (int(bits[t // 32]) >> (t % 32)) & 1 for t in control)
+
+
+def test_batched_mask_fill_equals_one_row_at_a_time(llm):
+    """``GrammarMasker`` fills many rows in one xgrammar call: the masks are exactly those each
+    matcher gives alone (with the JSON rows' control-character filter), whatever their state."""
+    from kvrelay.engine.structured import GrammarMasker
+
+    grammars = llm.engine.grammars
+    tokenizer = llm.get_tokenizer()
+    cases = [  # a grammar, and text whose tokens (as far as it allows) it has accepted
+        (_json(SCHEMAS["array"]), '{"tags": ["a"'),
+        (_json(SCHEMAS["nested"]), '{"'),
+        (_json(SCHEMAS["numbers"]), '{"count": 1'),
+        (StructuredOutput("choice", choices=("left", "right")), "le"),
+        (_json(SCHEMAS["nested"]), ""),
+    ]
+    matchers = []
+    for spec, text in cases:
+        probe = grammars.create_matcher(spec)
+        accepted = []
+        for token in tokenizer.encode(text):
+            if not probe.accept_token(token):
+                break
+            accepted.append(token)
+        matchers.append(grammars.create_matcher(spec, accepted))
+    vocab = llm.engine.config.model_config.vocab_size
+    logits = torch.randn(len(matchers) + 1, vocab)
+    rows = [None, *matchers]  # a row without a grammar keeps every token
+    batched = logits.clone()
+    GrammarMasker().apply(batched, rows)
+    for j, matcher in enumerate(matchers, start=1):
+        alone = logits[j : j + 1].clone()
+        GrammarMasker().apply(alone, [matcher])
+        assert torch.equal(batched[j], alone[0]), j
+        assert batched[j].isinf().any() and not batched[j].isinf().all()
+    assert torch.equal(batched[0], logits[0])

@@ -162,8 +162,17 @@ class SequenceGrammar:
         self._matcher = matcher
         self._allowed = allowed
 
+    @property
+    def matcher(self) -> Any:
+        """The xgrammar matcher (``GrammarMasker`` fills many at once)."""
+        return self._matcher
+
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, index)
+        self.restrict(bitmask, index)
+
+    def restrict(self, bitmask: torch.Tensor, index: int) -> None:
+        """Clears the tokens this kind of grammar never allows from row ``index``."""
         if self._allowed is not None:
             bitmask[index].bitwise_and_(self._allowed)
 
@@ -184,10 +193,14 @@ class GrammarMasker:
     """Applies the matchers' next-token masks to a batch of logits, in place, batched.
 
     Keeps one bitmask buffer (int32, ``[rows, ceil(vocab / 32)]``) and grows it as needed.
+    The rows' masks are filled by one ``BatchGrammarMatcher`` call on ``torch``'s thread
+    count (xgrammar's C++ threads, the GIL released): filling is most of a grammar's cost
+    per step, and the model's threads are idle meanwhile.
     """
 
     def __init__(self) -> None:
         self._bitmask: torch.Tensor | None = None
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
 
     def apply(self, scores: torch.Tensor, matchers: Sequence[Any]) -> None:
         """Sets to -inf every token a row's matcher refuses; rows whose matcher is None keep
@@ -199,8 +212,7 @@ class GrammarMasker:
             return
         vocab_size = scores.shape[1]
         bitmask = self._buffer(len(rows), vocab_size)
-        for j, row in enumerate(rows):
-            matchers[row].fill_next_token_bitmask(bitmask, j)
+        self._fill(bitmask, [matchers[row] for row in rows])
         bitmask = bitmask[: len(rows)]
         if len(rows) == scores.shape[0]:
             xgr.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True))
@@ -209,6 +221,27 @@ class GrammarMasker:
         sub = scores[index]
         xgr.apply_token_bitmask_inplace(sub, bitmask.to(scores.device, non_blocking=True))
         scores[index] = sub
+
+    def _fill(self, bitmask: torch.Tensor, matchers: list[Any]) -> None:
+        """Row ``j`` of ``bitmask`` := the mask of ``matchers[j]``; xgrammar's in one call."""
+        import xgrammar as xgr
+
+        grammars = [(j, m) for j, m in enumerate(matchers) if isinstance(m, SequenceGrammar)]
+        if len(grammars) > 1:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(max_threads=torch.get_num_threads())
+            indices = [j for j, _ in grammars]
+            self._batch.batch_fill_next_token_bitmask(
+                [g.matcher for _, g in grammars], bitmask, indices
+            )
+            for j, grammar in grammars:
+                grammar.restrict(bitmask, j)
+        else:
+            grammars = []
+        done = {j for j, _ in grammars}
+        for j, matcher in enumerate(matchers):
+            if j not in done:  # one row, or a matcher of another kind (tests)
+                matcher.fill_next_token_bitmask(bitmask, j)
 
     def _buffer(self, num_rows: int, vocab_size: int) -> torch.Tensor:
         import xgrammar as xgr
