@@ -24,6 +24,7 @@ from common import (
     machine_markdown,
     markdown_table,
     median,
+    model_label,
     update_benchmarks_md,
 )
 
@@ -110,13 +111,14 @@ def main() -> None:
     cost = (1 - median(rates["JSON schema"]) / base) * 100
     body = "\n\n".join(
         [
-            f"Model: `{Path(args.model).name}`, float32, {args.threads} threads; one batch of "
+            f"Model: {model_label(Path(args.model))}, float32, {args.threads} threads; one "
+            "batch of "
             f"{args.batch} prompts, greedy, {length} output tokens a row (the schema: a "
             "fixed-length array of enum strings, calibrated so its greedy output has that "
             "length; free text runs to the same length with `ignore_eos`). tokens/s = output "
             f"tokens / wall time of `LLM.generate` (prefill included), median of {args.rounds} "
-            "alternating rounds. The mask: every row's matcher fills one shared int32 bitmask, "
-            "applied to the batch's logits in one `apply_token_bitmask_inplace` call.",
+            "alternating rounds. The mask: one shared int32 bitmask, its rows filled by one "
+            "`BatchGrammarMatcher` call on the engine's threads and applied to the batch's logits in one `apply_token_bitmask_inplace` call.",
             markdown_table(["workload", "output tokens", "tokens/s", "vs free text"], rows),
             f"- grammar cost: {cost:.1f}% of tokens/s (goal < 10%: "
             f"{'met' if cost < 10 else 'not met'})",
