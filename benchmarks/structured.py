@@ -118,7 +118,8 @@ def main() -> None:
             "length; free text runs to the same length with `ignore_eos`). tokens/s = output "
             f"tokens / wall time of `LLM.generate` (prefill included), median of {args.rounds} "
             "alternating rounds. The mask: one shared int32 bitmask, its rows filled by one "
-            "`BatchGrammarMatcher` call on the engine's threads and applied to the batch's logits in one `apply_token_bitmask_inplace` call.",
+            "`BatchGrammarMatcher` call on the engine's threads and applied to the batch's "
+            "logits in one `apply_token_bitmask_inplace` call.",
             markdown_table(["workload", "output tokens", "tokens/s", "vs free text"], rows),
             f"- grammar cost: {cost:.1f}% of tokens/s (goal < 10%: "
             f"{'met' if cost < 10 else 'not met'})",
