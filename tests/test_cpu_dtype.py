@@ -1,0 +1,30 @@
+"""bfloat16 on a CPU without native BF16 is slow: the engine says so when it starts."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvrelay.engine import engine
+
+
+def test_native_bf16_is_read_from_the_cpu_flags():
+    avx2 = "processor : 0\nflags : fpu sse avx avx2 fma\n"
+    assert not engine.cpu_has_native_bf16(avx2)
+    assert engine.cpu_has_native_bf16("flags : avx2 avx512f avx512_bf16\n")
+    assert engine.cpu_has_native_bf16("flags : avx2 amx_tile amx_bf16\n")
+    assert not engine.cpu_has_native_bf16("")
+
+
+@pytest.mark.parametrize(("native", "dtype", "device", "warned"), [
+    (False, "bfloat16", "cpu", True),
+    (True, "bfloat16", "cpu", False),
+    (False, "float32", "cpu", False),
+])  # fmt: skip
+def test_a_slow_dtype_is_a_warning(monkeypatch, caplog, native, dtype, device, warned):
+    monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: native)
+    with caplog.at_level(logging.WARNING, logger=engine.__name__):
+        engine.warn_if_slow_dtype(torch.device(device), dtype)
+    assert ("--dtype float32 is faster" in caplog.text) == warned
