@@ -30,7 +30,7 @@ from kvrelay.protocol.messages import (
 from kvrelay.router.dispatcher import DispatcherSettings
 from kvrelay.router.prefix_index import PrefixMatch
 from kvrelay.router.registry import Registry
-from tests.cluster_harness import running_cluster
+from tests.cluster_harness import metric_value, read_text, running_cluster
 
 LAYOUT = KvLayout(2, 64, 16, 2, 8, "float32")
 PROMPT_LEN = 600
@@ -172,8 +172,15 @@ def test_a_worker_reports_its_queued_prompt_tokens(tiny_model_dir, tmp_path) -> 
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(c.completions.create, prompt="zebra " * 40, max_tokens=2, **kw)
             inst = _wait_for(launcher, lambda i: i["num_waiting"] == 1, "of a waiting request")
+            metrics = read_text(launcher.url + "/metrics")  # the same report, as a gauge
+            gauge = metric_value(
+                metrics, "kvrelay_num_prefill_tokens", instance=inst["instance_id"]
+            )
+            worker_metrics = read_text(inst["status_url"] + "/metrics")  # the worker's own
+            worker_gauge = metric_value(worker_metrics, "kvrelay_num_prefill_tokens")
             first.close()  # the seat frees; the waiting prompt runs
             second = waiting.result(timeout=120)
         # nothing of it was cached (it shares no block with the first): all its tokens queued
         assert inst["num_prefill_tokens"] == second.usage.prompt_tokens > 16
+        assert gauge == worker_gauge == inst["num_prefill_tokens"]
         _wait_for(launcher, lambda i: i["num_running"] == i["num_prefill_tokens"] == 0, "idle")

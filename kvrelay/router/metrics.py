@@ -110,6 +110,7 @@ _LOAD_GAUGES = (
     ("kvrelay_num_requests_waiting", "Requests waiting on the instance"),
     ("kvrelay_num_requests_running", "Requests running on the instance"),
     ("kvrelay_kv_cache_usage_perc", "Fraction of the instance's KV blocks in use (0-1)"),
+    ("kvrelay_num_prefill_tokens", "Prompt tokens the instance has yet to compute (placement)"),
     ("vllm:num_requests_waiting", "Requests waiting (vLLM name)"),
     ("vllm:num_requests_running", "Requests running (vLLM name)"),
     ("vllm:kv_cache_usage_perc", "KV usage 0-1 (vLLM name)"),
@@ -130,6 +131,8 @@ class _LoadCollector(Collector):
                     value = float(load.num_waiting)
                 elif name.endswith("running"):
                     value = float(load.num_running)
+                elif name.endswith("prefill_tokens"):
+                    value = float(load.num_prefill_tokens)
                 else:
                     value = 1.0 - load.num_free_blocks / max(1, load.num_total_blocks)
                 family.add_metric([inst.instance_id, inst.role.value], value)

@@ -35,6 +35,9 @@ class WorkerMetrics:
         self.vllm_running = gauge("vllm:num_requests_running", "Requests running (vLLM name)")
         self.vllm_kv_usage = gauge("vllm:kv_cache_usage_perc", "KV usage 0-1 (vLLM name)")
         self.free_blocks = gauge("kvrelay_kv_free_blocks", "KV blocks free or evictable")
+        self.prefill_tokens = gauge(
+            "kvrelay_num_prefill_tokens", "Prompt tokens yet to compute (prefill placement)"
+        )
         self.step_seconds = Histogram(
             "kvrelay_engine_step_seconds",
             "Time of one engine step",
@@ -88,6 +91,7 @@ class WorkerMetrics:
         for usage in (self.kv_usage, self.vllm_kv_usage):
             usage.set(engine.block_manager.usage)
         self.free_blocks.set(engine.block_manager.num_free_blocks)
+        self.prefill_tokens.set(engine.scheduler.num_prefill_tokens())
 
 
 _TIER_COUNTERS = (
