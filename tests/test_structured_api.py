@@ -222,6 +222,12 @@ def test_tool_choice_required_and_named(cluster):
 
 
 def test_tool_calls_stream_openai_shaped_deltas(cluster):
+    check_tool_call_stream(cluster)
+
+
+def check_tool_call_stream(cluster, **extra) -> None:
+    """A named and a required tool call stream as OpenAI-shaped deltas whose pieces add up to
+    valid arguments; ``extra`` goes into each request."""
     client = _client(cluster)
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice_kind in (named, "required"):
@@ -232,6 +238,7 @@ def test_tool_calls_stream_openai_shaped_deltas(cluster):
             tool_choice=choice_kind,
             max_tokens=MAX_TOKENS,
             stream=True,
+            **extra,
         )
         calls: dict[int, dict] = {}
         finish, num_chunks = None, 0
