@@ -301,10 +301,14 @@ def model_label(model_dir: Path | None, size: str = "small") -> str:
     return f"`{model_dir.name}`"
 
 
+def model_name(model_dir: Path | None, size: str = "small") -> str:
+    """``model_label`` without its notes: ``SmolLM2-135M-Instruct``, ``ckpt``."""
+    return model_label(model_dir, size).split(" (")[0].strip("`")
+
+
 def section_title(base: str, model_dir: Path | None, size: str, dtype: str) -> str:
     """One section per script, model and dtype: ``base: model, dtype``."""
-    name = model_label(model_dir, size).split(" (")[0].strip("`")
-    return f"{base}: {name}, {dtype}"
+    return f"{base}: {model_name(model_dir, size)}, {dtype}"
 
 
 def write_json(path: str | Path, data: dict[str, Any]) -> None:

@@ -50,7 +50,7 @@ from common import (
     machine_markdown,
     markdown_table,
     median,
-    model_label,
+    model_name,
     section_title,
     text_table,
     update_benchmarks_md,
@@ -127,7 +127,7 @@ def shapes_of(args: argparse.Namespace) -> list[Shape]:
         from kvrelay.engine.config import ModelConfig
 
         cfg = ModelConfig.from_dir(args.model_dir)
-        name = model_label(args.model_dir).split(" (")[0].strip("`")
+        name = model_name(args.model_dir)
         return [Shape(name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, args.dtype)]
     sizes = ("small",) if args.quick else MODEL_SIZES
     return [

@@ -9,19 +9,15 @@ is the same colocated, disaggregated (with a prefix-cache hit) and offline.
 
 from __future__ import annotations
 
-import json
-
 import jsonschema
 import pytest
 
 from tests.test_structured_api import (  # noqa: F401  (fixtures, re-used with this model_dir)
     MAX_TOKENS,
-    MESSAGES,
     WEATHER,
     Pet,
-    _check_call,
-    _client,
     check_tool_call_stream,
+    check_tool_choice,
     cluster,
     colocated,
     disagg,
@@ -64,33 +60,7 @@ def test_tool_choice_required_and_named(cluster):  # noqa: F811
     """As on the random model, but with parallel calls allowed this small model may repeat its
     call until ``max_tokens``: then the complete calls come back with ``finish_reason``
     "length", each one valid; with one call allowed the grammar ends the array after it."""
-    tools = [WEATHER]
-    for parallel in (True, False):
-        out = _client(cluster).chat.completions.create(
-            model="tiny",
-            messages=MESSAGES,
-            tools=tools,
-            tool_choice="required",
-            parallel_tool_calls=parallel,
-            max_tokens=MAX_TOKENS,
-            seed=4,
-            n=2,
-        )
-        for choice in out.choices:
-            assert choice.finish_reason in (
-                ("tool_calls", "length") if parallel else ("tool_calls",)
-            )
-            assert choice.message.tool_calls and (parallel or len(choice.message.tool_calls) == 1)
-            for call in choice.message.tool_calls:
-                _check_call(call, tools)
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    out = _client(cluster).chat.completions.create(
-        model="tiny", messages=MESSAGES, tools=tools, tool_choice=named, max_tokens=MAX_TOKENS
-    )
-    (call,) = out.choices[0].message.tool_calls
-    assert out.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
-    json.loads(call.function.arguments)
-    _check_call(call, tools)
+    check_tool_choice(cluster, [WEATHER], "get_weather", ("tool_calls", "length"))
 
 
 def test_tool_calls_stream_openai_shaped_deltas(cluster):  # noqa: F811

@@ -227,20 +227,20 @@ class GrammarMasker:
         import xgrammar as xgr
 
         grammars = [(j, m) for j, m in enumerate(matchers) if isinstance(m, SequenceGrammar)]
-        if len(grammars) > 1:
+        if len(grammars) < 2:
+            grammars = []  # one row fills itself below
+        else:
             if self._batch is None:
                 self._batch = xgr.BatchGrammarMatcher(max_threads=torch.get_num_threads())
-            indices = [j for j, _ in grammars]
+            rows = [j for j, _ in grammars]
             self._batch.batch_fill_next_token_bitmask(
-                [g.matcher for _, g in grammars], bitmask, indices
+                [g.matcher for _, g in grammars], bitmask, rows
             )
             for j, grammar in grammars:
                 grammar.restrict(bitmask, j)
-        else:
-            grammars = []
-        done = {j for j, _ in grammars}
+        batched = {j for j, _ in grammars}
         for j, matcher in enumerate(matchers):
-            if j not in done:  # one row, or a matcher of another kind (tests)
+            if j not in batched:  # one row, or a matcher of another kind (tests)
                 matcher.fill_next_token_bitmask(bitmask, j)
 
     def _buffer(self, num_rows: int, vocab_size: int) -> torch.Tensor:

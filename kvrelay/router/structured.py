@@ -193,10 +193,7 @@ class ToolPlan:
     def partial_calls(self, text: str) -> list[PartialCall]:
         """The calls of a choice's partial text so far (streaming ``auto`` and ``required``)."""
         if self.mode == "required":
-            start = len(text) - len(text.lstrip())
-            if not text.startswith("[", start):
-                return []
-            found = partial_objects(text, start + 1, " \n\t,", ("parameters",))
+            found = _required_partial(text)
         elif self.mode == "auto" and self.parser is not None:
             found = self.parser.partial_calls(text)
         else:
@@ -213,15 +210,21 @@ def _parse_required(text: str) -> ParsedTools:
     except (ValueError, TypeError, KeyError):
         # cut off by max_tokens (a small model may repeat calls until then): the calls that
         # were complete, as a stream would have sent them; the raw text when there are none
-        start = len(text) - len(text.lstrip())
-        found = partial_objects(text, start + 1, " \n\t,", ("parameters",))
         complete = [
             ToolCall(call.name, json.dumps(json.loads(call.arguments), ensure_ascii=False))
-            for call in found
+            for call in _required_partial(text)
             if call.name is not None and call.done and _is_object(call.arguments)
         ]
         return ParsedTools(None, complete) if complete else ParsedTools(text, [])
     return ParsedTools(None, calls)
+
+
+def _required_partial(text: str) -> list[PartialCall]:
+    """The calls of ``required``'s array (``[{"name", "parameters"}, ...]``) written so far."""
+    start = len(text) - len(text.lstrip())
+    if not text.startswith("[", start):
+        return []
+    return partial_objects(text, start + 1, " \n\t,", ("parameters",))
 
 
 def _is_object(text: str) -> bool:
