@@ -1,7 +1,8 @@
-"""Builds the one native piece, ``kvrelay/csrc/kvcopy.c``: a plain shared library (no Python
-C-API) that ``kvrelay.transport.slabhash`` loads with ctypes. Everything else is in
-pyproject.toml. ``optional``: without a C compiler the install still succeeds and the KV
-checksum runs in numpy + xxhash (same values, slower; logged once)."""
+"""Builds the native pieces, plain shared libraries (no Python C-API) loaded with ctypes:
+``kvrelay/csrc/kvcopy.c`` (KV copy and checksum, ``kvrelay.transport.slabhash``) and
+``kvrelay/csrc/gemv.c`` (decode-step matmuls, ``kvrelay.kernels.gemv``). Everything else is
+in pyproject.toml. ``optional``: without a C compiler the install still succeeds; the KV
+checksum runs in numpy + xxhash and the matmuls in torch (same results, slower; logged once)."""
 
 from setuptools import Extension, setup
 
@@ -12,6 +13,13 @@ setup(
             sources=["kvrelay/csrc/kvcopy.c"],
             extra_compile_args=["-O3", "-std=c99"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvrelay.kernels._gemv",
+            sources=["kvrelay/csrc/gemv.c"],
+            extra_compile_args=["-O3", "-std=gnu99", "-pthread"],
+            extra_link_args=["-pthread"],
+            optional=True,
+        ),
     ]
 )

@@ -174,6 +174,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var("KVRELAY_CACHE_DIR", str, "~/.cache/kvrelay",
          "what kvrelay keeps between runs: digests of model files (identity/)", "--cache-dir",
          commands=()),
+    _var("KVRELAY_NATIVE_MATMUL", bool, True,
+         "CPU decode steps multiply by the weights in kvrelay's native kernel (0: torch's; "
+         "for comparisons)", commands=("serve",)),
 )  # fmt: skip
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}
 

@@ -24,7 +24,13 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
     else:
         p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (weights, KV, compute)")
     p.add_argument("--seed", type=int, default=0, help="seed for requests without their own")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads of torch and of the native decode-step matmuls "
+        "[env KVRELAY_NATIVE_MATMUL=0: torch's matmuls instead]",
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
     if from_env:

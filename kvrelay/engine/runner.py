@@ -3,6 +3,12 @@
 The runner owns the KV pool tensor ``[layers, 2, num_blocks, block_size, kv_heads,
 head_dim]``; block ids come from the scheduler's plan and are never chosen here. The step's
 metadata is built on the host and moved to the pool's device once per step (a no-op on CPU).
+
+Threads on CPU: a step of at most ``gemv.MAX_ROWS`` tokens (decode) runs torch's ops on one
+thread while the native matmul kernel streams the weights on all of the engine's threads;
+larger steps (prefill) give torch all of them. The ops between a decode step's matmuls are
+too small to gain from a second thread, and each of torch's parallel regions would wake its
+OpenMP team (or find it spinning on the core the kernel's pool needs).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
 from kvrelay.engine.sequence import Sequence
+from kvrelay.kernels import gemv
 from kvrelay.kernels.attention import (
     AttentionMetadata,
     PrefillSegment,
@@ -39,9 +46,31 @@ class ModelRunner:
         self.device = kv_cache.device
         self.window = model.config.sliding_window
         self.workspace = Workspace()  # context-gather buffers, reused by every step
+        self.threads = torch.get_num_threads()
+        # decode steps: torch on one thread, the native matmuls on all (module docstring)
+        self.narrow_decode = self.device.type == "cpu" and self.threads > 1 and gemv.available()
+        if self.narrow_decode:
+            gemv.set_threads(self.threads)
 
     def run(self, plan: StepPlan) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
+        narrow = self.narrow_decode and input_ids.numel() <= gemv.MAX_ROWS
+        if narrow:
+            torch.set_num_threads(1)
+        try:
+            return self._run(plan, input_ids, positions, meta, sample_rows)
+        finally:
+            if narrow:
+                torch.set_num_threads(self.threads)
+
+    def _run(
+        self,
+        plan: StepPlan,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        sample_rows: torch.Tensor,
+    ) -> StepResult:
         hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
         sampled = [item for item in plan.scheduled if item.needs_sample]
         token_ids: list[int | None] = [None] * len(plan.scheduled)

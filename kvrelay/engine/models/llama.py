@@ -12,7 +12,9 @@ Runtime weight names: ``embed``, ``norm``, ``lm_head`` (absent when tied) and, p
 Projection weights (``qkv``, ``o``, ``gate_up``, ``down`` and an untied ``lm_head``) are
 stored transposed, ``[in, out]``, and applied as ``x @ w``: on CPU, MKL's sgemm runs 2-4x
 faster in that layout for the 8-48-row batches that decode steps make (and no slower for
-prefill-sized ones). A tied ``embed`` stays ``[vocab, hidden]`` and serves both ends.
+prefill-sized ones), and batches of up to ``gemv.MAX_ROWS`` rows go to kvrelay's native
+kernel, which streams each weight once on all threads. A tied ``embed`` stays
+``[vocab, hidden]`` and serves both ends.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.engine.config import ModelConfig, RopeConfig
+from kvrelay.kernels import gemv
 from kvrelay.kernels.attention import AttentionMetadata, paged_attention
 
 
@@ -70,10 +73,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w + bias`` for a weight stored ``[in, out]``."""
-    if bias is None:
-        return torch.mm(x, w)
-    return torch.addmm(bias, x, w)
+    """``x @ w + bias`` for a weight stored ``[in, out]`` (decode-sized batches on CPU in the
+    native kernel, ``kernels.gemv``; anything else in torch)."""
+    return gemv.matmul(x, w, bias)
 
 
 class LlamaModel:
@@ -130,4 +132,4 @@ class LlamaModel:
         h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
         if "lm_head" in self.weights:
             return linear(h, self.weights["lm_head"]).float()
-        return F.linear(h, self.weights["embed"]).float()  # tied: the embedding, [vocab, hidden]
+        return gemv.matmul_nt(h, self.weights["embed"]).float()  # tied: embed [vocab, hidden]

@@ -1,0 +1,402 @@
+/*
+ * Skinny matrix products for CPU decode steps: y[M, N] = x[M, K] @ W, M small (1-4 rows).
+ *
+ * A decode step multiplies a handful of rows by every weight of the model once, so its
+ * matmuls are bound by the bytes of W, not by arithmetic. MKL runs these shapes on one thread
+ * (about 17 GB/s here, a core's read bandwidth); this library splits each product over a
+ * small pool of threads so that every core streams its own contiguous share of W:
+ *
+ *   gemv_kn: W stored [K, N] (kvrelay's transposed projections). The K rows are split
+ *            between threads; each streams its rows start to end, four at a time, into a
+ *            private float32 partial of y, and the partials are summed at the end.
+ *   gemv_nk: W stored [N, K] (a tied embedding serving as the LM head). The N rows are split;
+ *            each output is a dot product of one W row with each x row.
+ *
+ * float32 and bfloat16 weights (x and y have W's dtype); accumulation is float32 and a
+ * bfloat16 y is rounded to nearest even, as torch rounds. AVX2+FMA code is chosen at run time
+ * (portable C otherwise), so the library builds with plain -O3 for any x86-64 or ARM host.
+ *
+ * The pool: gemv_set_threads(n) starts n - 1 helper threads. A call publishes its job under a
+ * mutex and wakes the helpers, does share 0 itself, then waits for the others. A helper polls
+ * for the next job for a short while after each one (a decode step's products come tens of
+ * microseconds apart) and then sleeps on the condition variable, so an idle engine burns no
+ * CPU. Calls come from one thread at a time (the engine's step loop); gemv_lock serializes
+ * callers anyway.
+ */
+#include <pthread.h>
+#include <sched.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KV_X86 1
+#define KV_PAUSE() _mm_pause()
+#else
+#define KV_X86 0
+#define KV_PAUSE() ((void)0)
+#endif
+
+#define MAX_THREADS 64
+#define MAX_ROWS 8
+#define SPIN_POLLS 200 /* sched_yield()s a helper polls for the next job before sleeping */
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+typedef struct {
+    int kind; /* 0: kn, 1: nk */
+    int dtype;
+    int m, k, n;
+    const void *w;
+    float *xf;       /* [m, k] x in float32 */
+    float *partials; /* kn: [threads, m, n], one per thread; nk: [m, n] */
+    int chunk;       /* K rows (kn) or W rows (nk) per chunk */
+    int num_chunks;
+} Job;
+
+/* A job's chunks are claimed through `ticket` = generation << 32 | next chunk, so a thread
+ * that wakes late can never claim a chunk of a later job with an earlier job's fields. */
+static pthread_mutex_t pool_mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t gemv_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static uint64_t generation = 0;
+static uint64_t ticket = 0;
+static int pending = 0; /* chunks of the current job not yet finished */
+static int shutdown_flag = 0;
+static int pool_threads = 1; /* including the caller */
+static pthread_t helpers[MAX_THREADS];
+static Job current;
+static float *scratch = NULL;
+static size_t scratch_floats = 0;
+static int have_avx2 = -1;
+
+/* ------------------------------------------------------------------ bfloat16 */
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* ------------------------------------------------------------------ portable kernels */
+
+static inline float w_at(const void *w, int dtype, size_t i) {
+    return dtype == DT_F32 ? ((const float *)w)[i] : bf16_to_f32(((const uint16_t *)w)[i]);
+}
+
+/* out[m, 0:n] += sum over rows k0..k1-1 of xf[m, k] * w[k, 0:n] */
+static void kn_portable(const Job *j, int k0, int k1, float *out) {
+    for (int k = k0; k < k1; k++) {
+        for (int c = 0; c < j->n; c++) {
+            float wv = w_at(j->w, j->dtype, (size_t)k * j->n + c);
+            for (int r = 0; r < j->m; r++) out[(size_t)r * j->n + c] += j->xf[(size_t)r * j->k + k] * wv;
+        }
+    }
+}
+
+/* out[m, r] for rows r0..r1-1 of w [n, k] */
+static void nk_portable(const Job *j, int r0, int r1, float *out) {
+    for (int row = r0; row < r1; row++) {
+        for (int r = 0; r < j->m; r++) {
+            float acc = 0.0f;
+            for (int c = 0; c < j->k; c++)
+                acc += j->xf[(size_t)r * j->k + c] * w_at(j->w, j->dtype, (size_t)row * j->k + c);
+            out[(size_t)r * j->n + row] = acc;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ AVX2 kernels */
+
+#if KV_X86
+__attribute__((target("avx2,fma"))) static inline __m256 load8(const void *w, int dtype, size_t i) {
+    if (dtype == DT_F32) return _mm256_loadu_ps((const float *)w + i);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* out += rows k0..k1-1 of w [k, n], KN_UNROLL at a time: each W vector is loaded once, and each
+ * x row's broadcasts are taken before the column loop (out may not alias x). */
+#define KN_UNROLL 8
+__attribute__((target("avx2,fma"))) static void kn_avx2(const Job *j, int k0, int k1, float *restrict out) {
+    const int m = j->m, n = j->n, n8 = n & ~7;
+    const float *restrict xf = j->xf;
+    int k = k0;
+    for (; k + KN_UNROLL <= k1; k += KN_UNROLL) {
+        const size_t base = (size_t)k * n;
+        __m256 xb[MAX_ROWS][KN_UNROLL];
+        for (int r = 0; r < m; r++)
+            for (int d = 0; d < KN_UNROLL; d++) xb[r][d] = _mm256_set1_ps(xf[(size_t)r * j->k + k + d]);
+        if (m == 1) {
+            for (int c = 0; c < n8; c += 8) {
+                __m256 acc = _mm256_loadu_ps(out + c);
+                for (int d = 0; d < KN_UNROLL; d++)
+                    acc = _mm256_fmadd_ps(xb[0][d], load8(j->w, j->dtype, base + (size_t)d * n + c), acc);
+                _mm256_storeu_ps(out + c, acc);
+            }
+        } else {
+            for (int c = 0; c < n8; c += 8) {
+                __m256 wv[KN_UNROLL];
+                for (int d = 0; d < KN_UNROLL; d++) wv[d] = load8(j->w, j->dtype, base + (size_t)d * n + c);
+                for (int r = 0; r < m; r++) {
+                    float *yr = out + (size_t)r * n + c;
+                    __m256 acc = _mm256_loadu_ps(yr);
+                    for (int d = 0; d < KN_UNROLL; d++) acc = _mm256_fmadd_ps(xb[r][d], wv[d], acc);
+                    _mm256_storeu_ps(yr, acc);
+                }
+            }
+        }
+        for (int c = n8; c < n; c++)
+            for (int r = 0; r < m; r++)
+                for (int d = 0; d < KN_UNROLL; d++)
+                    out[(size_t)r * n + c] +=
+                        xf[(size_t)r * j->k + k + d] * w_at(j->w, j->dtype, base + (size_t)d * n + c);
+    }
+    for (; k < k1; k++) {
+        const size_t base = (size_t)k * n;
+        for (int c = 0; c < n; c++) {
+            float wv = w_at(j->w, j->dtype, base + c);
+            for (int r = 0; r < m; r++) out[(size_t)r * n + c] += xf[(size_t)r * j->k + k] * wv;
+        }
+    }
+}
+
+__attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Rows r0..r1-1 of w [n, k]: with one or two x rows, four W rows at a time, so that eight
+ * independent FMA chains hide the FMA latency; with more x rows, one W row at a time. */
+__attribute__((target("avx2,fma"))) static void nk_avx2(const Job *j, int r0, int r1, float *restrict out) {
+    const int m = j->m, kk = j->k, k8 = kk & ~7;
+    const float *restrict xf = j->xf;
+    int row = r0;
+    if (m <= 2) {
+        for (; row + 4 <= r1; row += 4) {
+            __m256 acc[2][4];
+            for (int r = 0; r < 2; r++)
+                for (int d = 0; d < 4; d++) acc[r][d] = _mm256_setzero_ps();
+            for (int c = 0; c < k8; c += 8) {
+                __m256 x0 = _mm256_loadu_ps(xf + c);
+                __m256 x1 = m == 2 ? _mm256_loadu_ps(xf + kk + c) : x0;
+                for (int d = 0; d < 4; d++) {
+                    __m256 wv = load8(j->w, j->dtype, (size_t)(row + d) * kk + c);
+                    acc[0][d] = _mm256_fmadd_ps(wv, x0, acc[0][d]);
+                    if (m == 2) acc[1][d] = _mm256_fmadd_ps(wv, x1, acc[1][d]);
+                }
+            }
+            for (int r = 0; r < m; r++) {
+                for (int d = 0; d < 4; d++) {
+                    const size_t base = (size_t)(row + d) * kk;
+                    float s = hsum(acc[r][d]);
+                    for (int c = k8; c < kk; c++) s += xf[(size_t)r * kk + c] * w_at(j->w, j->dtype, base + c);
+                    out[(size_t)r * j->n + row + d] = s;
+                }
+            }
+        }
+    }
+    for (; row < r1; row++) {
+        const size_t base = (size_t)row * kk;
+        __m256 acc[MAX_ROWS];
+        for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
+        for (int c = 0; c < k8; c += 8) {
+            __m256 wv = load8(j->w, j->dtype, base + c);
+            for (int r = 0; r < m; r++)
+                acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + (size_t)r * kk + c), acc[r]);
+        }
+        for (int r = 0; r < m; r++) {
+            float s = hsum(acc[r]);
+            for (int c = k8; c < kk; c++) s += xf[(size_t)r * kk + c] * w_at(j->w, j->dtype, base + c);
+            out[(size_t)r * j->n + row] = s;
+        }
+    }
+}
+#endif
+
+static int use_avx2(void) {
+#if KV_X86
+    if (have_avx2 < 0) {
+        __builtin_cpu_init();
+        have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return have_avx2;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------------------------ chunks of a job */
+
+static void run_chunk(int t, int c) {
+    const Job *j = &current;
+    if (j->kind == 0) {
+        int k0 = c * j->chunk, k1 = k0 + j->chunk;
+        if (k1 > j->k) k1 = j->k;
+        float *out = j->partials + (size_t)t * j->m * j->n;
+#if KV_X86
+        if (use_avx2()) {
+            kn_avx2(j, k0, k1, out);
+            return;
+        }
+#endif
+        kn_portable(j, k0, k1, out);
+    } else {
+        int r0 = c * j->chunk, r1 = r0 + j->chunk;
+        if (r1 > j->n) r1 = j->n;
+#if KV_X86
+        if (use_avx2()) {
+            nk_avx2(j, r0, r1, j->partials);
+            return;
+        }
+#endif
+        nk_portable(j, r0, r1, j->partials);
+    }
+}
+
+/* Claims and runs chunks of job `gen` until none is left (or a later job has started). */
+static void work(int t, uint64_t gen) {
+    for (;;) {
+        uint64_t cur = __atomic_load_n(&ticket, __ATOMIC_ACQUIRE);
+        for (;;) {
+            if ((cur >> 32) != (gen & 0xffffffffu)) return;
+            if ((int)(cur & 0xffffffffu) >= current.num_chunks) return;
+            if (__atomic_compare_exchange_n(&ticket, &cur, cur + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                break;
+        }
+        run_chunk(t, (int)(cur & 0xffffffffu));
+        __atomic_sub_fetch(&pending, 1, __ATOMIC_ACQ_REL);
+    }
+}
+
+static void *helper_main(void *arg) {
+    const int t = (int)(intptr_t)arg;
+    uint64_t seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
+    for (;;) {
+        int polls = 0;
+        while (__atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen && polls < SPIN_POLLS) {
+            sched_yield(); /* a runnable thread on this core (torch's OpenMP team) goes first */
+            polls++;
+        }
+        if (__atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen) {
+            pthread_mutex_lock(&pool_mutex);
+            while (generation == seen && !shutdown_flag) pthread_cond_wait(&pool_wake, &pool_mutex);
+            pthread_mutex_unlock(&pool_mutex);
+        }
+        if (__atomic_load_n(&shutdown_flag, __ATOMIC_ACQUIRE)) return NULL;
+        seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
+        work(t, seen);
+    }
+}
+
+static void stop_pool(void) {
+    pthread_mutex_lock(&pool_mutex);
+    __atomic_store_n(&shutdown_flag, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_mutex);
+    for (int t = 1; t < pool_threads; t++) pthread_join(helpers[t], NULL);
+    shutdown_flag = 0;
+    pool_threads = 1;
+}
+
+/* Sets the pool to n threads (the caller included); returns the count in effect. */
+int gemv_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    pthread_mutex_lock(&gemv_lock);
+    if (n != pool_threads) {
+        stop_pool();
+        for (int t = 1; t < n; t++) {
+            if (pthread_create(&helpers[t], NULL, helper_main, (void *)(intptr_t)t) != 0) break;
+            pool_threads = t + 1;
+        }
+    }
+    int result = pool_threads;
+    pthread_mutex_unlock(&gemv_lock);
+    return result;
+}
+
+static int ensure_scratch(size_t floats) {
+    if (floats <= scratch_floats) return 1;
+    float *grown = (float *)realloc(scratch, floats * sizeof(float));
+    if (grown == NULL) return 0;
+    scratch = grown;
+    scratch_floats = floats;
+    return 1;
+}
+
+/* Publishes the job, works on it, and returns once every chunk is done. The caller claims
+ * chunks too, so a helper that is descheduled (a busy machine) delays only a chunk it has
+ * already claimed, never the whole product. */
+static void run_job(void) {
+    __atomic_store_n(&pending, current.num_chunks, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&pool_mutex);
+    uint64_t gen = __atomic_add_fetch(&generation, 1, __ATOMIC_ACQ_REL);
+    __atomic_store_n(&ticket, (gen & 0xffffffffu) << 32, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_mutex);
+    work(0, gen);
+    int polls = 0;
+    while (__atomic_load_n(&pending, __ATOMIC_ACQUIRE) > 0) {
+        if (++polls < 1000) {
+            KV_PAUSE();
+        } else {
+            sched_yield();
+        }
+    }
+}
+
+/* y[m, n] = x[m, k] @ w; kind 0: w is [k, n]; kind 1: w is [n, k]. Returns 0 on success. */
+int gemv(int kind, int dtype, int m, int k, int n, const void *x, const void *w, void *y) {
+    if (m < 1 || m > MAX_ROWS || k < 1 || n < 1 || (kind != 0 && kind != 1)) return -1;
+    if (dtype != DT_F32 && dtype != DT_BF16) return -1;
+    pthread_mutex_lock(&gemv_lock);
+    const int threads = pool_threads;
+    const size_t count = (size_t)m * n;
+    const size_t xf_floats = (size_t)m * k;
+    const size_t part_floats = kind == 0 ? count * threads : count;
+    if (!ensure_scratch(xf_floats + part_floats)) {
+        pthread_mutex_unlock(&gemv_lock);
+        return -2;
+    }
+    float *xf = scratch;
+    if (dtype == DT_F32) {
+        memcpy(xf, x, xf_floats * sizeof(float));
+    } else {
+        for (size_t i = 0; i < xf_floats; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
+    }
+    float *partials = scratch + xf_floats;
+    if (kind == 0) memset(partials, 0, part_floats * sizeof(float));
+    /* about four chunks per thread: whole unrolled row groups, enough to even out the load */
+    const int rows = kind == 0 ? k : n;
+    const int align = kind == 0 ? KN_UNROLL : 4;
+    int chunk = (rows + 4 * threads - 1) / (4 * threads);
+    chunk = (chunk + align - 1) / align * align;
+    current = (Job){kind, dtype, m, k, n, w, xf, partials, chunk, (rows + chunk - 1) / chunk};
+    run_job();
+    if (kind == 0) {
+        for (int t = 1; t < threads; t++) {
+            const float *p = partials + (size_t)t * count;
+            for (size_t i = 0; i < count; i++) partials[i] += p[i];
+        }
+    }
+    if (dtype == DT_F32) {
+        memcpy(y, partials, count * sizeof(float));
+    } else {
+        for (size_t i = 0; i < count; i++) ((uint16_t *)y)[i] = f32_to_bf16(partials[i]);
+    }
+    pthread_mutex_unlock(&gemv_lock);
+    return 0;
+}

@@ -1,0 +1,119 @@
+"""Skinny CPU matmuls for decode steps: ``x [m, k]`` by a weight, m up to ``MAX_ROWS`` rows.
+
+A decode step multiplies a few rows by every weight once, so its matmuls are bound by the
+weights' bytes. MKL runs these shapes on one thread (a core's read bandwidth, ~17 GB/s on
+the AVX2 EPYC measured in BENCHMARKS.md), and its bfloat16 path converts whole weights
+(a decode step 4-5x slower than float32 on a CPU without AVX512-BF16). The native library
+``kvrelay/csrc/gemv.c`` (built at install time, loaded with ctypes, which releases the GIL)
+streams each weight once, split between a small pool of threads, converting bfloat16 in
+registers::
+
+    matmul(x, w, b)   x @ w + b, w stored [k, n] (kvrelay's transposed projections)
+    matmul_nt(x, w)   x @ w.T, w stored [n, k] (a tied embedding as the LM head)
+
+Both fall back to torch for anything the library does not take: more than ``MAX_ROWS`` rows
+(prefill, large batches: compute-bound, where MKL is faster), a non-CPU tensor, a dtype
+other than float32 / bfloat16, non-contiguous operands, no compiled library, or
+``KVRELAY_NATIVE_MATMUL=0``. Results match torch's to float32 rounding (the sums run in
+another order); bfloat16 outputs are rounded to nearest even, as torch's are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.machinery
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvrelay import envs
+
+logger = logging.getLogger(__name__)
+
+LIBRARY_NAME = "_gemv"  # the setuptools Extension kvrelay.kernels._gemv (setup.py)
+MAX_ROWS = 8  # rows the library takes; beyond, MKL's blocked GEMM is faster (BENCHMARKS.md)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_KN, _NK = 0, 1
+
+
+@functools.cache
+def load_library() -> ctypes.CDLL | None:
+    """The compiled library next to this module, or None (logged once) if absent or disabled."""
+    if not envs.get("KVRELAY_NATIVE_MATMUL"):
+        return None
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = here / f"{LIBRARY_NAME}{suffix}"
+        if path.exists():
+            library = ctypes.CDLL(str(path))
+            library.gemv.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p] * 3
+            library.gemv.restype = ctypes.c_int
+            library.gemv_set_threads.argtypes = [ctypes.c_int]
+            library.gemv_set_threads.restype = ctypes.c_int
+            library.gemv_set_threads(torch.get_num_threads())
+            return library
+    logger.warning(
+        "%s: no compiled %s library (built by `pip install` with a C compiler); decode-step "
+        "matmuls run in torch, slower",
+        here,
+        LIBRARY_NAME,
+    )
+    return None
+
+
+def set_threads(threads: int) -> int:
+    """Sizes the library's thread pool (the calling thread included); returns the size in
+    effect, 0 without the library. The engine sets it to its ``num_threads``."""
+    library = load_library()
+    return 0 if library is None else library.gemv_set_threads(max(1, threads))
+
+
+def available() -> bool:
+    """True when decode-step matmuls take the native path."""
+    return load_library() is not None
+
+
+def _native(x: torch.Tensor, w: torch.Tensor) -> ctypes.CDLL | None:
+    """The library if it takes this product, else None."""
+    if (
+        x.dim() != 2
+        or not 0 < x.shape[0] <= MAX_ROWS
+        or x.device.type != "cpu"
+        or x.dtype not in _DTYPES
+        or w.dtype != x.dtype
+        or not x.is_contiguous()
+        or not w.is_contiguous()
+    ):
+        return None
+    return load_library()
+
+
+def _call(
+    library: ctypes.CDLL, kind: int, x: torch.Tensor, w: torch.Tensor, n: int
+) -> torch.Tensor:
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=x.dtype)
+    code = library.gemv(kind, _DTYPES[x.dtype], m, k, n, x.data_ptr(), w.data_ptr(), y.data_ptr())
+    if code != 0:
+        raise RuntimeError(f"native gemv failed ({code}) on x {tuple(x.shape)}, w {tuple(w.shape)}")
+    return y
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w + bias`` for ``w`` stored ``[k, n]``."""
+    library = _native(x, w)
+    if library is None or w.shape[0] != x.shape[1]:
+        return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
+    y = _call(library, _KN, x, w, w.shape[1])
+    return y if bias is None else y.add_(bias)
+
+
+def matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` for ``w`` stored ``[n, k]``."""
+    library = _native(x, w)
+    if library is None or w.shape[1] != x.shape[1]:
+        return F.linear(x, w)
+    return _call(library, _NK, x, w, w.shape[0])

@@ -1,0 +1,146 @@
+"""``kernels.gemv``: the native decode-step matmuls against torch, and the paths that fall back.
+
+The library is built by ``pip install`` (setup.py); these tests need it, as CI builds it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvrelay.kernels import gemv
+
+pytestmark = pytest.mark.skipif(not gemv.available(), reason="native gemv library not built")
+
+SHAPES = [(576, 960), (1536, 576), (37, 13), (8, 8), (100, 3)]  # odd sizes hit every tail loop
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, k: int) -> bool:
+    """Equal up to summation order (float32) plus, for bfloat16, the output's one rounding
+    (half a bfloat16 ulp: 2^-8 of the value)."""
+    slack = 1e-4 * k**0.5
+    if got.dtype == torch.bfloat16:
+        slack = slack + want.abs() * 2**-8
+    return bool(((got.float() - want).abs() <= slack).all())
+
+
+@pytest.fixture(params=[1, 2, 3])
+def threads(request: pytest.FixtureRequest):
+    old = torch.get_num_threads()
+    assert gemv.set_threads(request.param) == request.param
+    yield request.param
+    gemv.set_threads(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, gemv.MAX_ROWS])
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_matmul_equals_torch(threads: int, dtype: torch.dtype, rows: int, k: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    w = torch.randn(k, n, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    want = x.float() @ w.float()
+    got = gemv.matmul(x, w)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert _close(got, want, k)
+    # the bias is added to the rounded product, as torch's addmm does in bfloat16
+    got_bias = gemv.matmul(x, w, bias)
+    assert _close(got_bias, (got.float() + bias.float()).to(dtype).float(), k)
+    # the tied LM head's layout: w stored [n, k]
+    got_nt = gemv.matmul_nt(x, w.t().contiguous())
+    assert got_nt.shape == (rows, n)
+    assert _close(got_nt, want, k)
+
+
+def test_bfloat16_output_rounds_like_torch() -> None:
+    """A bfloat16 result is the float32 sum rounded to nearest even, as torch rounds it."""
+    x = torch.ones(1, 8, dtype=torch.bfloat16)
+    w = torch.zeros(8, 4, dtype=torch.bfloat16)
+    w[0] = torch.tensor([1.0, 1.0, 256.0, -3.0])
+    w[1] = torch.tensor([2**-8, 3 * 2**-8, 1.0, 2**-9]).to(torch.bfloat16)
+    got = gemv.matmul(x, w)
+    want = (x.float() @ w.float()).to(torch.bfloat16)
+    assert torch.equal(got, want)
+
+
+def test_calls_the_library_for_decode_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    library = gemv.load_library()
+    assert library is not None
+    calls: list[tuple] = []
+    real = library.gemv
+
+    def spy(*args):
+        calls.append(args[:5])
+        return real(*args)
+
+    monkeypatch.setattr(library, "gemv", spy)
+    w = torch.randn(64, 32)
+    for rows in (1, gemv.MAX_ROWS, gemv.MAX_ROWS + 1, 64):
+        x = torch.randn(rows, 64)
+        assert torch.allclose(gemv.matmul(x, w), x @ w, atol=1e-4)
+    assert [c[2] for c in calls] == [1, gemv.MAX_ROWS]  # larger batches stay with MKL
+    calls.clear()
+    # non-contiguous operands, other dtypes and mismatched shapes fall back to torch
+    x = torch.randn(2, 64)
+    strided = torch.randn(32, 64).t()  # [64, 32], not contiguous
+    assert torch.allclose(gemv.matmul(x, strided), x @ strided, atol=1e-5)
+    half = torch.randn(2, 64).half()
+    assert gemv.matmul(half, torch.randn(64, 32).half()).dtype == torch.float16
+    with pytest.raises(RuntimeError):
+        gemv.matmul(torch.randn(2, 63), w)  # torch's own shape error
+    assert calls == []
+
+
+def test_matmul_nt_falls_back_for_large_batches() -> None:
+    x, w = torch.randn(gemv.MAX_ROWS + 3, 40), torch.randn(17, 40)
+    assert torch.allclose(gemv.matmul_nt(x, w), F.linear(x, w), atol=1e-5)
+
+
+def test_disabled_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVRELAY_NATIVE_MATMUL", "0")
+    gemv.load_library.cache_clear()
+    try:
+        assert not gemv.available()
+        x, w = torch.randn(1, 16), torch.randn(16, 8)
+        assert torch.equal(gemv.matmul(x, w), torch.mm(x, w))
+    finally:
+        monkeypatch.delenv("KVRELAY_NATIVE_MATMUL")
+        gemv.load_library.cache_clear()
+    assert gemv.available()
+
+
+def test_engine_decode_steps_use_the_library(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step's projections and LM head go to the library with torch narrowed to one
+    thread, a prefill step's projections stay with torch at the engine's threads, and the
+    greedy tokens are the same as with the library off."""
+    from kvrelay import LLM, SamplingParams
+
+    library = gemv.load_library()
+    assert library is not None
+    seen: list[tuple[int, int]] = []  # (rows, torch threads) per library call
+    real = library.gemv
+
+    def spy(*args):
+        seen.append((args[2], torch.get_num_threads()))
+        return real(*args)
+
+    old_threads = torch.get_num_threads()
+    llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = [{"prompt_token_ids": list(range(3, 40))}]
+    monkeypatch.setattr(library, "gemv", spy)
+    native = llm.generate(prompt, params)[0].outputs[0].token_ids
+    layers = llm.engine.runner.model.config.num_layers
+    # the prefill step (37 rows, torch at 2 threads) sends only its sampled row's LM head;
+    # each of the 5 decode steps sends its 4 projections per layer and the LM head
+    assert seen[0] == (1, 2)
+    assert seen[1:] == [(1, 1)] * 5 * (4 * layers + 1)
+    assert torch.get_num_threads() == 2  # restored after each decode step
+    monkeypatch.setattr(gemv, "_native", lambda x, w: None)
+    llm.engine.runner.narrow_decode = False
+    assert llm.generate(prompt, params)[0].outputs[0].token_ids == native
+    torch.set_num_threads(old_threads)
