@@ -144,3 +144,20 @@ def test_engine_decode_steps_use_the_library(
     llm.engine.runner.narrow_decode = False
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == native
     torch.set_num_threads(old_threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_results_do_not_depend_on_which_thread_took_a_chunk(dtype: torch.dtype) -> None:
+    """More pool threads than cores, so chunks go to whichever thread runs first: the partial
+    sums must still be added in one order, or greedy decoding would change from run to run."""
+    old = torch.get_num_threads()
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 1536, generator=gen).to(dtype)
+    w = torch.randn(1536, 960, generator=gen).to(dtype)
+    try:
+        gemv.set_threads(4)
+        first = gemv.matmul(x, w)
+        for _ in range(50):
+            assert torch.equal(gemv.matmul(x, w), first)
+    finally:
+        gemv.set_threads(old)

@@ -6,9 +6,10 @@
  * (about 17 GB/s here, a core's read bandwidth); this library splits each product over a
  * small pool of threads so that every core streams its own contiguous share of W:
  *
- *   gemv_kn: W stored [K, N] (kvrelay's transposed projections). The K rows are split
- *            between threads; each streams its rows start to end, four at a time, into a
- *            private float32 partial of y, and the partials are summed at the end.
+ *   gemv_kn: W stored [K, N] (kvrelay's transposed projections). The K rows are split into
+ *            chunks; a thread streams a chunk's rows start to end, eight at a time, into
+ *            the chunk's own float32 partial of y, and the partials are summed in chunk
+ *            order at the end, so a result never depends on which thread took which chunk.
  *   gemv_nk: W stored [N, K] (a tied embedding serving as the LM head). The N rows are split;
  *            each output is a dot product of one W row with each x row.
  *
@@ -50,7 +51,7 @@ typedef struct {
     int m, k, n;
     const void *w;
     float *xf;       /* [m, k] x in float32 */
-    float *partials; /* kn: [threads, m, n], one per thread; nk: [m, n] */
+    float *partials; /* kn: [chunks, m, n], one per chunk; nk: [m, n] */
     int chunk;       /* K rows (kn) or W rows (nk) per chunk */
     int num_chunks;
 } Job;
@@ -240,12 +241,13 @@ static int use_avx2(void) {
 
 /* ------------------------------------------------------------------ chunks of a job */
 
-static void run_chunk(int t, int c) {
+static void run_chunk(int c) {
     const Job *j = &current;
     if (j->kind == 0) {
         int k0 = c * j->chunk, k1 = k0 + j->chunk;
         if (k1 > j->k) k1 = j->k;
-        float *out = j->partials + (size_t)t * j->m * j->n;
+        float *out = j->partials + (size_t)c * j->m * j->n;
+        memset(out, 0, (size_t)j->m * j->n * sizeof(float));
 #if KV_X86
         if (use_avx2()) {
             kn_avx2(j, k0, k1, out);
@@ -267,7 +269,7 @@ static void run_chunk(int t, int c) {
 }
 
 /* Claims and runs chunks of job `gen` until none is left (or a later job has started). */
-static void work(int t, uint64_t gen) {
+static void work(uint64_t gen) {
     for (;;) {
         uint64_t cur = __atomic_load_n(&ticket, __ATOMIC_ACQUIRE);
         for (;;) {
@@ -276,13 +278,13 @@ static void work(int t, uint64_t gen) {
             if (__atomic_compare_exchange_n(&ticket, &cur, cur + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
                 break;
         }
-        run_chunk(t, (int)(cur & 0xffffffffu));
+        run_chunk((int)(cur & 0xffffffffu));
         __atomic_sub_fetch(&pending, 1, __ATOMIC_ACQ_REL);
     }
 }
 
 static void *helper_main(void *arg) {
-    const int t = (int)(intptr_t)arg;
+    (void)arg;
     uint64_t seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
     for (;;) {
         int polls = 0;
@@ -297,7 +299,7 @@ static void *helper_main(void *arg) {
         }
         if (__atomic_load_n(&shutdown_flag, __ATOMIC_ACQUIRE)) return NULL;
         seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
-        work(t, seen);
+        work(seen);
     }
 }
 
@@ -319,7 +321,7 @@ int gemv_set_threads(int n) {
     if (n != pool_threads) {
         stop_pool();
         for (int t = 1; t < n; t++) {
-            if (pthread_create(&helpers[t], NULL, helper_main, (void *)(intptr_t)t) != 0) break;
+            if (pthread_create(&helpers[t], NULL, helper_main, NULL) != 0) break;
             pool_threads = t + 1;
         }
     }
@@ -347,7 +349,7 @@ static void run_job(void) {
     __atomic_store_n(&ticket, (gen & 0xffffffffu) << 32, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pool_wake);
     pthread_mutex_unlock(&pool_mutex);
-    work(0, gen);
+    work(gen);
     int polls = 0;
     while (__atomic_load_n(&pending, __ATOMIC_ACQUIRE) > 0) {
         if (++polls < 1000) {
@@ -364,9 +366,15 @@ int gemv(int kind, int dtype, int m, int k, int n, const void *x, const void *w,
     if (dtype != DT_F32 && dtype != DT_BF16) return -1;
     pthread_mutex_lock(&gemv_lock);
     const int threads = pool_threads;
+    /* about four chunks per thread: whole unrolled row groups, enough to even out the load */
+    const int rows = kind == 0 ? k : n;
+    const int align = kind == 0 ? KN_UNROLL : 4;
+    int chunk = (rows + 4 * threads - 1) / (4 * threads);
+    chunk = (chunk + align - 1) / align * align;
+    const int num_chunks = (rows + chunk - 1) / chunk;
     const size_t count = (size_t)m * n;
     const size_t xf_floats = (size_t)m * k;
-    const size_t part_floats = kind == 0 ? count * threads : count;
+    const size_t part_floats = kind == 0 ? count * num_chunks : count;
     if (!ensure_scratch(xf_floats + part_floats)) {
         pthread_mutex_unlock(&gemv_lock);
         return -2;
@@ -378,17 +386,11 @@ int gemv(int kind, int dtype, int m, int k, int n, const void *x, const void *w,
         for (size_t i = 0; i < xf_floats; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
     }
     float *partials = scratch + xf_floats;
-    if (kind == 0) memset(partials, 0, part_floats * sizeof(float));
-    /* about four chunks per thread: whole unrolled row groups, enough to even out the load */
-    const int rows = kind == 0 ? k : n;
-    const int align = kind == 0 ? KN_UNROLL : 4;
-    int chunk = (rows + 4 * threads - 1) / (4 * threads);
-    chunk = (chunk + align - 1) / align * align;
-    current = (Job){kind, dtype, m, k, n, w, xf, partials, chunk, (rows + chunk - 1) / chunk};
+    current = (Job){kind, dtype, m, k, n, w, xf, partials, chunk, num_chunks};
     run_job();
     if (kind == 0) {
-        for (int t = 1; t < threads; t++) {
-            const float *p = partials + (size_t)t * count;
+        for (int c = 1; c < num_chunks; c++) {
+            const float *p = partials + (size_t)c * count;
             for (size_t i = 0; i < count; i++) partials[i] += p[i];
         }
     }
