@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 # more than twice as long as a device run beats it.
 TIER_WEIGHTS = {"device": 1.0, "host": 0.5}
 
+_NO_HOLDERS: frozenset[str] = frozenset()
+
 
 class PrefixMatch(NamedTuple):
     """Blocks of one prompt a candidate instance would not compute."""
@@ -86,18 +88,21 @@ class PrefixIndex:
                 del self._holders[key]
 
     def matched_blocks(self, keys: Sequence[BlockHash]) -> dict[str, int]:
-        """Per holder, how many leading ``keys`` it holds (holders of none omitted)."""
+        """Per holder, how many leading ``keys`` it holds (holders of none omitted). Costs
+        set intersections over the first key's holders, never a visit of every holder."""
         matched: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, key in enumerate(keys):
-            holders = self._holders.get(bytes(key))
-            if not holders:
-                break
-            alive = set(holders) if alive is None else alive & holders
+        alive: set[str] | None = None  # the holders of every key so far
+        num_keys = 0
+        for key in keys:
+            holders = self._holders.get(bytes(key), _NO_HOLDERS)
+            kept = set(holders) if alive is None else alive & holders
+            if alive is not None and len(kept) < len(alive):
+                matched.update(dict.fromkeys(alive - kept, num_keys))
+            alive = kept
             if not alive:
                 break
-            for holder in alive:
-                matched[holder] = i + 1
+            num_keys += 1
+        matched.update(dict.fromkeys(alive or (), num_keys))
         return matched
 
     def num_held_from(self, holder: str, keys: Sequence[BlockHash], start: int) -> int:
@@ -140,6 +145,7 @@ class CacheIndex:
         self.device = PrefixIndex()  # holders: instance ids
         self.host = PrefixIndex()  # holders: host ids
         self._host_of: dict[str, str] = {}  # instance id -> host id
+        self._on_host: dict[str, set[str]] = {}  # host id -> instance ids (the reverse)
 
     def add_instance(self, instance_id: str, host_id: str) -> None:
         """A (re)registered instance: its device index is rebuilt from its full-set event;
@@ -147,8 +153,9 @@ class CacheIndex:
         self.device.remove(instance_id)
         old = self._host_of.get(instance_id)
         self._host_of[instance_id] = host_id
+        self._on_host.setdefault(host_id, set()).add(instance_id)
         if old is not None and old != host_id:
-            self._forget_host_if_unused(old)
+            self._leave_host(instance_id, old)
 
     def remove_instance(self, instance_id: str) -> None:
         """Forgets the instance's device blocks, and its host's L1 blocks when it was the
@@ -156,10 +163,14 @@ class CacheIndex:
         self.device.remove(instance_id)
         host_id = self._host_of.pop(instance_id, None)
         if host_id is not None:
-            self._forget_host_if_unused(host_id)
+            self._leave_host(instance_id, host_id)
 
-    def _forget_host_if_unused(self, host_id: str) -> None:
-        if host_id not in self._host_of.values():
+    def _leave_host(self, instance_id: str, host_id: str) -> None:
+        """The instance is no longer on that host; the last one out drops its L1 index."""
+        on_host = self._on_host.get(host_id, set())
+        on_host.discard(instance_id)
+        if not on_host:
+            self._on_host.pop(host_id, None)
             self.host.remove(host_id)
 
     def apply(self, event: CacheEvent) -> bool:
@@ -184,14 +195,23 @@ class CacheIndex:
         return False
 
     def match(self, keys: Sequence[BlockHash]) -> dict[str, PrefixMatch]:
-        """Per known instance, the blocks of ``keys`` it would not compute (none omitted)."""
-        device = self.device.matched_blocks(keys)
+        """Per known instance, the blocks of ``keys`` it would not compute (none omitted).
+        Visits the holders of the first key only: the instances with a device hit, then
+        those without one on a host whose L1 pool has the first blocks."""
         out = {}
-        for instance_id, host_id in self._host_of.items():
-            num_device = device.get(instance_id, 0)
-            num_host = self.host.num_held_from(host_id, keys, num_device)
-            if num_device or num_host:
-                out[instance_id] = PrefixMatch(num_device, num_host)
+        num_host_from: dict[tuple[str, int], int] = {}  # (host, first block) -> L1 run
+        for instance_id, num_device in self.device.matched_blocks(keys).items():
+            host_id = self._host_of.get(instance_id)
+            if host_id is None:
+                continue
+            at = (host_id, num_device)
+            if at not in num_host_from:
+                num_host_from[at] = self.host.num_held_from(host_id, keys, num_device)
+            out[instance_id] = PrefixMatch(num_device, num_host_from[at])
+        for host_id, num_host in self.host.matched_blocks(keys).items():
+            for instance_id in self._on_host.get(host_id, ()):
+                if instance_id not in out:
+                    out[instance_id] = PrefixMatch(0, num_host)
         return out
 
     def sizes(self) -> dict[str, dict[str, int]]:
