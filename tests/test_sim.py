@@ -19,7 +19,7 @@ import pytest
 import kvrelay.sim
 from kvrelay.autoscale import autoscaler, policy
 from kvrelay.protocol.messages import LoadReport
-from kvrelay.router import prefix_index, registry
+from kvrelay.router import load_order, prefix_index, registry
 from kvrelay.sim import router_glue
 from kvrelay.sim.cache import SegmentLru
 from kvrelay.sim.profile import Link, Profile, StepModel
@@ -183,7 +183,10 @@ def test_cache_aware_placement_does_not_pile_a_tenant_onto_its_cache_holder() ->
 
 REAL_DECISIONS = [
     registry.Registry.place,
+    registry.Registry._cheapest,
+    registry.Registry._least_busy_decode,
     registry.Registry.assign,
+    load_order.LoadOrder.in_order,
     registry.Instance.load_score,
     registry.Instance.queued_tokens,
     prefix_index.CacheIndex.match,

@@ -265,10 +265,10 @@ class Dispatcher(Backend):
     def _matched(self, token_ids: list[int], cache_salt: str | None) -> dict[str, PrefixMatch]:
         """Per instance, the prompt blocks in its device cache and its host's L1 pool (of
         requests with the same ``cache_salt``: the salt is in every block's key)."""
-        instances = self.registry.instances()
-        if not instances:
+        first = self.registry.first_instance()
+        if first is None:
             return {}
-        info = instances[0].info
+        info = first.info
         keys = reusable_block_keys(token_ids, info.layout.block_size, info.fingerprint, cache_salt)
         return self.cache_index.match(keys)
 

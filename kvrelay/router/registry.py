@@ -23,6 +23,14 @@ Placement (DistServe-style, decode pulls):
   every byte of the weights, config and tokenizer, and the dtype); instances of different
   weights never pair, and ``register`` logs it when such a one joins.
 - no prefill/decode pair: a colocated instance, else any surviving worker, end to end.
+- ties left: the first registered (a re-registered id keeps its place).
+
+Cost per request: O(matched + log instances), not O(instances). Each role's instances are
+kept in ``LoadOrder``s (``load_order.py``), re-filed whenever a report or an assignment
+changes their load: prefill work with nothing cached per role, free KV blocks per decode
+pair key. With nothing saved, the cost ascends with that order, so a request ranks the
+instances its prompt matched (``CacheIndex.match`` lists only holders) and the first of
+the others in order, which is the same choice as ranking them all.
 """
 
 from __future__ import annotations
@@ -30,10 +38,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 from kvrelay.protocol.messages import LoadReport, PeerInfo, Register, Role
+from kvrelay.router.load_order import LoadOrder
 from kvrelay.router.prefix_index import PrefixMatch
 
 logger = logging.getLogger(__name__)
@@ -93,9 +102,27 @@ class Instance:
         }
 
 
+PairKey = tuple[int, bytes]
+
+
+def pair_key(info: PeerInfo) -> PairKey:
+    """What a prefill and a decode must share to pair: hand-off version and model identity."""
+    return info.kv_version, info.fingerprint
+
+
 def can_pair(prefill: PeerInfo, decode: PeerInfo) -> bool:
     """A decode can continue this prefill's requests: same hand-off version, same model."""
-    return prefill.kv_version == decode.kv_version and prefill.fingerprint == decode.fingerprint
+    return pair_key(prefill) == pair_key(decode)
+
+
+def _work_key(inst: Instance) -> tuple[int, float]:
+    """Prefill ranking with nothing cached (``Registry._cost`` less the prompt's length)."""
+    return inst.queued_tokens(), inst.load_score()
+
+
+def _free_key(inst: Instance) -> tuple[int, int]:
+    """Decode ranking: most free KV blocks, then fewest running sequences."""
+    return -inst.load.num_free_blocks, inst.load.num_running + inst.num_assigned
 
 
 class Placement(NamedTuple):
@@ -114,6 +141,10 @@ class Registry:
         self.dead_after = dead_after
         self.cache_weight = cache_weight
         self._instances: dict[str, Instance] = {}
+        self._order: dict[str, int] = {}  # registration order (kept on a re-register)
+        self._num_registered = 0
+        self._by_work = {role: LoadOrder(_work_key) for role in Role}
+        self._by_free: dict[PairKey, LoadOrder] = {}  # decodes, per pair key
 
     def register(
         self, msg: Register, connection: bytes = b"", now: float | None = None
@@ -128,7 +159,13 @@ class Registry:
             return None
         empty = LoadReport(info.instance_id, 0, 0, info.layout.num_blocks, info.layout.num_blocks)
         inst = Instance(info, msg.model_name, msg.max_model_len, msg.pid, empty, now, connection)
+        if live is not None:
+            self._forget(live)
         self._instances[info.instance_id] = inst
+        if info.instance_id not in self._order:
+            self._order[info.instance_id] = self._num_registered
+            self._num_registered += 1
+        self._file(inst)
         self._log_unpairable(inst)
         return inst
 
@@ -160,20 +197,45 @@ class Registry:
         inst.last_seen = time.monotonic() if now is None else now
         inst.num_assigned = 0
         inst.num_assigned_tokens = 0
+        self._file(inst)
         return inst
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
 
     def remove(self, instance_id: str) -> Instance | None:
-        return self._instances.pop(instance_id, None)
+        inst = self._instances.pop(instance_id, None)
+        if inst is not None:
+            self._forget(inst)
+            del self._order[instance_id]
+        return inst
+
+    def _file(self, inst: Instance) -> None:
+        """Files ``inst`` under its load as it is now, in its role's load orders (unless it
+        left meanwhile: a placement can outlive its instances)."""
+        if self._instances.get(inst.instance_id) is not inst:
+            return
+        order = self._order[inst.instance_id]
+        self._by_work[inst.role].update(inst, order)
+        if inst.role is Role.DECODE:
+            key = pair_key(inst.info)
+            self._by_free.setdefault(key, LoadOrder(_free_key)).update(inst, order)
+
+    def _forget(self, inst: Instance) -> None:
+        self._by_work[inst.role].discard(inst.instance_id)
+        if inst.role is Role.DECODE:
+            key = pair_key(inst.info)
+            by_free = self._by_free[key]
+            by_free.discard(inst.instance_id)
+            if not by_free:
+                del self._by_free[key]
 
     def reap(self, now: float | None = None) -> list[Instance]:
         """Removes and returns the instances silent for longer than ``dead_after``."""
         now = time.monotonic() if now is None else now
         dead = [i for i in self._instances.values() if now - i.last_seen > self.dead_after]
         for inst in dead:
-            del self._instances[inst.instance_id]
+            self.remove(inst.instance_id)
         return dead
 
     def excuse(self, seconds: float) -> None:
@@ -186,13 +248,9 @@ class Registry:
     def instances(self, role: Role | None = None) -> list[Instance]:
         return [i for i in self._instances.values() if role is None or i.role is role]
 
-    def _live(self, role: Role, exclude: Iterable[str]) -> list[Instance]:
-        skip = set(exclude)
-        return [
-            i
-            for i in self.instances(role)
-            if not (i.load.draining or i.draining) and i.instance_id not in skip
-        ]
+    def first_instance(self) -> Instance | None:
+        """The earliest registered instance still here (``instances()[0]``, in O(1))."""
+        return next(iter(self._instances.values()), None)
 
     def is_ready(self) -> bool:
         return self.place() is not None
@@ -202,8 +260,10 @@ class Registry:
         next report): one more request on each, its new tokens in the prefill's queue."""
         placement.prefill.num_assigned += 1
         placement.prefill.num_assigned_tokens += placement.num_new_tokens
+        self._file(placement.prefill)
         if placement.decode is not None:
             placement.decode.num_assigned += 1
+            self._file(placement.decode)
 
     def place(
         self,
@@ -213,40 +273,125 @@ class Registry:
     ) -> Placement | None:
         """Chooses where a new request runs; None when no instance can take it.
 
+        Looks only at the instances in ``matched`` and, per role, the first ones of the load
+        orders: O(matched + log instances), not O(instances), but the same choice as ranking
+        every instance by ``_cost`` (ties to the first registered).
+
         Args:
             exclude: instance ids not to use (a re-run avoids the ones that failed it).
             matched: per instance, the prompt blocks it holds (``CacheIndex.match``).
             num_prompt_tokens: the prompt's length (the new tokens the chosen prefill is
                 charged until its next report; ranking does not depend on it).
         """
-        exclude = list(exclude)
-        matched = matched or {}
-
-        def cost(inst: Instance) -> tuple[float, float]:
-            match = matched.get(inst.instance_id)
-            saved = 0.0 if match is None else match.credit * inst.info.layout.block_size
-            work = inst.queued_tokens() + num_prompt_tokens - self.cache_weight * saved
-            return work, inst.load_score()
-
-        def placed(prefill: Instance, decode: Instance | None) -> Placement:
-            match = matched.get(prefill.instance_id)
-            hit = 0 if match is None else match.device_blocks * prefill.info.layout.block_size
-            return Placement(prefill, decode, max(0, num_prompt_tokens - hit))
-
-        prefills = self._live(Role.PREFILL, exclude)
-        decodes = self._live(Role.DECODE, exclude)
+        request = _Request(set(exclude), matched or {}, num_prompt_tokens)
         # a pair must share the KV hand-off version (a rolling upgrade mixes them) and the
         # model identity: the cheapest prefill that has such a decode, else no hand-off
-        for prefill in sorted(prefills, key=cost):
-            peers = [d for d in decodes if can_pair(prefill.info, d.info)]
-            if peers:
-                decode = min(
-                    peers,
-                    key=lambda d: (-d.load.num_free_blocks, d.load.num_running + d.num_assigned),
-                )
-                return placed(prefill, decode)
+        decodes: dict[PairKey, Instance | None] = {}
+
+        def decode_for(inst: Instance) -> Instance | None:
+            key = pair_key(inst.info)
+            if key not in decodes:
+                decodes[key] = self._least_busy_decode(key, request)
+            return decodes[key]
+
+        prefill = self._cheapest(Role.PREFILL, request, lambda i: decode_for(i) is not None)
+        if prefill is not None:
+            return request.placed(prefill, decode_for(prefill))
         # a colocated instance, or any survivor: every worker can run a request end to end
-        for pool in (self._live(Role.COLOCATED, exclude), prefills + decodes):
-            if pool:
-                return placed(min(pool, key=cost), None)
-        return None
+        inst = self._cheapest(Role.COLOCATED, request)
+        if inst is None:
+            inst = self._cheapest_of(
+                self._cheapest(Role.PREFILL, request), self._cheapest(Role.DECODE, request), request
+            )
+        return None if inst is None else request.placed(inst, None)
+
+    def _cost(self, inst: Instance, request: _Request) -> tuple[float, float]:
+        """Prefill work on ``inst`` before the request's first token, then its load."""
+        return self._work(inst, request.matched.get(inst.instance_id), request), inst.load_score()
+
+    def _work(self, inst: Instance, match: PrefixMatch | None, request: _Request) -> float:
+        """Prompt tokens ``inst`` computes before the request's first token, less what its
+        cache hit saves (in queued tokens per cached token, ``cache_weight``)."""
+        saved = 0.0 if match is None else match.credit * inst.info.layout.block_size
+        return inst.queued_tokens() + request.num_prompt_tokens - self.cache_weight * saved
+
+    def _cheapest(
+        self,
+        role: Role,
+        request: _Request,
+        can_take: Callable[[Instance], bool] = lambda _: True,
+    ) -> Instance | None:
+        """The live ``role`` instance of least ``(_cost, registration order)`` that
+        ``can_take`` the request: the first in load order of those ``request.matched``
+        omits (with nothing saved, ``_cost`` ascends with it), else a matched one that costs
+        less. A matched one that does more work than the best so far is ranked no further."""
+        chosen = next(
+            (
+                i
+                for i in self._by_work[role].in_order()
+                if i.instance_id not in request.matched and request.is_usable(i) and can_take(i)
+            ),
+            None,
+        )
+        best = None if chosen is None else self._rank(chosen, request)
+        for instance_id, match in request.matched.items():
+            inst = self._instances.get(instance_id)
+            if inst is None or inst.role is not role:
+                continue
+            work = self._work(inst, match, request)
+            if best is not None and work > best[0]:
+                continue
+            if request.is_usable(inst) and can_take(inst):
+                rank = (work, inst.load_score(), self._order[instance_id])
+                if best is None or rank < best:
+                    chosen, best = inst, rank
+        return chosen
+
+    def _rank(self, inst: Instance, request: _Request) -> tuple[float, float, int]:
+        """``_cost``, ties to the first registered."""
+        return *self._cost(inst, request), self._order[inst.instance_id]
+
+    def _cheapest_of(
+        self, prefill: Instance | None, decode: Instance | None, request: _Request
+    ) -> Instance | None:
+        """The cheaper of the two; a tie to the prefill (the survivors are ranked prefills
+        first)."""
+        if prefill is None or decode is None:
+            return prefill or decode
+        return decode if self._cost(decode, request) < self._cost(prefill, request) else prefill
+
+    def _least_busy_decode(self, key: PairKey, request: _Request) -> Instance | None:
+        """The live decode of that pair key with the most free KV blocks, then the fewest
+        running sequences, then the first registered."""
+        order = self._by_free.get(key)
+        if order is None:
+            return None
+        return next((d for d in order.in_order() if request.is_usable(d)), None)
+
+    def check_integrity(self) -> None:
+        """Every instance filed once in its role's load orders, under its current load."""
+        for role, order in self._by_work.items():
+            assert len(order) == len(self.instances(role)), role
+            order.check_integrity()
+        num_decodes = sum(len(order) for order in self._by_free.values())
+        assert num_decodes == len(self.instances(Role.DECODE))
+        for order in self._by_free.values():
+            order.check_integrity()
+        assert self._order.keys() == self._instances.keys()
+
+
+class _Request(NamedTuple):
+    """One placement's inputs (``Registry.place``)."""
+
+    exclude: set[str]
+    matched: Mapping[str, PrefixMatch]
+    num_prompt_tokens: int
+
+    def is_usable(self, inst: Instance) -> bool:
+        """Not draining and not excluded."""
+        return not (inst.load.draining or inst.draining) and inst.instance_id not in self.exclude
+
+    def placed(self, prefill: Instance, decode: Instance | None) -> Placement:
+        match = self.matched.get(prefill.instance_id)
+        hit = 0 if match is None else match.device_blocks * prefill.info.layout.block_size
+        return Placement(prefill, decode, max(0, self.num_prompt_tokens - hit))

@@ -293,3 +293,4 @@ class Simulator:
     def check_integrity(self) -> None:
         for inst in self.instances.values():
             inst.check_integrity()
+        self.router.registry.check_integrity()
