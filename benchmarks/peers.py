@@ -150,9 +150,9 @@ def interleaved(engines: list[Engine], repeats: int, **cmd: Any) -> dict[str, li
 
 
 def memory_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> dict[str, float]:
-    """GB/s of this machine with ``threads`` threads, best of ``repeats``: ``copy`` counts the
-    bytes copied once (the issue's bound: weight bytes / copy bandwidth), ``read`` streams a
-    buffer into a sum (what a decode step does to its weights)."""
+    """GB/s of this machine with ``threads`` threads, best of ``repeats``: ``copy`` as STREAM
+    counts it (bytes read plus bytes written; the bound is weight bytes / copy bandwidth),
+    ``read`` streams a buffer into a sum (what a decode step does to its weights)."""
     import torch
 
     old = torch.get_num_threads()
@@ -165,7 +165,8 @@ def memory_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> dict[str
             for name, op in (("copy", lambda: dst.copy_(src)), ("read", src.sum)):
                 start = time.perf_counter()
                 op()
-                gbs = src.numel() * 4 / (time.perf_counter() - start) / 1e9
+                moved = src.numel() * 4 * (2 if name == "copy" else 1)
+                gbs = moved / (time.perf_counter() - start) / 1e9
                 best[name] = max(best[name], gbs)
         return best
     finally:
