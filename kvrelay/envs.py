@@ -177,6 +177,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var("KVRELAY_NATIVE_MATMUL", bool, True,
          "CPU decode steps multiply by the weights in kvrelay's native kernel (0: torch's; "
          "for comparisons)", commands=("serve",)),
+    _var("KVRELAY_NATIVE_ATTENTION", bool, True,
+         "CPU decode tokens attend over the KV pool in kvrelay's native kernel (0: torch's "
+         "gather + SDPA; for comparisons)", commands=("serve",)),
 )  # fmt: skip
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}
 

@@ -28,8 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads of torch and of the native decode-step matmuls "
-        "[env KVRELAY_NATIVE_MATMUL=0: torch's matmuls instead]",
+        help="CPU threads of torch and of the native decode-step kernels "
+        "[env KVRELAY_NATIVE_MATMUL=0: torch's matmuls instead; "
+        "env KVRELAY_NATIVE_ATTENTION=0: torch's decode attention]",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")

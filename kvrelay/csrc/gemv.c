@@ -26,6 +26,9 @@
  */
 #include <pthread.h>
 #include <sched.h>
+
+#include "bf16.h"
+#include "pool.h"
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,7 +49,7 @@
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
 typedef struct {
-    int kind; /* 0: kn, 1: nk */
+    int kind; /* 0: kn, 1: nk, 2: a pool_run callback */
     int dtype;
     int m, k, n;
     const void *w;
@@ -54,6 +57,8 @@ typedef struct {
     float *partials; /* kn: [chunks, m, n], one per chunk; nk: [m, n] */
     int chunk;       /* K rows (kn) or W rows (nk) per chunk */
     int num_chunks;
+    pool_fn fn; /* kind 2: called once per chunk */
+    void *ctx;
 } Job;
 
 /* A job's chunks are claimed through `ticket` = generation << 32 | next chunk, so a thread
@@ -71,23 +76,6 @@ static Job current;
 static float *scratch = NULL;
 static size_t scratch_floats = 0;
 static int have_avx2 = -1;
-
-/* ------------------------------------------------------------------ bfloat16 */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
 
 /* ------------------------------------------------------------------ portable kernels */
 
@@ -243,7 +231,9 @@ static int use_avx2(void) {
 
 static void run_chunk(int c) {
     const Job *j = &current;
-    if (j->kind == 0) {
+    if (j->kind == 2) {
+        j->fn(j->ctx, c);
+    } else if (j->kind == 0) {
         int k0 = c * j->chunk, k1 = k0 + j->chunk;
         if (k1 > j->k) k1 = j->k;
         float *out = j->partials + (size_t)c * j->m * j->n;
@@ -386,7 +376,7 @@ int gemv(int kind, int dtype, int m, int k, int n, const void *x, const void *w,
         for (size_t i = 0; i < xf_floats; i++) xf[i] = bf16_to_f32(((const uint16_t *)x)[i]);
     }
     float *partials = scratch + xf_floats;
-    current = (Job){kind, dtype, m, k, n, w, xf, partials, chunk, num_chunks};
+    current = (Job){kind, dtype, m, k, n, w, xf, partials, chunk, num_chunks, NULL, NULL};
     run_job();
     if (kind == 0) {
         for (int c = 1; c < num_chunks; c++) {
@@ -401,4 +391,13 @@ int gemv(int kind, int dtype, int m, int k, int n, const void *x, const void *w,
     }
     pthread_mutex_unlock(&gemv_lock);
     return 0;
+}
+
+/* Runs fn(ctx, 0..num_chunks-1) on the pool (pool.h), the caller included. */
+void pool_run(pool_fn fn, void *ctx, int num_chunks) {
+    if (num_chunks < 1) return;
+    pthread_mutex_lock(&gemv_lock);
+    current = (Job){2, 0, 0, 0, 0, NULL, NULL, NULL, 0, num_chunks, fn, ctx};
+    run_job();
+    pthread_mutex_unlock(&gemv_lock);
 }

@@ -20,7 +20,7 @@ from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
 from kvrelay.engine.sequence import Sequence
-from kvrelay.kernels import gemv
+from kvrelay.kernels import cpu_attention, gemv
 from kvrelay.kernels.attention import (
     AttentionMetadata,
     PrefillSegment,
@@ -46,6 +46,7 @@ class ModelRunner:
         self.device = kv_cache.device
         self.window = model.config.sliding_window
         self.workspace = Workspace()  # context-gather buffers, reused by every step
+        self.native_attention = cpu_attention.supports(kv_cache, model.config.num_heads)
         self.threads = torch.get_num_threads()
         # decode steps: torch on one thread, the native matmuls on all (module docstring)
         self.narrow_decode = self.device.type == "cpu" and self.threads > 1 and gemv.available()
@@ -119,9 +120,18 @@ class ModelRunner:
             if item.needs_sample:
                 sample_rows.append(row + n - 1)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_list), prefills=prefills, workspace=self.workspace
+            slot_mapping=torch.cat(slot_list),
+            prefills=prefills,
+            workspace=self.workspace,
+            window=self.window,
         )
-        if decode_items:
+        if decode_items and self.native_attention:
+            meta.native_decode = cpu_attention.make_decode(
+                decode_rows,
+                [item.start + 1 for item in decode_items],
+                [item.seq.block_ids for item in decode_items],
+            )
+        elif decode_items:
             meta.decode = decode_groups(
                 decode_rows,
                 [item.start + 1 for item in decode_items],

@@ -17,7 +17,8 @@ token by token) into a workspace that lives across layers and steps: a fresh mul
 tensor per layer costs more in page faults than the copy itself. Decode queries are viewed
 as ``[n, kv_heads, q_per_kv, head_dim]``, so grouped-query attention needs no repeated K/V.
 The metadata (block lists, masks) is built once per step by the runner and shared by all
-layers.
+layers. On CPU, decode tokens go to the native kernel instead (``cpu_attention``: keys and
+values read in place, no gather, no padding) when the runner built ``native_decode``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
+
+from kvrelay.kernels import cpu_attention
+from kvrelay.kernels.cpu_attention import NativeDecode
 
 DECODE_GROUP_PAD_TOKENS = 256  # a decode group pads no sequence by more than this many tokens
 
@@ -54,6 +58,8 @@ class AttentionMetadata:
     prefills: list[PrefillSegment] = field(default_factory=list)
     decode: list[DecodeGroup] = field(default_factory=list)
     workspace: Workspace | None = None  # gather buffers; None: allocate per call
+    native_decode: NativeDecode | None = None  # CPU: decode tokens for the native kernel
+    window: int | None = None  # sliding window (the native kernel's; groups carry masks)
 
     def to(self, device: torch.device) -> AttentionMetadata:
         """This metadata with every tensor on ``device`` (itself when that is the CPU)."""
@@ -222,7 +228,7 @@ def paged_attention(
     k_blocks = kv[0].view(num_blocks, -1)
     v_blocks = kv[1].view(num_blocks, -1)
     workspace = meta.workspace if meta.workspace is not None else Workspace()
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         if seg.ctx_blocks is None:
@@ -234,6 +240,8 @@ def paged_attention(
         out[rows] = _sdpa(q[rows].unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), seg.mask, scale)[
             0
         ]
+    if meta.native_decode is not None:
+        cpu_attention.decode(q.contiguous(), kv, meta.native_decode, meta.window, scale, out)
     q_per_kv = q.shape[1] // num_kv_heads
     for group in meta.decode:
         n = group.q_index.numel()

@@ -51,6 +51,13 @@ def load_library() -> ctypes.CDLL | None:
             library = ctypes.CDLL(str(path))
             library.gemv.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p] * 3
             library.gemv.restype = ctypes.c_int
+            library.decode_attention.argtypes = (
+                [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_void_p] * 7
+            )
+            library.decode_attention.restype = ctypes.c_int
+            ptr, c_int = ctypes.c_void_p, ctypes.c_int  # decode.c, for kernels/cpu_decode.py
+            library.decode_forward.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, ptr, ptr, c_int, ptr]
+            library.decode_forward.restype = ctypes.c_int
             library.gemv_set_threads.argtypes = [ctypes.c_int]
             library.gemv_set_threads.restype = ctypes.c_int
             library.gemv_set_threads(torch.get_num_threads())

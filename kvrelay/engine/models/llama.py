@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from kvrelay.engine.config import ModelConfig, RopeConfig
 from kvrelay.kernels import gemv
 from kvrelay.kernels.attention import AttentionMetadata, paged_attention
+from kvrelay.kernels.cpu_decode import FusedDecode
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -88,6 +89,7 @@ class LlamaModel:
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
         self._qk_heads = config.num_heads + config.num_kv_heads
+        self._fused: FusedDecode | None = None  # built for the first KV pool it can serve
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[T, 1, head_dim / 2]`` for the given positions."""
@@ -110,6 +112,9 @@ class LlamaModel:
         w, cfg = self.weights, self.config
         x = F.embedding(input_ids, w["embed"])
         cos, sin = self.rotary(positions)
+        fused = self._fused_for(kv_cache, meta, x.shape[0])
+        if fused is not None and meta.native_decode is not None:
+            return fused.forward(x, cos, sin, meta.native_decode, meta.slot_mapping)
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             h = rms_norm(x, w[p + "in_norm"], cfg.rms_norm_eps)
@@ -125,6 +130,22 @@ class LlamaModel:
             gate, up = linear(h, w[p + "gate_up"]).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, w[p + "down"])
         return x
+
+    def _fused_for(
+        self, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: int
+    ) -> FusedDecode | None:
+        """The native whole-step path (``kernels.cpu_decode``) when this step is decode tokens
+        only, at most ``gemv.MAX_ROWS`` of them, and the model and pool allow it."""
+        batch = meta.native_decode
+        if batch is None or meta.prefills or meta.decode or rows > gemv.MAX_ROWS:
+            return None
+        if batch.rows.numel() != rows:
+            return None
+        if self._fused is None or self._fused.kv_cache.data_ptr() != kv_cache.data_ptr():
+            if not FusedDecode.supports(self.config, self.weights, kv_cache):
+                return None
+            self._fused = FusedDecode(self.config, self.weights, kv_cache)
+        return self._fused
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,297 @@
+/*
+ * Paged decode attention for CPU: one query token per sequence against its cached keys and
+ * values, read in place from the block pool (no gather into a padded copy).
+ *
+ * Pool layout (one layer, kernels/attention.py): k and v are each [num_blocks, block_size,
+ * kv_heads, head_dim]; token t of sequence i lives in block tables[i, t / block_size] at
+ * offset t % block_size. Work is split by (sequence, kv head): each piece computes the
+ * q_per_kv query heads that share that kv head (grouped-query attention without repeating
+ * K/V), with a running maximum and sum (online softmax) over tiles of TILE keys, so each key
+ * and value row is read once. Sums are float32; a bfloat16 pool and queries are widened in
+ * registers and the output rounded to nearest even. The pieces run on gemv.c's pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "pool.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KV_X86 1
+#else
+#define KV_X86 0
+#endif
+
+#define MAX_HEAD_DIM 256
+#define MAX_Q_PER_KV 16
+#define TILE 32 /* keys scored before the running maximum is updated */
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+typedef struct {
+    int dtype, q_heads, kv_heads, head_dim, block_size, max_blocks, window;
+    float scale;
+    const void *q;   /* [T, q_heads, head_dim] */
+    const void *k;   /* [num_blocks, block_size, kv_heads, head_dim] */
+    const void *v;
+    const int64_t *rows;     /* [n] row of each sequence's query in q and out */
+    const int32_t *tables;   /* [n, max_blocks] */
+    const int32_t *ctx_lens; /* [n] keys each query attends over, its own included */
+    void *out;               /* [T, q_heads, head_dim], q's dtype */
+} AttnJob;
+
+static int have_avx2 = -1;
+
+static int use_avx2(void) {
+#if KV_X86
+    if (have_avx2 < 0) {
+        __builtin_cpu_init();
+        have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return have_avx2;
+#else
+    return 0;
+#endif
+}
+
+/* Row `index` (head_dim elements) of a float32 or bfloat16 array: a float32 row in place,
+ * a bfloat16 one widened into buf. */
+static const float *row_f32(const AttnJob *j, const void *base, size_t index, float *buf) {
+    const size_t off = index * (size_t)j->head_dim;
+    if (j->dtype == DT_F32) return (const float *)base + off;
+    const uint16_t *src = (const uint16_t *)base + off;
+    for (int d = 0; d < j->head_dim; d++) buf[d] = bf16_to_f32(src[d]);
+    return buf;
+}
+
+#if KV_X86
+__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int d = 0; d < n; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+__attribute__((target("avx2,fma"))) static void axpy_avx2(float *y, float a, const float *x, int n) {
+    const __m256 av = _mm256_set1_ps(a);
+    for (int d = 0; d < n; d += 8)
+        _mm256_storeu_ps(y + d, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
+}
+
+/* e^x for x <= 0 (scores less their maximum), 8 at a time: x = n ln2 + r with |r| <= ln2 / 2,
+ * e^r by its degree-6 Taylor-like minimax polynomial, 2^n put in the exponent bits. Relative
+ * error about 2e-7; x below -87 (e^x under float's normal range) gives 0. */
+__attribute__((target("avx2,fma"))) static __m256 exp_avx2(__m256 x) {
+    const __m256 too_small = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(too_small, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+
+/* p[0:n] = e^(s[0:n] - max), n a multiple of 8 (the tile is padded); returns the sum of the
+ * first `count`. */
+__attribute__((target("avx2,fma"))) static float exp_shift_avx2(float *s, float max, int n, int count) {
+    const __m256 m = _mm256_set1_ps(max);
+    for (int t = 0; t < n; t += 8) _mm256_storeu_ps(s + t, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), m)));
+    float sum = 0.0f;
+    for (int t = 0; t < count; t++) sum += s[t];
+    return sum;
+}
+#endif
+
+static float dot(int simd, const float *a, const float *b, int n) {
+#if KV_X86
+    if (simd) return dot_avx2(a, b, n);
+#endif
+    float s = 0.0f;
+    for (int d = 0; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+static void axpy(int simd, float *y, float a, const float *x, int n) {
+#if KV_X86
+    if (simd) {
+        axpy_avx2(y, a, x, n);
+        return;
+    }
+#endif
+    for (int d = 0; d < n; d++) y[d] += a * x[d];
+}
+
+static float exp_shift(int simd, float *s, float max, int count) {
+#if KV_X86
+    if (simd) return exp_shift_avx2(s, max, (count + 7) & ~7, count);
+#endif
+    float sum = 0.0f;
+    for (int t = 0; t < count; t++) {
+        s[t] = expf(s[t] - max);
+        sum += s[t];
+    }
+    return sum;
+}
+
+/* Pool rows (of [num_blocks * block_size * kv_heads]) of keys t0..t0+nt-1 of sequence i, head h:
+ * one division per tile, then a walk through the blocks. */
+static void key_rows(const AttnJob *j, int i, int t0, int nt, int h, size_t *rows) {
+    const int32_t *table = j->tables + (size_t)i * j->max_blocks;
+    int b = t0 / j->block_size, off = t0 % j->block_size;
+    for (int t = 0; t < nt; t++) {
+        rows[t] = ((size_t)table[b] * j->block_size + off) * j->kv_heads + h;
+        if (++off == j->block_size) {
+            off = 0;
+            b++;
+        }
+    }
+}
+
+typedef struct {
+    float q[MAX_Q_PER_KV][MAX_HEAD_DIM]; /* scaled queries of the kv head's group */
+    float acc[MAX_Q_PER_KV][MAX_HEAD_DIM];
+    float score[MAX_Q_PER_KV][TILE];
+    float run_max[MAX_Q_PER_KV], run_sum[MAX_Q_PER_KV];
+    float buf[MAX_HEAD_DIM]; /* a widened bfloat16 row */
+    size_t rows[TILE];
+} Piece;
+
+/* One tile of keys t0..t0+nt-1: scores, the running maximum and sum, then the values. */
+static void attend_tile_c(const AttnJob *j, Piece *p, int i, int h, int t0, int nt, int qpk, int simd) {
+    const int hd = j->head_dim;
+    key_rows(j, i, t0, nt, h, p->rows);
+    for (int t = 0; t < nt; t++) {
+        const float *k = row_f32(j, j->k, p->rows[t], p->buf);
+        for (int g = 0; g < qpk; g++) p->score[g][t] = dot(simd, p->q[g], k, hd);
+    }
+    for (int g = 0; g < qpk; g++) {
+        float tile_max = p->run_max[g];
+        for (int t = 0; t < nt; t++) tile_max = p->score[g][t] > tile_max ? p->score[g][t] : tile_max;
+        const float correction = expf(p->run_max[g] - tile_max); /* 0 on the first tile */
+        for (int d = 0; d < hd; d++) p->acc[g][d] *= correction;
+        p->run_sum[g] = p->run_sum[g] * correction + exp_shift(simd, p->score[g], tile_max, nt);
+        p->run_max[g] = tile_max;
+    }
+    for (int t = 0; t < nt; t++) {
+        const float *v = row_f32(j, j->v, p->rows[t], p->buf);
+        for (int g = 0; g < qpk; g++) axpy(simd, p->acc[g], p->score[g][t], v, hd);
+    }
+}
+
+#if KV_X86
+static inline float hsum_avx2(__m256 v) __attribute__((target("avx2,fma")));
+static inline float hsum_avx2(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* attend_tile_c with AVX2 (head_dim a multiple of 8): each key and value row is loaded once
+ * for all qpk query heads of the group. */
+__attribute__((target("avx2,fma"))) static void attend_tile_avx2(const AttnJob *j, Piece *p, int i, int h, int t0, int nt, int qpk) {
+    const int hd = j->head_dim;
+    key_rows(j, i, t0, nt, h, p->rows);
+    for (int t = 0; t < nt; t++) {
+        const float *k = row_f32(j, j->k, p->rows[t], p->buf);
+        __m256 acc[MAX_Q_PER_KV];
+        for (int g = 0; g < qpk; g++) acc[g] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            const __m256 kv = _mm256_loadu_ps(k + d);
+            for (int g = 0; g < qpk; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(p->q[g] + d), kv, acc[g]);
+        }
+        for (int g = 0; g < qpk; g++) p->score[g][t] = hsum_avx2(acc[g]);
+    }
+    const int padded = (nt + 7) & ~7;
+    for (int g = 0; g < qpk; g++) {
+        float tile_max = p->run_max[g];
+        for (int t = 0; t < nt; t++) tile_max = p->score[g][t] > tile_max ? p->score[g][t] : tile_max;
+        const float correction = expf(p->run_max[g] - tile_max); /* 0 on the first tile */
+        const __m256 c = _mm256_set1_ps(correction);
+        for (int d = 0; d < hd; d += 8) _mm256_storeu_ps(p->acc[g] + d, _mm256_mul_ps(c, _mm256_loadu_ps(p->acc[g] + d)));
+        p->run_sum[g] = p->run_sum[g] * correction + exp_shift_avx2(p->score[g], tile_max, padded, nt);
+        p->run_max[g] = tile_max;
+    }
+    for (int t = 0; t < nt; t++) {
+        const float *v = row_f32(j, j->v, p->rows[t], p->buf);
+        for (int d = 0; d < hd; d += 8) {
+            const __m256 vv = _mm256_loadu_ps(v + d);
+            for (int g = 0; g < qpk; g++) {
+                float *a = p->acc[g] + d;
+                _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p->score[g][t]), vv, _mm256_loadu_ps(a)));
+            }
+        }
+    }
+}
+#endif
+
+static void attend_tile(const AttnJob *j, Piece *p, int i, int h, int t0, int nt, int qpk, int simd) {
+#if KV_X86
+    if (simd) {
+        attend_tile_avx2(j, p, i, h, t0, nt, qpk);
+        return;
+    }
+#endif
+    attend_tile_c(j, p, i, h, t0, nt, qpk, simd);
+}
+
+/* Sequence i = piece / kv_heads, kv head h = piece % kv_heads. */
+static void attend(void *ctx, int piece) {
+    const AttnJob *j = (const AttnJob *)ctx;
+    const int i = piece / j->kv_heads, h = piece % j->kv_heads;
+    const int qpk = j->q_heads / j->kv_heads, hd = j->head_dim;
+    const int simd = use_avx2() && hd % 8 == 0;
+    const int len = j->ctx_lens[i];
+    const int start = j->window > 0 && len > j->window ? len - j->window : 0;
+    Piece p;
+    const size_t q_row0 = (size_t)j->rows[i] * j->q_heads + (size_t)h * qpk;
+    for (int g = 0; g < qpk; g++) {
+        const float *q = row_f32(j, j->q, q_row0 + g, p.buf);
+        for (int d = 0; d < hd; d++) {
+            p.q[g][d] = q[d] * j->scale;
+            p.acc[g][d] = 0.0f;
+        }
+        p.run_max[g] = -INFINITY;
+        p.run_sum[g] = 0.0f;
+    }
+    for (int t0 = start; t0 < len; t0 += TILE)
+        attend_tile(j, &p, i, h, t0, len - t0 < TILE ? len - t0 : TILE, qpk, simd);
+    for (int g = 0; g < qpk; g++) {
+        const float inv = p.run_sum[g] > 0.0f ? 1.0f / p.run_sum[g] : 0.0f;
+        const size_t off = (q_row0 + g) * (size_t)hd;
+        if (j->dtype == DT_F32) {
+            float *o = (float *)j->out + off;
+            for (int d = 0; d < hd; d++) o[d] = p.acc[g][d] * inv;
+        } else {
+            uint16_t *o = (uint16_t *)j->out + off;
+            for (int d = 0; d < hd; d++) o[d] = f32_to_bf16(p.acc[g][d] * inv);
+        }
+    }
+}
+
+/* Decode attention for n sequences (see the file comment); window 0 = none. Returns 0, or -1
+ * for a shape this kernel does not take (the caller then uses the torch path). */
+int decode_attention(int dtype, int n, int q_heads, int kv_heads, int head_dim, int block_size,
+                     int max_blocks, int window, float scale, const void *q, const void *k,
+                     const void *v, const int64_t *rows, const int32_t *tables,
+                     const int32_t *ctx_lens, void *out) {
+    if (dtype != DT_F32 && dtype != DT_BF16) return -1;
+    if (n < 1 || kv_heads < 1 || q_heads % kv_heads != 0 || q_heads / kv_heads > MAX_Q_PER_KV) return -1;
+    if (head_dim < 1 || head_dim > MAX_HEAD_DIM || block_size < 1 || max_blocks < 1) return -1;
+    AttnJob job = {dtype, q_heads, kv_heads, head_dim, block_size, max_blocks, window, scale,
+                   q, k, v, rows, tables, ctx_lens, out};
+    pool_run(attend, &job, n * kv_heads);
+    return 0;
+}

@@ -1,0 +1,208 @@
+/*
+ * A whole decode step's decoder layers on CPU in one call: for a few tokens (one per
+ * sequence), every layer's RMSNorm, fused QKV projection (+ bias), rotary embedding, KV store,
+ * paged attention, output projection, residual, RMSNorm, gate/up projection, SiLU-and-multiply,
+ * down projection and residual, with no Python or torch op between them.
+ *
+ * A lone sequence's decode step reads every weight once (the matmuls, gemv.c, run at the
+ * memory bound), but the ~45 small torch ops per layer around them cost as much again in
+ * dispatch. This file does those ops in plain loops over a few hundred floats, in the order
+ * and with the rounding of kvrelay's torch path (engine/models/llama.py): values are float32
+ * throughout, and for a bfloat16 model each op's result is rounded to bfloat16 where torch's
+ * op would round it, so both paths agree to float32 summation order.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_PER_LAYER };
+
+int gemv(int kind, int dtype, int m, int k, int n, const void *x, const void *w, void *y);
+int decode_attention(int dtype, int n, int q_heads, int kv_heads, int head_dim, int block_size,
+                     int max_blocks, int window, float scale, const void *q, const void *k,
+                     const void *v, const int64_t *rows, const int32_t *tables,
+                     const int32_t *ctx_lens, void *out);
+
+typedef struct {
+    int dtype, layers, hidden, q_heads, kv_heads, head_dim, inter, block_size, window;
+    float eps, scale;
+    const void *const *weights; /* W_PER_LAYER per layer; a missing bias is NULL */
+    void *kv;                   /* [layers, 2, num_blocks, block_size, kv_heads, head_dim] */
+    int64_t kv_layer_elems;     /* elements of one layer's [2, ...] pool */
+} DecodeModel;
+
+typedef struct {
+    int m, max_blocks;
+    const int64_t *slots, *rows;
+    const int32_t *tables, *ctx_lens;
+    const float *cos, *sin; /* [m, head_dim / 2], already rounded to the model's dtype */
+} StepInputs;
+
+typedef struct {
+    float *h, *qkv, *q, *attn, *proj, *gate_up, *act; /* float32 work rows */
+    void *in, *out;                                   /* dtype copies for gemv / attention */
+} Buffers;
+
+static inline float rnd(int dtype, float v) { return dtype == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+
+static float get(int dtype, const void *p, size_t i) {
+    return dtype == DT_F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static void put(int dtype, void *p, size_t i, float v) {
+    if (dtype == DT_F32) {
+        ((float *)p)[i] = v;
+    } else {
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    }
+}
+
+/* y[m, n] = x[m, k] @ w, x and y float32 rows, w in the model's dtype (gemv.c rounds y). */
+static int matmul(const DecodeModel *md, Buffers *b, int kind, int m, int k, int n, const float *x, const void *w, float *y) {
+    for (size_t i = 0; i < (size_t)m * k; i++) put(md->dtype, b->in, i, x[i]);
+    if (gemv(kind, md->dtype, m, k, n, b->in, w, b->out) != 0) return -1;
+    for (size_t i = 0; i < (size_t)m * n; i++) y[i] = get(md->dtype, b->out, i);
+    return 0;
+}
+
+/* h = RMSNorm(x) * w: float32 for a float32 model; for bfloat16, the normalized row is rounded
+ * and then the product with the weight is (llama.rms_norm). */
+static void rms_norm(const DecodeModel *md, int m, const float *x, const void *w, float *h) {
+    const int n = md->hidden;
+    for (int r = 0; r < m; r++) {
+        const float *xr = x + (size_t)r * n;
+        float ss = 0.0f;
+        for (int c = 0; c < n; c++) ss += xr[c] * xr[c];
+        const float inv = 1.0f / sqrtf(ss / (float)n + md->eps);
+        for (int c = 0; c < n; c++) {
+            const float wc = get(md->dtype, w, c);
+            h[(size_t)r * n + c] = md->dtype == DT_F32 ? xr[c] * inv * wc : rnd(DT_BF16, wc * rnd(DT_BF16, xr[c] * inv));
+        }
+    }
+}
+
+/* Rotates the q and k heads of qkv rows in place (half-split pairs, llama.apply_rope). */
+static void rope(const DecodeModel *md, const StepInputs *in, float *qkv) {
+    const int hd = md->head_dim, half = hd / 2, heads = md->q_heads + md->kv_heads, dt = md->dtype;
+    const int width = (md->q_heads + 2 * md->kv_heads) * hd;
+    for (int r = 0; r < in->m; r++) {
+        const float *cos = in->cos + (size_t)r * half, *sin = in->sin + (size_t)r * half;
+        for (int hh = 0; hh < heads; hh++) {
+            float *x = qkv + (size_t)r * width + (size_t)hh * hd;
+            for (int d = 0; d < half; d++) {
+                const float x1 = x[d], x2 = x[d + half];
+                x[d] = rnd(dt, rnd(dt, x1 * cos[d]) - rnd(dt, x2 * sin[d]));
+                x[d + half] = rnd(dt, rnd(dt, x2 * cos[d]) + rnd(dt, x1 * sin[d]));
+            }
+        }
+    }
+}
+
+/* Writes each row's k and v heads into its pool slot of this layer. */
+static void store_kv(const DecodeModel *md, const StepInputs *in, const float *qkv, void *k_pool, void *v_pool) {
+    const int hd = md->head_dim, kvw = md->kv_heads * hd, qw = md->q_heads * hd;
+    const int width = qw + 2 * kvw;
+    for (int r = 0; r < in->m; r++) {
+        const size_t base = (size_t)in->slots[r] * kvw;
+        for (int c = 0; c < kvw; c++) {
+            put(md->dtype, k_pool, base + c, qkv[(size_t)r * width + qw + c]);
+            put(md->dtype, v_pool, base + c, qkv[(size_t)r * width + qw + kvw + c]);
+        }
+    }
+}
+
+/* attn[m, q_heads * head_dim] from the rotated q rows over this layer's pool. */
+static int attend(const DecodeModel *md, const StepInputs *in, Buffers *b, const float *qkv, const void *k_pool, const void *v_pool) {
+    const int qw = md->q_heads * md->head_dim, width = qw + 2 * md->kv_heads * md->head_dim;
+    for (int r = 0; r < in->m; r++)
+        for (int c = 0; c < qw; c++) put(md->dtype, b->in, (size_t)r * qw + c, qkv[(size_t)r * width + c]);
+    if (decode_attention(md->dtype, in->m, md->q_heads, md->kv_heads, md->head_dim, md->block_size, in->max_blocks,
+                         md->window, md->scale, b->in, k_pool, v_pool, in->rows, in->tables, in->ctx_lens, b->out) != 0)
+        return -1;
+    for (size_t i = 0; i < (size_t)in->m * qw; i++) b->attn[i] = get(md->dtype, b->out, i);
+    return 0;
+}
+
+static void add_rows(int dtype, size_t count, float *x, const float *y) {
+    for (size_t i = 0; i < count; i++) x[i] = rnd(dtype, x[i] + y[i]);
+}
+
+/* act = SiLU(gate) * up, each op rounded as torch's (F.silu, then the product). */
+static void silu_mul(int dtype, int m, int inter, const float *gate_up, float *act) {
+    for (int r = 0; r < m; r++) {
+        const float *g = gate_up + (size_t)r * 2 * inter, *u = g + inter;
+        for (int c = 0; c < inter; c++) act[(size_t)r * inter + c] = rnd(dtype, rnd(dtype, g[c] / (1.0f + expf(-g[c]))) * u[c]);
+    }
+}
+
+static int layer(const DecodeModel *md, const StepInputs *in, Buffers *b, int i, float *x) {
+    const void *const *w = md->weights + (size_t)i * W_PER_LAYER;
+    const size_t esize = md->dtype == DT_F32 ? 4 : 2;
+    char *pool = (char *)md->kv + (size_t)i * md->kv_layer_elems * esize;
+    void *k_pool = pool, *v_pool = pool + (size_t)md->kv_layer_elems / 2 * esize;
+    const int m = in->m, hd = md->head_dim, n_qkv = (md->q_heads + 2 * md->kv_heads) * hd;
+    rms_norm(md, m, x, w[W_IN_NORM], b->h);
+    if (matmul(md, b, 0, m, md->hidden, n_qkv, b->h, w[W_QKV], b->qkv) != 0) return -1;
+    if (w[W_QKV_BIAS] != NULL)
+        for (int r = 0; r < m; r++)
+            for (int c = 0; c < n_qkv; c++) {
+                float *v = b->qkv + (size_t)r * n_qkv + c;
+                *v = rnd(md->dtype, *v + get(md->dtype, w[W_QKV_BIAS], c));
+            }
+    rope(md, in, b->qkv);
+    store_kv(md, in, b->qkv, k_pool, v_pool);
+    if (attend(md, in, b, b->qkv, k_pool, v_pool) != 0) return -1;
+    if (matmul(md, b, 0, m, md->q_heads * hd, md->hidden, b->attn, w[W_O], b->proj) != 0) return -1;
+    add_rows(md->dtype, (size_t)m * md->hidden, x, b->proj);
+    rms_norm(md, m, x, w[W_POST_NORM], b->h);
+    if (matmul(md, b, 0, m, md->hidden, 2 * md->inter, b->h, w[W_GATE_UP], b->gate_up) != 0) return -1;
+    silu_mul(md->dtype, m, md->inter, b->gate_up, b->act);
+    if (matmul(md, b, 0, m, md->inter, md->hidden, b->act, w[W_DOWN], b->proj) != 0) return -1;
+    add_rows(md->dtype, (size_t)m * md->hidden, x, b->proj);
+    return 0;
+}
+
+static size_t max3(size_t a, size_t b, size_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* Runs every decoder layer for m decode tokens; x [m, hidden] (the model's dtype) holds the
+ * embeddings on entry and the last layer's output on return. Returns 0, -1 on a refused
+ * shape, -2 when out of memory. */
+int decode_forward(const DecodeModel *md, int m, void *x, const void *cos, const void *sin, const int64_t *slots,
+                   const int64_t *rows, const int32_t *tables, int max_blocks, const int32_t *ctx_lens) {
+    if (m < 1 || (md->dtype != DT_F32 && md->dtype != DT_BF16) || md->head_dim % 2 != 0) return -1;
+    const int hd = md->head_dim, half = hd / 2, n_qkv = (md->q_heads + 2 * md->kv_heads) * hd;
+    const size_t widest = max3((size_t)n_qkv, 2 * (size_t)md->inter, (size_t)md->hidden);
+    const size_t floats = (size_t)m * (md->hidden + 2 * (size_t)n_qkv + md->hidden + 2 * widest + md->inter) +
+                          2 * (size_t)m * half + (size_t)m * md->hidden;
+    float *mem = (float *)malloc(floats * sizeof(float) + 2 * (size_t)m * widest * sizeof(float));
+    if (mem == NULL) return -2;
+    Buffers b = {0};
+    float *p = mem, *xf, *cf, *sf;
+    b.h = p, p += (size_t)m * md->hidden;
+    b.qkv = p, p += (size_t)m * n_qkv;
+    b.attn = p, p += (size_t)m * n_qkv;
+    b.proj = p, p += (size_t)m * md->hidden;
+    b.gate_up = p, p += (size_t)m * widest;
+    b.act = p, p += (size_t)m * widest;
+    cf = p, p += (size_t)m * half;
+    sf = p, p += (size_t)m * half;
+    xf = p, p += (size_t)m * md->hidden;
+    b.in = p, p += (size_t)m * widest;
+    b.out = p;
+    for (size_t i = 0; i < (size_t)m * half; i++) {
+        cf[i] = get(md->dtype, cos, i);
+        sf[i] = get(md->dtype, sin, i);
+    }
+    for (size_t i = 0; i < (size_t)m * md->hidden; i++) xf[i] = get(md->dtype, x, i);
+    const StepInputs in = {m, max_blocks, slots, rows, tables, ctx_lens, cf, sf};
+    int code = 0;
+    for (int i = 0; i < md->layers && code == 0; i++) code = layer(md, &in, &b, i, xf);
+    if (code == 0)
+        for (size_t i = 0; i < (size_t)m * md->hidden; i++) put(md->dtype, x, i, xf[i]);
+    free(mem);
+    return code;
+}

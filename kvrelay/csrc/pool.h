@@ -1,0 +1,11 @@
+/* The thread pool of gemv.c, shared by the library's other CPU kernels (attention.c). */
+#ifndef KVRELAY_POOL_H
+#define KVRELAY_POOL_H
+
+typedef void (*pool_fn)(void *ctx, int chunk);
+
+/* Calls fn(ctx, c) for every c in 0..num_chunks-1, spread over the pool's threads (sized by
+ * gemv_set_threads), and returns when all are done. Calls are serialized. */
+void pool_run(pool_fn fn, void *ctx, int num_chunks);
+
+#endif

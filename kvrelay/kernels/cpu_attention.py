@@ -1,0 +1,98 @@
+"""Paged decode attention on CPU in kvrelay's native library (``csrc/attention.c``).
+
+The torch path (``attention.paged_attention``) gathers each decode group's context blocks
+into a padded copy and runs one masked SDPA per group: on a batched CPU decode step the copy
+and the padding were most of attention's time (BENCHMARKS.md, engine step profile). The
+native kernel reads keys and values in place from the block pool, one query token per
+sequence, split by (sequence, kv head) over the engine's thread pool (the one the native
+matmuls use), with an online softmax in float32. The runner builds a ``NativeDecode`` instead
+of decode groups when ``supports`` is true; results equal the torch path's up to float32
+summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvrelay import envs
+from kvrelay.kernels import gemv
+
+MAX_HEAD_DIM = 256  # csrc/attention.c
+MAX_Q_PER_KV = 16
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@dataclass(slots=True)
+class NativeDecode:
+    """A step's decode tokens for the native kernel: one row of each per sequence."""
+
+    rows: torch.Tensor  # [n] int64: the token's row in the flat batch
+    tables: torch.Tensor  # [n, max_blocks] int32 block tables, padded with block 0
+    ctx_lens: torch.Tensor  # [n] int32: keys each token attends over, its own included
+
+
+def supports(kv: torch.Tensor, q_heads: int) -> bool:
+    """True when decode attention over the pool ``kv`` (one layer's or all) runs natively."""
+    head_dim, kv_heads = kv.shape[-1], kv.shape[-2]
+    return (
+        kv.device.type == "cpu"
+        and kv.dtype in _DTYPES
+        and head_dim <= MAX_HEAD_DIM
+        and q_heads % kv_heads == 0
+        and q_heads // kv_heads <= MAX_Q_PER_KV
+        and bool(envs.get("KVRELAY_NATIVE_ATTENTION"))
+        and gemv.available()
+    )
+
+
+def make_decode(rows: list[int], ctx_lens: list[int], tables: list[list[int]]) -> NativeDecode:
+    """The kernel's inputs from each decode token's row, context length and block table."""
+    width = max(len(t) for t in tables)
+    padded = torch.zeros(len(tables), width, dtype=torch.int32)
+    for i, table in enumerate(tables):
+        padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    return NativeDecode(
+        torch.tensor(rows, dtype=torch.long),
+        padded,
+        torch.tensor(ctx_lens, dtype=torch.int32),
+    )
+
+
+def decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    batch: NativeDecode,
+    window: int | None,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Writes ``out[batch.rows]``: each decode query ``q[row]`` attended over its sequence's
+    keys and values in ``kv`` (one layer's pool ``[2, num_blocks, block_size, kv_heads,
+    head_dim]``), the last ``window`` of them when a sliding window is set."""
+    library = gemv.load_library()
+    if library is None:
+        raise RuntimeError("native attention called without the compiled library")
+    _, _, block_size, kv_heads, head_dim = kv.shape
+    code = library.decode_attention(
+        _DTYPES[kv.dtype],
+        batch.rows.numel(),
+        q.shape[1],
+        kv_heads,
+        head_dim,
+        block_size,
+        batch.tables.shape[1],
+        window or 0,
+        scale,
+        q.data_ptr(),
+        kv[0].data_ptr(),
+        kv[1].data_ptr(),
+        batch.rows.data_ptr(),
+        batch.tables.data_ptr(),
+        batch.ctx_lens.data_ptr(),
+        out.data_ptr(),
+    )
+    if code != 0:
+        shapes = f"q {tuple(q.shape)}, kv {tuple(kv.shape)}"
+        raise RuntimeError(f"native decode attention refused {shapes}")
