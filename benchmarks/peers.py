@@ -200,8 +200,8 @@ def measure(engines: list[Engine], args: argparse.Namespace) -> dict[str, Any]:
     }
     same = sum(a == b for a, b in zip(greedy["kvrelay"], greedy["vllm"], strict=True))
     requests = make_requests(args.num_requests)
-    engines[0].call(op="offline", requests=requests[:4])  # warm-up
-    engines[1].call(op="offline", requests=requests[:4])
+    for engine in engines:  # warm-up: the whole set once (first-seen shapes, first-touched pools)
+        engine.call(op="offline", requests=requests)
     offline = interleaved(engines, args.repeats, op="offline", requests=requests)
     decode_prompt = requests[0][0][:16]
     decode = interleaved(engines, args.repeats, op="decode", prompt=decode_prompt, steps=32)

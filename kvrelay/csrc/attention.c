@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -32,6 +33,7 @@ enum { DT_F32 = 0, DT_BF16 = 1 };
 
 typedef struct {
     int dtype, q_heads, kv_heads, head_dim, block_size, max_blocks, window;
+    int heads_per_piece; /* kv heads one piece of work covers: all of them for a batch */
     float scale;
     const void *q;   /* [T, q_heads, head_dim] */
     const void *k;   /* [num_blocks, block_size, kv_heads, head_dim] */
@@ -247,38 +249,57 @@ static void attend_tile(const AttnJob *j, Piece *p, int i, int h, int t0, int nt
     attend_tile_c(j, p, i, h, t0, nt, qpk, simd);
 }
 
-/* Sequence i = piece / kv_heads, kv head h = piece % kv_heads. */
-static void attend(void *ctx, int piece) {
-    const AttnJob *j = (const AttnJob *)ctx;
-    const int i = piece / j->kv_heads, h = piece % j->kv_heads;
-    const int qpk = j->q_heads / j->kv_heads, hd = j->head_dim;
-    const int simd = use_avx2() && hd % 8 == 0;
-    const int len = j->ctx_lens[i];
-    const int start = j->window > 0 && len > j->window ? len - j->window : 0;
-    Piece p;
+static void start_head(const AttnJob *j, Piece *p, int i, int h) {
+    const int qpk = j->q_heads / j->kv_heads;
     const size_t q_row0 = (size_t)j->rows[i] * j->q_heads + (size_t)h * qpk;
     for (int g = 0; g < qpk; g++) {
-        const float *q = row_f32(j, j->q, q_row0 + g, p.buf);
-        for (int d = 0; d < hd; d++) {
-            p.q[g][d] = q[d] * j->scale;
-            p.acc[g][d] = 0.0f;
+        const float *q = row_f32(j, j->q, q_row0 + g, p->buf);
+        for (int d = 0; d < j->head_dim; d++) {
+            p->q[g][d] = q[d] * j->scale;
+            p->acc[g][d] = 0.0f;
         }
-        p.run_max[g] = -INFINITY;
-        p.run_sum[g] = 0.0f;
+        p->run_max[g] = -INFINITY;
+        p->run_sum[g] = 0.0f;
     }
-    for (int t0 = start; t0 < len; t0 += TILE)
-        attend_tile(j, &p, i, h, t0, len - t0 < TILE ? len - t0 : TILE, qpk, simd);
+}
+
+static void finish_head(const AttnJob *j, const Piece *p, int i, int h) {
+    const int qpk = j->q_heads / j->kv_heads, hd = j->head_dim;
+    const size_t q_row0 = (size_t)j->rows[i] * j->q_heads + (size_t)h * qpk;
     for (int g = 0; g < qpk; g++) {
-        const float inv = p.run_sum[g] > 0.0f ? 1.0f / p.run_sum[g] : 0.0f;
+        const float inv = p->run_sum[g] > 0.0f ? 1.0f / p->run_sum[g] : 0.0f;
         const size_t off = (q_row0 + g) * (size_t)hd;
         if (j->dtype == DT_F32) {
             float *o = (float *)j->out + off;
-            for (int d = 0; d < hd; d++) o[d] = p.acc[g][d] * inv;
+            for (int d = 0; d < hd; d++) o[d] = p->acc[g][d] * inv;
         } else {
             uint16_t *o = (uint16_t *)j->out + off;
-            for (int d = 0; d < hd; d++) o[d] = f32_to_bf16(p.acc[g][d] * inv);
+            for (int d = 0; d < hd; d++) o[d] = f32_to_bf16(p->acc[g][d] * inv);
         }
     }
+}
+
+/* A piece is sequence i's kv heads h0..h0+heads_per_piece-1. Each tile of keys is walked for
+ * every head of the piece in turn, so a token's row of all heads (contiguous in the pool) is
+ * read from memory once and then from cache. */
+static void attend(void *ctx, int piece) {
+    const AttnJob *j = (const AttnJob *)ctx;
+    const int per_seq = j->kv_heads / j->heads_per_piece;
+    const int i = piece / per_seq, h0 = piece % per_seq * j->heads_per_piece;
+    const int qpk = j->q_heads / j->kv_heads, simd = use_avx2() && j->head_dim % 8 == 0;
+    const int len = j->ctx_lens[i];
+    const int start = j->window > 0 && len > j->window ? len - j->window : 0;
+    Piece one, *p = j->heads_per_piece == 1 ? &one : (Piece *)malloc(sizeof(Piece) * j->heads_per_piece);
+    if (p == NULL) p = &one; /* out of memory: one head at a time */
+    const int heads = p == &one ? 1 : j->heads_per_piece;
+    for (int hs = h0; hs < h0 + j->heads_per_piece; hs += heads) {
+        for (int h = 0; h < heads; h++) start_head(j, &p[h], i, hs + h);
+        for (int t0 = start; t0 < len; t0 += TILE)
+            for (int h = 0; h < heads; h++)
+                attend_tile(j, &p[h], i, hs + h, t0, len - t0 < TILE ? len - t0 : TILE, qpk, simd);
+        for (int h = 0; h < heads; h++) finish_head(j, &p[h], i, hs + h);
+    }
+    if (p != &one) free(p);
 }
 
 /* Decode attention for n sequences (see the file comment); window 0 = none. Returns 0, or -1
@@ -290,8 +311,11 @@ int decode_attention(int dtype, int n, int q_heads, int kv_heads, int head_dim, 
     if (dtype != DT_F32 && dtype != DT_BF16) return -1;
     if (n < 1 || kv_heads < 1 || q_heads % kv_heads != 0 || q_heads / kv_heads > MAX_Q_PER_KV) return -1;
     if (head_dim < 1 || head_dim > MAX_HEAD_DIM || block_size < 1 || max_blocks < 1) return -1;
-    AttnJob job = {dtype, q_heads, kv_heads, head_dim, block_size, max_blocks, window, scale,
-                   q, k, v, rows, tables, ctx_lens, out};
-    pool_run(attend, &job, n * kv_heads);
+    /* a batch splits by sequence (a token's heads read together); a few sequences by kv head,
+     * so that every thread of the pool has work */
+    const int per_piece = n >= 4 ? kv_heads : 1;
+    AttnJob job = {dtype, q_heads, kv_heads, head_dim, block_size, max_blocks, window, per_piece,
+                   scale, q, k, v, rows, tables, ctx_lens, out};
+    pool_run(attend, &job, n * (kv_heads / per_piece));
     return 0;
 }
