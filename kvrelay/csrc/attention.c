@@ -44,20 +44,6 @@ typedef struct {
     void *out;               /* [T, q_heads, head_dim], q's dtype */
 } AttnJob;
 
-static int have_avx2 = -1;
-
-static int use_avx2(void) {
-#if KV_X86
-    if (have_avx2 < 0) {
-        __builtin_cpu_init();
-        have_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    return have_avx2;
-#else
-    return 0;
-#endif
-}
-
 /* Row `index` (head_dim elements) of a float32 or bfloat16 array: a float32 row in place,
  * a bfloat16 one widened into buf. */
 static const float *row_f32(const AttnJob *j, const void *base, size_t index, float *buf) {
@@ -286,7 +272,7 @@ static void attend(void *ctx, int piece) {
     const AttnJob *j = (const AttnJob *)ctx;
     const int per_seq = j->kv_heads / j->heads_per_piece;
     const int i = piece / per_seq, h0 = piece % per_seq * j->heads_per_piece;
-    const int qpk = j->q_heads / j->kv_heads, simd = use_avx2() && j->head_dim % 8 == 0;
+    const int qpk = j->q_heads / j->kv_heads, simd = kv_use_avx2() && j->head_dim % 8 == 0;
     const int len = j->ctx_lens[i];
     const int start = j->window > 0 && len > j->window ? len - j->window : 0;
     Piece one, *p = j->heads_per_piece == 1 ? &one : (Piece *)malloc(sizeof(Piece) * j->heads_per_piece);

@@ -215,7 +215,7 @@ __attribute__((target("avx2,fma"))) static void nk_avx2(const Job *j, int r0, in
 }
 #endif
 
-static int use_avx2(void) {
+int kv_use_avx2(void) {
 #if KV_X86
     if (have_avx2 < 0) {
         __builtin_cpu_init();
@@ -239,7 +239,7 @@ static void run_chunk(int c) {
         float *out = j->partials + (size_t)c * j->m * j->n;
         memset(out, 0, (size_t)j->m * j->n * sizeof(float));
 #if KV_X86
-        if (use_avx2()) {
+        if (kv_use_avx2()) {
             kn_avx2(j, k0, k1, out);
             return;
         }
@@ -249,7 +249,7 @@ static void run_chunk(int c) {
         int r0 = c * j->chunk, r1 = r0 + j->chunk;
         if (r1 > j->n) r1 = j->n;
 #if KV_X86
-        if (use_avx2()) {
+        if (kv_use_avx2()) {
             nk_avx2(j, r0, r1, j->partials);
             return;
         }

@@ -1,4 +1,5 @@
-/* The thread pool of gemv.c, shared by the library's other CPU kernels (attention.c). */
+/* What gemv.c shares with the library's other CPU kernels (attention.c): its thread pool and
+ * the CPU check. */
 #ifndef KVRELAY_POOL_H
 #define KVRELAY_POOL_H
 
@@ -7,5 +8,8 @@ typedef void (*pool_fn)(void *ctx, int chunk);
 /* Calls fn(ctx, c) for every c in 0..num_chunks-1, spread over the pool's threads (sized by
  * gemv_set_threads), and returns when all are done. Calls are serialized. */
 void pool_run(pool_fn fn, void *ctx, int num_chunks);
+
+/* True when the CPU has AVX2 and FMA (checked once), the kernels' fast paths. */
+int kv_use_avx2(void);
 
 #endif
