@@ -55,21 +55,6 @@ static const float *row_f32(const AttnJob *j, const void *base, size_t index, fl
 }
 
 #if KV_X86
-__attribute__((target("avx2,fma"))) static float dot_avx2(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    for (int d = 0; d < n; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-__attribute__((target("avx2,fma"))) static void axpy_avx2(float *y, float a, const float *x, int n) {
-    const __m256 av = _mm256_set1_ps(a);
-    for (int d = 0; d < n; d += 8)
-        _mm256_storeu_ps(y + d, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + d), _mm256_loadu_ps(y + d)));
-}
-
 /* e^x for x <= 0 (scores less their maximum), 8 at a time: x = n ln2 + r with |r| <= ln2 / 2,
  * e^r by its degree-6 Taylor-like minimax polynomial, 2^n put in the exponent bits. Relative
  * error about 2e-7; x below -87 (e^x under float's normal range) gives 0. */
@@ -102,29 +87,14 @@ __attribute__((target("avx2,fma"))) static float exp_shift_avx2(float *s, float 
 }
 #endif
 
-static float dot(int simd, const float *a, const float *b, int n) {
-#if KV_X86
-    if (simd) return dot_avx2(a, b, n);
-#endif
+static float dot(const float *a, const float *b, int n) {
     float s = 0.0f;
     for (int d = 0; d < n; d++) s += a[d] * b[d];
     return s;
 }
 
-static void axpy(int simd, float *y, float a, const float *x, int n) {
-#if KV_X86
-    if (simd) {
-        axpy_avx2(y, a, x, n);
-        return;
-    }
-#endif
-    for (int d = 0; d < n; d++) y[d] += a * x[d];
-}
-
-static float exp_shift(int simd, float *s, float max, int count) {
-#if KV_X86
-    if (simd) return exp_shift_avx2(s, max, (count + 7) & ~7, count);
-#endif
+/* s[0:count] = e^(s - max); returns their sum. */
+static float exp_shift(float *s, float max, int count) {
     float sum = 0.0f;
     for (int t = 0; t < count; t++) {
         s[t] = expf(s[t] - max);
@@ -156,25 +126,27 @@ typedef struct {
     size_t rows[TILE];
 } Piece;
 
-/* One tile of keys t0..t0+nt-1: scores, the running maximum and sum, then the values. */
-static void attend_tile_c(const AttnJob *j, Piece *p, int i, int h, int t0, int nt, int qpk, int simd) {
+/* One tile of keys t0..t0+nt-1: scores, the running maximum and sum, then the values
+ * (portable C; attend_tile_avx2 is the same with vectors). */
+static void attend_tile_c(const AttnJob *j, Piece *p, int i, int h, int t0, int nt, int qpk) {
     const int hd = j->head_dim;
     key_rows(j, i, t0, nt, h, p->rows);
     for (int t = 0; t < nt; t++) {
         const float *k = row_f32(j, j->k, p->rows[t], p->buf);
-        for (int g = 0; g < qpk; g++) p->score[g][t] = dot(simd, p->q[g], k, hd);
+        for (int g = 0; g < qpk; g++) p->score[g][t] = dot(p->q[g], k, hd);
     }
     for (int g = 0; g < qpk; g++) {
         float tile_max = p->run_max[g];
         for (int t = 0; t < nt; t++) tile_max = p->score[g][t] > tile_max ? p->score[g][t] : tile_max;
         const float correction = expf(p->run_max[g] - tile_max); /* 0 on the first tile */
         for (int d = 0; d < hd; d++) p->acc[g][d] *= correction;
-        p->run_sum[g] = p->run_sum[g] * correction + exp_shift(simd, p->score[g], tile_max, nt);
+        p->run_sum[g] = p->run_sum[g] * correction + exp_shift(p->score[g], tile_max, nt);
         p->run_max[g] = tile_max;
     }
     for (int t = 0; t < nt; t++) {
         const float *v = row_f32(j, j->v, p->rows[t], p->buf);
-        for (int g = 0; g < qpk; g++) axpy(simd, p->acc[g], p->score[g][t], v, hd);
+        for (int g = 0; g < qpk; g++)
+            for (int d = 0; d < hd; d++) p->acc[g][d] += p->score[g][t] * v[d];
     }
 }
 
@@ -232,7 +204,7 @@ static void attend_tile(const AttnJob *j, Piece *p, int i, int h, int t0, int nt
         return;
     }
 #endif
-    attend_tile_c(j, p, i, h, t0, nt, qpk, simd);
+    attend_tile_c(j, p, i, h, t0, nt, qpk);
 }
 
 static void start_head(const AttnJob *j, Piece *p, int i, int h) {

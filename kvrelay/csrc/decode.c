@@ -176,9 +176,9 @@ int decode_forward(const DecodeModel *md, int m, void *x, const void *cos, const
     if (m < 1 || (md->dtype != DT_F32 && md->dtype != DT_BF16) || md->head_dim % 2 != 0) return -1;
     const int hd = md->head_dim, half = hd / 2, n_qkv = (md->q_heads + 2 * md->kv_heads) * hd;
     const size_t widest = max3((size_t)n_qkv, 2 * (size_t)md->inter, (size_t)md->hidden);
-    const size_t floats = (size_t)m * (md->hidden + 2 * (size_t)n_qkv + md->hidden + 2 * widest + md->inter) +
-                          2 * (size_t)m * half + (size_t)m * md->hidden;
-    float *mem = (float *)malloc(floats * sizeof(float) + 2 * (size_t)m * widest * sizeof(float));
+    /* h, proj, x: hidden; qkv, attn: n_qkv; gate_up, act, in, out: widest; cos, sin: half */
+    const size_t floats = (size_t)m * (3 * (size_t)md->hidden + 2 * (size_t)n_qkv + 4 * widest + 2 * (size_t)half);
+    float *mem = (float *)malloc(floats * sizeof(float));
     if (mem == NULL) return -2;
     Buffers b = {0};
     float *p = mem, *xf, *cf, *sf;
