@@ -7,11 +7,18 @@
  * small pool of threads so that every core streams its own contiguous share of W:
  *
  *   gemv_kn: W stored [K, N] (kvrelay's transposed projections). The K rows are split into
- *            chunks; a thread streams a chunk's rows start to end, eight at a time, into
- *            the chunk's own float32 partial of y, and the partials are summed in chunk
- *            order at the end, so a result never depends on which thread took which chunk.
+ *            chunks; a thread reads a chunk as eight sequential streams (one per eighth of
+ *            its rows) into the chunk's own float32 partial of y, and the partials are summed
+ *            in chunk order at the end, so a result never depends on which thread took which
+ *            chunk.
  *   gemv_nk: W stored [N, K] (a tied embedding serving as the LM head). The N rows are split;
- *            each output is a dot product of one W row with each x row.
+ *            each output is a dot product of one W row with each x row, four rows (one per
+ *            quarter of the chunk) at a time.
+ *
+ * Why streams: a core reads memory fastest as a few long sequential streams that the hardware
+ * prefetcher can run ahead of. Eight adjacent rows of a 576-column matrix are eight
+ * interleaved 1.2 KB pieces of one page, which it does not follow: one core read 8 GB/s that
+ * way against 14 GB/s from eight spans (Sapphire Rapids, BENCHMARKS.md "gemv streams").
  *
  * float32 and bfloat16 weights (x and y have W's dtype); accumulation is float32 and a
  * bfloat16 y is rounded to nearest even, as torch rounds. AVX2+FMA code is chosen at run time
@@ -44,6 +51,7 @@
 
 #define MAX_THREADS 64
 #define MAX_ROWS 8
+#define CHUNKS_PER_THREAD 4 /* enough to even out a slow thread; 1 or 2 measured the same */
 #define SPIN_POLLS 200 /* sched_yield()s a helper polls for the next job before sleeping */
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
@@ -114,44 +122,48 @@ __attribute__((target("avx2,fma"))) static inline __m256 load8(const void *w, in
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* out += rows k0..k1-1 of w [k, n], KN_UNROLL at a time: each W vector is loaded once, and each
- * x row's broadcasts are taken before the column loop (out may not alias x). */
-#define KN_UNROLL 8
+/* out += rows k0..k1-1 of w [k, n]. The rows are cut into KN_STREAMS equal spans and a step
+ * takes one row from each span, so the core reads KN_STREAMS long sequential streams at once
+ * (rows left over after whole spans go one at a time at the end). Each W vector is loaded
+ * once, and each x row's broadcasts are taken before the column loop (out may not alias x). */
+#define KN_STREAMS 8
 __attribute__((target("avx2,fma"))) static void kn_avx2(const Job *j, int k0, int k1, float *restrict out) {
     const int m = j->m, n = j->n, n8 = n & ~7;
     const float *restrict xf = j->xf;
-    int k = k0;
-    for (; k + KN_UNROLL <= k1; k += KN_UNROLL) {
-        const size_t base = (size_t)k * n;
-        __m256 xb[MAX_ROWS][KN_UNROLL];
-        for (int r = 0; r < m; r++)
-            for (int d = 0; d < KN_UNROLL; d++) xb[r][d] = _mm256_set1_ps(xf[(size_t)r * j->k + k + d]);
+    const int span = (k1 - k0) / KN_STREAMS;
+    for (int i = 0; i < span; i++) {
+        size_t base[KN_STREAMS];
+        __m256 xb[MAX_ROWS][KN_STREAMS];
+        for (int d = 0; d < KN_STREAMS; d++) {
+            const int k = k0 + d * span + i;
+            base[d] = (size_t)k * n;
+            for (int r = 0; r < m; r++) xb[r][d] = _mm256_set1_ps(xf[(size_t)r * j->k + k]);
+        }
         if (m == 1) {
             for (int c = 0; c < n8; c += 8) {
                 __m256 acc = _mm256_loadu_ps(out + c);
-                for (int d = 0; d < KN_UNROLL; d++)
-                    acc = _mm256_fmadd_ps(xb[0][d], load8(j->w, j->dtype, base + (size_t)d * n + c), acc);
+                for (int d = 0; d < KN_STREAMS; d++)
+                    acc = _mm256_fmadd_ps(xb[0][d], load8(j->w, j->dtype, base[d] + c), acc);
                 _mm256_storeu_ps(out + c, acc);
             }
         } else {
             for (int c = 0; c < n8; c += 8) {
-                __m256 wv[KN_UNROLL];
-                for (int d = 0; d < KN_UNROLL; d++) wv[d] = load8(j->w, j->dtype, base + (size_t)d * n + c);
+                __m256 wv[KN_STREAMS];
+                for (int d = 0; d < KN_STREAMS; d++) wv[d] = load8(j->w, j->dtype, base[d] + c);
                 for (int r = 0; r < m; r++) {
                     float *yr = out + (size_t)r * n + c;
                     __m256 acc = _mm256_loadu_ps(yr);
-                    for (int d = 0; d < KN_UNROLL; d++) acc = _mm256_fmadd_ps(xb[r][d], wv[d], acc);
+                    for (int d = 0; d < KN_STREAMS; d++) acc = _mm256_fmadd_ps(xb[r][d], wv[d], acc);
                     _mm256_storeu_ps(yr, acc);
                 }
             }
         }
         for (int c = n8; c < n; c++)
             for (int r = 0; r < m; r++)
-                for (int d = 0; d < KN_UNROLL; d++)
-                    out[(size_t)r * n + c] +=
-                        xf[(size_t)r * j->k + k + d] * w_at(j->w, j->dtype, base + (size_t)d * n + c);
+                for (int d = 0; d < KN_STREAMS; d++)
+                    out[(size_t)r * n + c] += xf[(size_t)r * j->k + k0 + d * span + i] * w_at(j->w, j->dtype, base[d] + c);
     }
-    for (; k < k1; k++) {
+    for (int k = k0 + KN_STREAMS * span; k < k1; k++) {
         const size_t base = (size_t)k * n;
         for (int c = 0; c < n; c++) {
             float wv = w_at(j->w, j->dtype, base + c);
@@ -167,35 +179,41 @@ __attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Rows r0..r1-1 of w [n, k]: with one or two x rows, four W rows at a time, so that eight
- * independent FMA chains hide the FMA latency; with more x rows, one W row at a time. */
+/* Rows r0..r1-1 of w [n, k]: with one or two x rows, NK_STREAMS W rows at a time, one from
+ * each of NK_STREAMS equal spans of the range (long sequential streams, as in kn_avx2), so
+ * that eight independent FMA chains hide the FMA latency; with more x rows, one W row at a
+ * time. */
+#define NK_STREAMS 4
 __attribute__((target("avx2,fma"))) static void nk_avx2(const Job *j, int r0, int r1, float *restrict out) {
     const int m = j->m, kk = j->k, k8 = kk & ~7;
     const float *restrict xf = j->xf;
     int row = r0;
     if (m <= 2) {
-        for (; row + 4 <= r1; row += 4) {
-            __m256 acc[2][4];
+        const int span = (r1 - r0) / NK_STREAMS;
+        for (int i = 0; i < span; i++) {
+            __m256 acc[2][NK_STREAMS];
+            size_t base[NK_STREAMS];
+            for (int d = 0; d < NK_STREAMS; d++) base[d] = (size_t)(r0 + d * span + i) * kk;
             for (int r = 0; r < 2; r++)
-                for (int d = 0; d < 4; d++) acc[r][d] = _mm256_setzero_ps();
+                for (int d = 0; d < NK_STREAMS; d++) acc[r][d] = _mm256_setzero_ps();
             for (int c = 0; c < k8; c += 8) {
                 __m256 x0 = _mm256_loadu_ps(xf + c);
                 __m256 x1 = m == 2 ? _mm256_loadu_ps(xf + kk + c) : x0;
-                for (int d = 0; d < 4; d++) {
-                    __m256 wv = load8(j->w, j->dtype, (size_t)(row + d) * kk + c);
+                for (int d = 0; d < NK_STREAMS; d++) {
+                    __m256 wv = load8(j->w, j->dtype, base[d] + c);
                     acc[0][d] = _mm256_fmadd_ps(wv, x0, acc[0][d]);
                     if (m == 2) acc[1][d] = _mm256_fmadd_ps(wv, x1, acc[1][d]);
                 }
             }
             for (int r = 0; r < m; r++) {
-                for (int d = 0; d < 4; d++) {
-                    const size_t base = (size_t)(row + d) * kk;
+                for (int d = 0; d < NK_STREAMS; d++) {
                     float s = hsum(acc[r][d]);
-                    for (int c = k8; c < kk; c++) s += xf[(size_t)r * kk + c] * w_at(j->w, j->dtype, base + c);
-                    out[(size_t)r * j->n + row + d] = s;
+                    for (int c = k8; c < kk; c++) s += xf[(size_t)r * kk + c] * w_at(j->w, j->dtype, base[d] + c);
+                    out[(size_t)r * j->n + r0 + d * span + i] = s;
                 }
             }
         }
+        row = r0 + NK_STREAMS * span;
     }
     for (; row < r1; row++) {
         const size_t base = (size_t)row * kk;
@@ -358,8 +376,8 @@ int gemv(int kind, int dtype, int m, int k, int n, const void *x, const void *w,
     const int threads = pool_threads;
     /* about four chunks per thread: whole unrolled row groups, enough to even out the load */
     const int rows = kind == 0 ? k : n;
-    const int align = kind == 0 ? KN_UNROLL : 4;
-    int chunk = (rows + 4 * threads - 1) / (4 * threads);
+    const int align = kind == 0 ? KN_STREAMS : NK_STREAMS;
+    int chunk = (rows + CHUNKS_PER_THREAD * threads - 1) / (CHUNKS_PER_THREAD * threads);
     chunk = (chunk + align - 1) / align * align;
     const int num_chunks = (rows + chunk - 1) / chunk;
     const size_t count = (size_t)m * n;
