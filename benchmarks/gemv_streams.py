@@ -26,7 +26,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         binary = Path(tmp) / "gemv_streams"
         subprocess.run([compiler, "-O3", "-std=gnu11", str(source), "-o", str(binary)], check=True)
-        lines = subprocess.run([str(binary)], check=True, capture_output=True, text=True).stdout.split("\n")
+        run = subprocess.run([str(binary)], check=True, capture_output=True, text=True)
+    lines = run.stdout.split("\n")
     rates: dict[tuple[str, str], dict[str, float]] = {}
     for line in filter(None, lines):
         shape, dtype, order, rate = line.split()
