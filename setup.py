@@ -16,8 +16,13 @@ setup(
         ),
         Extension(
             "kvrelay.kernels._gemv",
-            sources=["kvrelay/csrc/gemv.c", "kvrelay/csrc/attention.c", "kvrelay/csrc/decode.c"],
-            depends=["kvrelay/csrc/bf16.h", "kvrelay/csrc/pool.h"],
+            sources=[
+                "kvrelay/csrc/gemv.c",
+                "kvrelay/csrc/attention.c",
+                "kvrelay/csrc/decode.c",
+                "kvrelay/csrc/rows.c",
+            ],
+            depends=["kvrelay/csrc/bf16.h", "kvrelay/csrc/pool.h", "kvrelay/csrc/rowops.h"],
             # no fused multiply-adds the source did not write: decode.c rounds as torch does
             extra_compile_args=["-O3", "-std=gnu99", "-pthread", "-ffp-contract=off"],
             extra_link_args=["-pthread"],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.kernels import cpu_decode, gemv
+from kvrelay.kernels import cpu_decode, cpu_rows, gemv
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="native library not built")
 
@@ -39,6 +39,7 @@ def test_fused_steps_match_the_torch_ops(
     assert steps == [3] * 5  # the prefill step is torch's; then 5 steps of 3 decode tokens
     model = llm.engine.runner.model
     monkeypatch.setattr(model, "_fused_for", lambda *a: None)
+    monkeypatch.setattr(cpu_rows, "supports", lambda x: False)  # torch's ops, not rows.c's
     steps.clear()
     torch_tokens, torch_lp = _generate(llm, prompts)
     assert not steps

@@ -11,14 +11,12 @@
  * throughout, and for a bfloat16 model each op's result is rounded to bfloat16 where torch's
  * op would round it, so both paths agree to float32 summation order.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "bf16.h"
+#include "rowops.h"
 
-enum { DT_F32 = 0, DT_BF16 = 1 };
 enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_PER_LAYER };
 
 int gemv(int kind, int dtype, int m, int k, int n, const void *x, const void *w, void *y);
@@ -47,20 +45,6 @@ typedef struct {
     void *in, *out;                                   /* dtype copies for gemv / attention */
 } Buffers;
 
-static inline float rnd(int dtype, float v) { return dtype == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
-
-static float get(int dtype, const void *p, size_t i) {
-    return dtype == DT_F32 ? ((const float *)p)[i] : bf16_to_f32(((const uint16_t *)p)[i]);
-}
-
-static void put(int dtype, void *p, size_t i, float v) {
-    if (dtype == DT_F32) {
-        ((float *)p)[i] = v;
-    } else {
-        ((uint16_t *)p)[i] = f32_to_bf16(v);
-    }
-}
-
 /* y[m, n] = x[m, k] @ w, x and y float32 rows, w in the model's dtype (gemv.c rounds y). */
 static int matmul(const DecodeModel *md, Buffers *b, int kind, int m, int k, int n, const float *x, const void *w, float *y) {
     for (size_t i = 0; i < (size_t)m * k; i++) put(md->dtype, b->in, i, x[i]);
@@ -69,37 +53,18 @@ static int matmul(const DecodeModel *md, Buffers *b, int kind, int m, int k, int
     return 0;
 }
 
-/* h = RMSNorm(x) * w: float32 for a float32 model; for bfloat16, the normalized row is rounded
- * and then the product with the weight is (llama.rms_norm). */
+/* h = RMSNorm(x) * w, row by row (rowops.h). */
 static void rms_norm(const DecodeModel *md, int m, const float *x, const void *w, float *h) {
-    const int n = md->hidden;
-    for (int r = 0; r < m; r++) {
-        const float *xr = x + (size_t)r * n;
-        float ss = 0.0f;
-        for (int c = 0; c < n; c++) ss += xr[c] * xr[c];
-        const float inv = 1.0f / sqrtf(ss / (float)n + md->eps);
-        for (int c = 0; c < n; c++) {
-            const float wc = get(md->dtype, w, c);
-            h[(size_t)r * n + c] = md->dtype == DT_F32 ? xr[c] * inv * wc : rnd(DT_BF16, wc * rnd(DT_BF16, xr[c] * inv));
-        }
-    }
+    for (int r = 0; r < m; r++)
+        norm_row(md->dtype, md->hidden, md->eps, x + (size_t)r * md->hidden, w, h + (size_t)r * md->hidden);
 }
 
-/* Rotates the q and k heads of qkv rows in place (half-split pairs, llama.apply_rope). */
+/* Rotates the q and k heads of qkv rows in place (rowops.h). */
 static void rope(const DecodeModel *md, const StepInputs *in, float *qkv) {
-    const int hd = md->head_dim, half = hd / 2, heads = md->q_heads + md->kv_heads, dt = md->dtype;
-    const int width = (md->q_heads + 2 * md->kv_heads) * hd;
-    for (int r = 0; r < in->m; r++) {
-        const float *cos = in->cos + (size_t)r * half, *sin = in->sin + (size_t)r * half;
-        for (int hh = 0; hh < heads; hh++) {
-            float *x = qkv + (size_t)r * width + (size_t)hh * hd;
-            for (int d = 0; d < half; d++) {
-                const float x1 = x[d], x2 = x[d + half];
-                x[d] = rnd(dt, rnd(dt, x1 * cos[d]) - rnd(dt, x2 * sin[d]));
-                x[d + half] = rnd(dt, rnd(dt, x2 * cos[d]) + rnd(dt, x1 * sin[d]));
-            }
-        }
-    }
+    const int hd = md->head_dim, half = hd / 2, width = (md->q_heads + 2 * md->kv_heads) * hd;
+    for (int r = 0; r < in->m; r++)
+        rope_row(md->dtype, md->q_heads + md->kv_heads, hd, in->cos + (size_t)r * half, in->sin + (size_t)r * half,
+                 qkv + (size_t)r * width);
 }
 
 /* Writes each row's k and v heads into its pool slot of this layer. */
@@ -131,11 +96,11 @@ static void add_rows(int dtype, size_t count, float *x, const float *y) {
     for (size_t i = 0; i < count; i++) x[i] = rnd(dtype, x[i] + y[i]);
 }
 
-/* act = SiLU(gate) * up, each op rounded as torch's (F.silu, then the product). */
+/* act = SiLU(gate) * up, row by row (rowops.h). */
 static void silu_mul(int dtype, int m, int inter, const float *gate_up, float *act) {
     for (int r = 0; r < m; r++) {
-        const float *g = gate_up + (size_t)r * 2 * inter, *u = g + inter;
-        for (int c = 0; c < inter; c++) act[(size_t)r * inter + c] = rnd(dtype, rnd(dtype, g[c] / (1.0f + expf(-g[c]))) * u[c]);
+        const float *g = gate_up + (size_t)r * 2 * inter;
+        silu_mul_row(dtype, inter, g, g + inter, act + (size_t)r * inter);
     }
 }
 

@@ -15,6 +15,11 @@ faster in that layout for the 8-48-row batches that decode steps make (and no sl
 prefill-sized ones), and batches of up to ``gemv.MAX_ROWS`` rows go to kvrelay's native
 kernel, which streams each weight once on all threads. A tied ``embed`` stays
 ``[vocab, hidden]`` and serves both ends.
+
+On CPU a layer's small ops (residual add + RMSNorm, rotary embedding, SiLU-and-multiply) run
+as one native call each (``kernels.cpu_rows``) with the same rounding as the torch ops below,
+which stay for other devices; decode-only steps of a few rows run every layer in one native
+call (``kernels.cpu_decode``).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.engine.config import ModelConfig, RopeConfig
-from kvrelay.kernels import gemv
+from kvrelay.kernels import cpu_rows, gemv
 from kvrelay.kernels.attention import AttentionMetadata, paged_attention
 from kvrelay.kernels.cpu_decode import FusedDecode
 
@@ -73,6 +78,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, native: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + delta, rms_norm(x + delta) * weight)`` (``delta`` None: ``x`` itself). The native
+    path (``kernels.cpu_rows``) adds in place and does both in one call."""
+    if native:
+        return x, cpu_rows.add_rms_norm(x, delta, weight, eps)
+    if delta is not None:
+        x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w + bias`` for a weight stored ``[in, out]`` (decode-sized batches on CPU in the
     native kernel, ``kernels.gemv``; anything else in torch)."""
@@ -115,21 +132,33 @@ class LlamaModel:
         fused = self._fused_for(kv_cache, meta, x.shape[0])
         if fused is not None and meta.native_decode is not None:
             return fused.forward(x, cos, sin, meta.native_decode, meta.slot_mapping)
+        native = cpu_rows.supports(x)  # the layer's small ops in the library (CPU)
+        eps, hd = cfg.rms_norm_eps, cfg.head_dim
+        delta: torch.Tensor | None = None  # the last block's output, not yet added to x
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            h = rms_norm(x, w[p + "in_norm"], cfg.rms_norm_eps)
+            x, h = add_rms_norm(x, delta, w[p + "in_norm"], eps, native)
             qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))
             qk_size = self._q_size + self._kv_size
             # q and k rotate in one call: their columns are adjacent in the fused projection
-            qk = apply_rope(qkv[:, :qk_size].view(-1, self._qk_heads, cfg.head_dim), cos, sin)
+            if native:
+                cpu_rows.rope_(qkv, self._qk_heads, hd, cos, sin)
+                qk = qkv[:, :qk_size].view(-1, self._qk_heads, hd)
+            else:
+                qk = apply_rope(qkv[:, :qk_size].view(-1, self._qk_heads, hd), cos, sin)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            v = qkv[:, qk_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, qk_size:].view(-1, cfg.num_kv_heads, hd)
             attn = paged_attention(q, k, v, kv_cache[i], meta, self.scale)
-            x = x + linear(attn.reshape(-1, self._q_size), w[p + "o"])
-            h = rms_norm(x, w[p + "post_norm"], cfg.rms_norm_eps)
-            gate, up = linear(h, w[p + "gate_up"]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, w[p + "down"])
-        return x
+            delta = linear(attn.reshape(-1, self._q_size), w[p + "o"])
+            x, h = add_rms_norm(x, delta, w[p + "post_norm"], eps, native)
+            gate_up = linear(h, w[p + "gate_up"])
+            if native:
+                act = cpu_rows.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            delta = linear(act, w[p + "down"])
+        return x if delta is None else x + delta
 
     def _fused_for(
         self, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: int
