@@ -22,7 +22,12 @@ setup(
                 "kvrelay/csrc/decode.c",
                 "kvrelay/csrc/rows.c",
             ],
-            depends=["kvrelay/csrc/bf16.h", "kvrelay/csrc/pool.h", "kvrelay/csrc/rowops.h"],
+            depends=[
+                "kvrelay/csrc/bf16.h",
+                "kvrelay/csrc/pool.h",
+                "kvrelay/csrc/rowops.h",
+                "kvrelay/csrc/vexp.h",
+            ],
             # no fused multiply-adds the source did not write: decode.c rounds as torch does
             extra_compile_args=["-O3", "-std=gnu99", "-pthread", "-ffp-contract=off"],
             extra_link_args=["-pthread"],

@@ -143,6 +143,16 @@ def test_greedy_is_argmax_and_lowest_id_on_ties() -> None:
     assert torch.equal(logits, before)
 
 
+def test_greedy_takes_the_first_maximum_of_a_wide_row() -> None:
+    """Ties far apart in a real vocabulary's width (the vectorized max must still report
+    the first)."""
+    logits = random_logits(4, 49152, seed=3)
+    for row, ids in enumerate([(7, 40000), (31000, 31001, 49151), (0, 49151), (16, 17, 18)]):
+        logits[row, list(ids)] = 50.0
+    out = Sampler([EOS])(logits, [request(GREEDY)] * 4)
+    assert out.token_ids == [7, 31000, 0, 16]
+
+
 def test_greedy_casts_half_logits() -> None:
     logits = random_logits(3, 9, seed=1).half()
     out = Sampler([EOS])(logits, [request(GREEDY, output=(1,))] * 3)

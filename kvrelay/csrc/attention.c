@@ -104,6 +104,7 @@ typedef struct {
     float run_max[MAX_Q_PER_KV], run_sum[MAX_Q_PER_KV];
     float buf[MAX_HEAD_DIM]; /* a widened bfloat16 row */
     size_t rows[TILE];
+    float *tile; /* [TILE, head_dim]: a tile's widened bfloat16 rows (attend_tile_avx2) */
 } Piece;
 
 /* One tile of keys t0..t0+nt-1: scores, the running maximum and sum, then the values
@@ -131,30 +132,56 @@ static void attend_tile_c(const AttnJob *j, Piece *p, int i, int h, int t0, int 
 }
 
 #if KV_X86
-static inline float hsum_avx2(__m256 v) __attribute__((target("avx2,fma")));
-static inline float hsum_avx2(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+/* The tile's rows (K or V) as float32 rows: a float32 pool's in place, a bfloat16 pool's
+ * widened into buf [TILE][head_dim]; rows past nt repeat row 0 (scored, never used). */
+__attribute__((target("avx2,fma"))) static void tile_rows_avx2(const AttnJob *j, const void *base, const size_t *rows, int nt,
+                                                              float *buf, const float **out) {
+    const int hd = j->head_dim;
+    for (int t = 0; t < nt; t++) {
+        const size_t off = rows[t] * (size_t)hd;
+        if (j->dtype == DT_F32) {
+            out[t] = (const float *)base + off;
+            continue;
+        }
+        const uint16_t *src = (const uint16_t *)base + off;
+        float *dst = buf + (size_t)t * hd;
+        for (int d = 0; d < hd; d += 8) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(src + d));
+            _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        }
+        out[t] = dst;
+    }
+    for (int t = nt; t < ((nt + 7) & ~7); t++) out[t] = out[0];
 }
 
-/* attend_tile_c with AVX2 (head_dim a multiple of 8): each key and value row is loaded once
- * for all qpk query heads of the group. */
+/* The sums of a[0..7]'s lanes, as one vector (lane i = the sum of a[i]). */
+__attribute__((target("avx2,fma"))) static inline __m256 hsum8_avx2(const __m256 *a) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);
+    /* lo = [0 1 2 3 | 0 1 2 3] halves, hi likewise for 4..7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+/* attend_tile_c with AVX2 (head_dim a multiple of 8). Scores go eight keys at a time into
+ * eight accumulators reduced together; the values are added one head_dim slice at a time
+ * over the whole tile, with each query head's slice of the output in a register. */
 __attribute__((target("avx2,fma"))) static void attend_tile_avx2(const AttnJob *j, Piece *p, int i, int h, int t0, int nt, int qpk) {
-    const int hd = j->head_dim;
+    const int hd = j->head_dim, padded = (nt + 7) & ~7;
+    const float *rows[TILE];
     key_rows(j, i, t0, nt, h, p->rows);
-    for (int t = 0; t < nt; t++) {
-        const float *k = row_f32(j, j->k, p->rows[t], p->buf);
-        __m256 acc[MAX_Q_PER_KV];
-        for (int g = 0; g < qpk; g++) acc[g] = _mm256_setzero_ps();
-        for (int d = 0; d < hd; d += 8) {
-            const __m256 kv = _mm256_loadu_ps(k + d);
-            for (int g = 0; g < qpk; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(p->q[g] + d), kv, acc[g]);
+    tile_rows_avx2(j, j->k, p->rows, nt, p->tile, rows);
+    for (int g = 0; g < qpk; g++) {
+        for (int t = 0; t < padded; t += 8) {
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(p->q[g] + d);
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[t + u] + d), acc[u]);
+            }
+            _mm256_storeu_ps(p->score[g] + t, hsum8_avx2(acc));
         }
-        for (int g = 0; g < qpk; g++) p->score[g][t] = hsum_avx2(acc[g]);
     }
-    const int padded = (nt + 7) & ~7;
     for (int g = 0; g < qpk; g++) {
         float tile_max = p->run_max[g];
         for (int t = 0; t < nt; t++) tile_max = p->score[g][t] > tile_max ? p->score[g][t] : tile_max;
@@ -164,15 +191,15 @@ __attribute__((target("avx2,fma"))) static void attend_tile_avx2(const AttnJob *
         p->run_sum[g] = p->run_sum[g] * correction + exp_shift_avx2(p->score[g], tile_max, padded, nt);
         p->run_max[g] = tile_max;
     }
-    for (int t = 0; t < nt; t++) {
-        const float *v = row_f32(j, j->v, p->rows[t], p->buf);
-        for (int d = 0; d < hd; d += 8) {
-            const __m256 vv = _mm256_loadu_ps(v + d);
-            for (int g = 0; g < qpk; g++) {
-                float *a = p->acc[g] + d;
-                _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p->score[g][t]), vv, _mm256_loadu_ps(a)));
-            }
+    tile_rows_avx2(j, j->v, p->rows, nt, p->tile, rows);
+    for (int d = 0; d < hd; d += 8) {
+        __m256 acc[MAX_Q_PER_KV];
+        for (int g = 0; g < qpk; g++) acc[g] = _mm256_loadu_ps(p->acc[g] + d);
+        for (int t = 0; t < nt; t++) {
+            const __m256 vv = _mm256_loadu_ps(rows[t] + d);
+            for (int g = 0; g < qpk; g++) acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(p->score[g][t]), vv, acc[g]);
         }
+        for (int g = 0; g < qpk; g++) _mm256_storeu_ps(p->acc[g] + d, acc[g]);
     }
 }
 #endif
@@ -230,6 +257,8 @@ static void attend(void *ctx, int piece) {
     Piece one, *p = j->heads_per_piece == 1 ? &one : (Piece *)malloc(sizeof(Piece) * j->heads_per_piece);
     if (p == NULL) p = &one; /* out of memory: one head at a time */
     const int heads = p == &one ? 1 : j->heads_per_piece;
+    float tile[TILE * MAX_HEAD_DIM]; /* filled and used within one attend_tile call */
+    for (int h = 0; h < heads; h++) p[h].tile = tile;
     for (int hs = h0; hs < h0 + j->heads_per_piece; hs += heads) {
         for (int h = 0; h < heads; h++) start_head(j, &p[h], i, hs + h);
         for (int t0 = start; t0 < len; t0 += TILE)
