@@ -59,7 +59,7 @@ def load_library() -> ctypes.CDLL | None:
             library.decode_forward.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, ptr, ptr, c_int, ptr]
             library.decode_forward.restype = ctypes.c_int
             c_float = ctypes.c_float  # rows.c, for kernels/cpu_rows.py
-            library.rows_add_rms_norm.argtypes = [c_int, c_int, c_int, c_float] + [ptr] * 4
+            library.rows_add_rms_norm.argtypes = [c_int, c_int, c_int, c_float, ptr, ptr, ptr, ptr]
             library.rows_rope.argtypes = [c_int] * 5 + [ptr] * 3
             library.rows_silu_mul.argtypes = [c_int, c_int, c_int, ptr, ptr]
             for fn in (library.rows_add_rms_norm, library.rows_rope, library.rows_silu_mul):

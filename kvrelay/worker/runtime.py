@@ -108,6 +108,8 @@ class Worker:
             weights=None if self.param_pool is None else pool_weights(self.param_pool, self.device),
         )
         self.engine.grammars.warm_up()  # before registering: heartbeats must not stall on it
+        warm = self.engine.warm_up()  # so that the first requests routed here are not slow
+        logger.info("%s: engine warmed up in %.2f s", config.instance_id, warm)
         self.layout = self._layout()
         self.routers = RouterLinks(
             self.ctx, config.instance_id, config.router_addr, config.heartbeat_interval,

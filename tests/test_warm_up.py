@@ -1,0 +1,65 @@
+"""``LLMEngine.warm_up``: throwaway requests before a worker serves, leaving nothing behind."""
+
+from __future__ import annotations
+
+from kvrelay.engine.engine import LLMEngine
+from kvrelay.protocol.sampling_params import SamplingParams
+
+
+def _engine(model_dir, **kwargs) -> LLMEngine:
+    return LLMEngine.from_args(model_dir, num_threads=2, seed=0, **kwargs)
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for n, prompt in enumerate(prompts):
+        engine.add_request(f"r{n}", prompt, params)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+    return [tokens[f"r{n}"] for n in range(len(prompts))]
+
+
+def test_leaves_no_blocks_cache_entries_or_counts(tiny_model_dir) -> None:
+    engine = _engine(tiny_model_dir)
+    bm = engine.block_manager
+    free_before = bm.num_free_blocks
+    loader = engine.scheduler.prefix_loader
+    seconds = engine.warm_up(prompt_len=100, batch=11)
+    assert seconds > 0
+    assert not engine.has_unfinished_requests()
+    assert bm.num_free_blocks == free_before and bm.num_refs() == 0
+    assert bm.cached_hashes() == [] and bm.num_cached_blocks == 0
+    events = bm.pop_events()
+    assert events.stored == [] and events.evicted == []
+    assert bm.num_query_tokens == 0 and bm.num_hit_tokens == 0
+    assert engine.scheduler.prefix_loader is loader
+    bm.check_integrity()
+
+
+def test_runs_every_kind_of_step(tiny_model_dir, monkeypatch) -> None:
+    """A long prefill, a batch of more rows than the fused decode takes, and small steps."""
+    engine = _engine(tiny_model_dir)
+    rows: list[int] = []
+    real = engine.runner.run
+    monkeypatch.setattr(
+        engine.runner, "run", lambda plan: rows.append(len(plan.scheduled)) or real(plan)
+    )
+    engine.warm_up(prompt_len=64, batch=10)
+    assert max(rows) == 10 and min(rows) <= 8
+
+
+def test_output_after_warm_up_is_a_fresh_engines(tiny_model_dir) -> None:
+    prompts = [list(range(3, 3 + n)) for n in (5, 33, 17)]
+    fresh = _greedy(_engine(tiny_model_dir), prompts)
+    warmed = _engine(tiny_model_dir)
+    warmed.warm_up()
+    assert _greedy(warmed, prompts) == fresh
+
+
+def test_fits_a_small_context_and_pool(tiny_model_dir) -> None:
+    engine = _engine(tiny_model_dir, max_model_len=24, num_blocks=8, block_size=4)
+    engine.warm_up()  # prompts capped to the context; a pool of 32 tokens takes turns
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_refs() == 0
