@@ -22,7 +22,14 @@ from kvrelay.protocol.messages import LoadReport
 from kvrelay.router import load_order, prefix_index, registry
 from kvrelay.sim import router_glue
 from kvrelay.sim.cache import SegmentLru
-from kvrelay.sim.profile import Link, Profile, StepModel
+from kvrelay.sim.profile import (
+    Link,
+    Profile,
+    StepModel,
+    fit_decode_base,
+    fit_linear,
+    interpolate,
+)
 from kvrelay.sim.report import summarize
 from kvrelay.sim.simulator import FleetConfig, Simulator
 from kvrelay.sim.trace import TraceError, TraceRequest, cap_requests, load_trace
@@ -342,6 +349,30 @@ def test_profile_round_trips_and_rejects_a_missing_start_mode(tmp_path: Path) ->
     with pytest.raises(ValueError, match="lacks"):
         Profile.from_json(data)
     assert prof.step_s(100, 5000.0, 4, 400) < prof.prefill_s(100, 5000.0) + prof.decode_s(4, 400)
+
+
+def test_decode_steps_follow_the_measured_batch_sizes(tmp_path: Path) -> None:
+    """A profile with decode_base interpolates between measured batch sizes (a lone
+    sequence's step is not the line's intercept); one without it stays linear."""
+    linear = make_profile()
+    assert linear.decode_s(4, 400) == pytest.approx(0.005 + 4e-3 + 400e-6)
+    rows = [(1.0, 100.0, 0.045), (1.0, 1000.0, 0.054), (8.0, 800.0, 0.0908),
+            (8.0, 8000.0, 0.0980), (32.0, 3200.0, 0.1632)]  # fmt: skip
+    model = fit_linear(rows)
+    base = fit_decode_base(rows, model)
+    assert [seqs for seqs, _ in base] == [1.0, 8.0, 32.0]
+    prof = dataclasses.replace(linear, decode=model, decode_base=base)
+    # at a measured size the context term restores the measured time (up to the fit)
+    assert prof.decode_s(1, 100) == pytest.approx(0.045, abs=0.005)
+    assert prof.decode_s(1, 100) < model.intercept_s + model.per_item_s + 100 * model.per_attn_s
+    # between sizes: between their times; beyond the last: along the last segment
+    assert prof.decode_s(1, 0) < prof.decode_s(4, 0) < prof.decode_s(8, 0)
+    slope = (base[2][1] - base[1][1]) / 24
+    assert prof.decode_s(64, 0) == pytest.approx(base[2][1] + slope * 32)
+    assert prof.decode_s(0, 0) == base[0][1]  # below the first: the first
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
+    assert interpolate([[2.0, 5.0]], 9.0) == 5.0
 
 
 def test_sim_cli_writes_json(tmp_path: Path) -> None:

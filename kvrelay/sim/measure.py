@@ -30,12 +30,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvrelay.sim.profile import Link, Profile, fit_linear
+from kvrelay.sim.profile import Link, Profile, fit_decode_base, fit_linear
 
 logger = logging.getLogger(__name__)
 
 PREFILL_POINTS = ((1, 32), (2, 32), (1, 128), (2, 128), (1, 512), (2, 512), (1, 1024), (1, 2048))
-DECODE_BATCHES = (1, 8, 32)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32)
 DECODE_CONTEXTS = (128, 1024)
 HANDOFF_BLOCKS = (4, 64, 256)
 Stat = Callable[[list[float]], float]  # repeats -> one figure (min, or statistics.median)
@@ -62,7 +62,7 @@ def measure_profile(
     points = tuple((b, t) for b, t in points if t < max_len - 8)
     prefill_tokens = tuple(t for _, t in points)
     contexts = tuple(c for c in ((32, 128) if quick else DECODE_CONTEXTS) if c < max_len - 64)
-    batches = DECODE_BATCHES[:2] if quick else DECODE_BATCHES
+    batches = DECODE_BATCHES[:3] if quick else DECODE_BATCHES
     config = build_engine_config(
         model_dir,
         num_threads=threads,
@@ -83,6 +83,7 @@ def measure_profile(
     )
     weight_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     start_s, start_parts = _measure_start(model_dir, config, handoff["tcp"], weight_bytes)
+    decode = fit_linear([(b, c, s) for b, c, s in decode_rows])
     return Profile(
         model=Path(model_dir).name,
         machine=_machine(),
@@ -91,7 +92,8 @@ def measure_profile(
         kv_bytes_per_block=block_bytes,
         kv_blocks_per_gib=(1 << 30) // block_bytes,
         prefill=fit_linear([(t, a, s) for t, a, s in prefill_rows]),
-        decode=fit_linear([(b, c, s) for b, c, s in decode_rows]),
+        decode=decode,
+        decode_base=fit_decode_base(decode_rows, decode),
         handoff=handoff,
         start_s=start_s,
         points={

@@ -6,7 +6,10 @@ measured engine steps (the raw points are kept beside the fit)::
 
     prefill step   a + b * tokens + c * attn        attn = sum over chunks of
                                                     chunk * (context before it + chunk / 2)
-    decode step    a + b * seqs + c * context       context = sum of the batch's lengths
+    decode step    base(seqs) + c * context         context = sum of the batch's lengths;
+                                                    base: piecewise linear through the
+                                                    measured batch sizes (a + b * seqs where
+                                                    a profile has no such points)
     mixed step     prefill + decode - min(a_prefill, a_decode)   (colocated: one overhead)
     hand-off       latency + bytes / bytes_per_s    per transport (shm, tcp)
     tier read      bytes / bytes_per_s              L1 (host pool): shm; L2 (Redis): tcp
@@ -17,6 +20,7 @@ Pure Python: no torch, no numpy (the simulator's inner loop calls these).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 from pathlib import Path
@@ -59,6 +63,10 @@ class Profile:
     max_num_batched_tokens: int = 2048  # the engine's chunked-prefill budget per step
     max_num_seqs: int = 256  # sequences running at once
     points: dict[str, Any] = dataclasses.field(default_factory=dict)  # raw measurements
+    # [seqs, seconds] of a decode step with no context, at each measured batch size: a step's
+    # cost is far from linear in its sequences at small batches (the weights' bytes dominate
+    # a lone sequence's step), which a single line through 1-32 sequences overstates
+    decode_base: list[list[float]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         missing = [m for m in START_MODES if m not in self.start_s]
@@ -75,7 +83,9 @@ class Profile:
 
     def decode_s(self, seqs: int, context: int) -> float:
         m = self.decode
-        return m.intercept_s + m.per_item_s * seqs + m.per_attn_s * context
+        if not self.decode_base:
+            return m.intercept_s + m.per_item_s * seqs + m.per_attn_s * context
+        return interpolate(self.decode_base, seqs) + m.per_attn_s * context
 
     def step_s(self, tokens: int, attn: float, seqs: int, context: int) -> float:
         """One engine step of ``tokens`` prefill tokens and ``seqs`` decoding sequences."""
@@ -122,6 +132,28 @@ class Profile:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read profile {path}: {e}") from None
         return cls.from_json(data)
+
+
+def interpolate(points: list[list[float]], x: float) -> float:
+    """Piecewise linear through ``points`` ([x, y], x ascending): the first y below the first
+    x, the last segment's slope (never negative) beyond the last."""
+    if x <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    i = bisect.bisect_left([p[0] for p in points], x)
+    if i == len(points):
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+        return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def fit_decode_base(rows: list[tuple[float, float, float]], model: StepModel) -> list[list[float]]:
+    """``[seqs, seconds]`` per measured batch size: each point's time less ``model``'s context
+    term, averaged over the contexts measured at that size."""
+    by_seqs: dict[float, list[float]] = {}
+    for seqs, context, seconds in rows:
+        by_seqs.setdefault(seqs, []).append(max(0.0, seconds - model.per_attn_s * context))
+    return [[seqs, sum(ts) / len(ts)] for seqs, ts in sorted(by_seqs.items())]
 
 
 def fit_linear(rows: list[tuple[float, float, float]]) -> StepModel:
