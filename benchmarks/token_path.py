@@ -2,18 +2,18 @@
 
 Starts ``kvrelay up`` colocated (one worker, all threads) and 1P+1D (a thread each), streams
 completions through the official ``openai`` client (random token prompts, outputs forced to a
-length) at one and at a few requests at once, and splits the client's inter-token gap with the
-cluster's own metrics, read before and after each run:
+length) at one and at a few streams at once, and splits the client's mean gap between two
+tokens of a request with the cluster's own metrics, read before and after each run:
 
-- engine step: the decode (or colocated) worker's mean ``kvrelay_engine_step_seconds``;
-- worker loop + ZMQ to the router: the router's mean ``kvrelay_inter_token_latency_seconds``
-  (taken as each token event arrives) less the steps a token waited for;
 - router to client (detokenize, SSE, HTTP, the client's parsing): the client's mean gap less
-  the router's.
+  the router's mean ``kvrelay_inter_token_latency_seconds`` (taken as token events arrive);
+- engine: the mean of the decode (or colocated) worker's steps that carry decode tokens,
+  ``kvrelay_engine_step_seconds{kind="decode"|"mixed"}`` (a mixed step also computes a new
+  request's prompt chunk: the wait that chunked prefill puts into running requests' gaps);
+- worker loop + ZMQ + router loop: the router's gap less that step time (in 1P+1D it also
+  holds the decode worker's KV intake between steps).
 
-Steps per token are the worker's steps over the tokens it streamed: above 1 when a token waits
-for steps that were not its own (another request's prefill, colocated). Means over every gap
-of every request; no timing is asserted anywhere.
+Means over every gap of every request; no timing is asserted anywhere.
 
     python benchmarks/token_path.py --model DIR [--dtype float32] [--write]
 """
@@ -54,31 +54,48 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    """Sums of the named series (``_sum`` and ``_count`` of histograms) at ``url``."""
+def scrape(url: str, name: str, label: str = "") -> dict[str, float]:
+    """Sums of the series of metric ``name`` at ``url``, by the value of ``label`` ("" when
+    not given or absent)."""
     with urllib.request.urlopen(url, timeout=10) as resp:
         text = resp.read().decode()
-    totals = dict.fromkeys(names, 0.0)
+    totals: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("#"):
+        if line.startswith("#") or line.split("{", 1)[0].split(" ", 1)[0] != name:
             continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
+        key = ""
+        if label and f'{label}="' in line:
+            key = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+        totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
     return totals
 
 
-STEP = ("kvrelay_engine_step_seconds_sum", "kvrelay_engine_step_seconds_count")
-ITL = ("kvrelay_inter_token_latency_seconds_sum", "kvrelay_inter_token_latency_seconds_count")
+STEP = "kvrelay_engine_step_seconds"
+ITL = "kvrelay_inter_token_latency_seconds"
 
 
-def decode_status_url(server: Server) -> str:
-    with urllib.request.urlopen(f"{server.url}/admin/instances", timeout=10) as resp:
-        instances = json.load(resp)["data"]
-    for inst in instances:
-        if inst["role"] in ("decode", "colocated"):
-            return str(inst["status_url"]).rstrip("/") + "/metrics"
-    raise RuntimeError(f"{server.name}: no decode instance in {instances}")
+def steps(url: str) -> dict[str, tuple[float, float]]:
+    """kind -> (seconds, count) of the worker's engine steps so far."""
+    sums, counts = scrape(url, STEP + "_sum", "kind"), scrape(url, STEP + "_count", "kind")
+    return {kind: (sums[kind], counts.get(kind, 0.0)) for kind in sums}
+
+
+def router_itl(url: str) -> tuple[float, float]:
+    return scrape(url, ITL + "_sum").get("", 0.0), scrape(url, ITL + "_count").get("", 0.0)
+
+
+def decode_status_url(server: Server, timeout: float = 300.0) -> str:
+    """The /metrics URL of the cluster's decode (or colocated) worker, once it registered."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(f"{server.url}/admin/instances", timeout=10) as resp:
+            instances = json.load(resp)["data"]
+        for inst in instances:
+            if inst["role"] in ("decode", "colocated"):
+                return str(inst["status_url"]).rstrip("/") + "/metrics"
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.name}: no decode instance in {instances}")
+        time.sleep(1)
 
 
 def stream_one(client: Any, model: str, prompt: list[int], max_tokens: int) -> list[float]:
@@ -105,7 +122,7 @@ def run_level(
         [rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(args.requests)
     ]
     worker_url = decode_status_url(server)
-    step0, itl0 = scrape(worker_url, STEP), scrape(f"{server.url}/metrics", ITL)
+    steps0, itl0 = steps(worker_url), router_itl(f"{server.url}/metrics")
     gaps: list[float] = []
     lock = threading.Lock()
     queue = list(prompts)
@@ -125,22 +142,26 @@ def run_level(
         t.start()
     for t in threads:
         t.join()
-    step1, itl1 = scrape(worker_url, STEP), scrape(f"{server.url}/metrics", ITL)
-    steps = step1[STEP[1]] - step0[STEP[1]]
-    step_mean = (step1[STEP[0]] - step0[STEP[0]]) / steps
-    router_itl = (itl1[ITL[0]] - itl0[ITL[0]]) / (itl1[ITL[1]] - itl0[ITL[1]])
-    client_itl = statistics.fmean(gaps)
-    tokens = args.requests * args.max_tokens
-    steps_per_token = steps / (tokens / concurrency)  # steps one request's token waits through
+    steps1, itl1 = steps(worker_url), router_itl(f"{server.url}/metrics")
+
+    def delta(kind: str) -> tuple[float, float]:
+        (s1, n1), (s0, n0) = steps1.get(kind, (0.0, 0.0)), steps0.get(kind, (0.0, 0.0))
+        return s1 - s0, n1 - n0
+
+    (dec_s, dec_n), (mix_s, mix_n) = delta("decode"), delta("mixed")
+    router = (itl1[0] - itl0[0]) / (itl1[1] - itl0[1])
+    client = statistics.fmean(gaps)
+    engine = (dec_s + mix_s) / (dec_n + mix_n)
     return {
-        "client_itl_ms": client_itl * 1e3,
-        "client_itl_p50_ms": statistics.median(gaps) * 1e3,
-        "router_itl_ms": router_itl * 1e3,
-        "step_ms": step_mean * 1e3,
-        "steps_per_token": steps_per_token,
-        "engine_ms": step_mean * steps_per_token * 1e3,
-        "worker_to_router_ms": (router_itl - step_mean * steps_per_token) * 1e3,
-        "router_to_client_ms": (client_itl - router_itl) * 1e3,
+        "client_ms": client * 1e3,
+        "client_p50_ms": statistics.median(gaps) * 1e3,
+        "router_ms": router * 1e3,
+        "decode_step_ms": dec_s / dec_n * 1e3 if dec_n else 0.0,
+        "mixed_step_ms": mix_s / mix_n * 1e3 if mix_n else 0.0,
+        "mixed_share": mix_n / (dec_n + mix_n),
+        "engine_ms": engine * 1e3,
+        "worker_to_router_ms": (router - engine) * 1e3,
+        "router_to_client_ms": (client - router) * 1e3,
     }
 
 
@@ -179,14 +200,14 @@ def main() -> int:
                     )
             finally:
                 server.stop()
-    headers = ["system", "streams", "client gap ms (mean / p50)", "router gap ms",
-               "engine step ms", "steps per token", "engine ms / token",
-               "worker loop + ZMQ ms", "router to client ms"]  # fmt: skip
+    headers = ["system", "streams", "client gap ms (mean / p50)", "router to client ms",
+               "router gap ms", "engine ms (decode-bearing steps)", "decode-only / mixed step ms",
+               "steps with a prompt chunk", "worker loop + ZMQ + router ms"]  # fmt: skip
     rows = [
-        [name, c, f"{r['client_itl_ms']:.1f} / {r['client_itl_p50_ms']:.1f}",
-         f"{r['router_itl_ms']:.1f}", f"{r['step_ms']:.1f}", f"{r['steps_per_token']:.2f}",
-         f"{r['engine_ms']:.1f}", f"{r['worker_to_router_ms']:.1f}",
-         f"{r['router_to_client_ms']:.1f}"]
+        [name, c, f"{r['client_ms']:.1f} / {r['client_p50_ms']:.1f}",
+         f"{r['router_to_client_ms']:.2f}", f"{r['router_ms']:.1f}", f"{r['engine_ms']:.1f}",
+         f"{r['decode_step_ms']:.1f} / {r['mixed_step_ms']:.1f}", f"{r['mixed_share']:.0%}",
+         f"{r['worker_to_router_ms']:.1f}"]
         for name, by_c in results.items()
         for c, r in by_c.items()
     ]  # fmt: skip

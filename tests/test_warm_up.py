@@ -63,3 +63,20 @@ def test_fits_a_small_context_and_pool(tiny_model_dir) -> None:
     engine.warm_up()  # prompts capped to the context; a pool of 32 tokens takes turns
     assert not engine.has_unfinished_requests()
     assert engine.block_manager.num_refs() == 0
+
+
+def test_each_step_says_its_kind(tiny_model_dir) -> None:
+    """``last_step_kind`` (the worker's ``kvrelay_engine_step_seconds{kind}``): prompt chunks
+    only, decode tokens only, or both in one step."""
+    engine = _engine(tiny_model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("a", list(range(3, 20)), params)
+    kinds = []
+    engine.step()
+    kinds.append(engine.last_step_kind)
+    engine.step()
+    kinds.append(engine.last_step_kind)
+    engine.add_request("b", list(range(3, 12)), params)  # its prompt joins a's decode
+    engine.step()
+    kinds.append(engine.last_step_kind)
+    assert kinds == ["prefill", "decode", "mixed"]

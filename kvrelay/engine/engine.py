@@ -30,7 +30,7 @@ from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.offload import TierConnector
 from kvrelay.engine.runner import ModelRunner, kv_cache_shape
 from kvrelay.engine.sampling import Sampler
-from kvrelay.engine.scheduler import Scheduler
+from kvrelay.engine.scheduler import Scheduler, StepPlan
 from kvrelay.engine.sequence import Sequence, SequenceStatus
 from kvrelay.engine.structured import GrammarCache, GrammarError
 from kvrelay.kernels.gemv import MAX_ROWS as _GEMV_ROWS
@@ -145,6 +145,18 @@ def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> En
     )
 
 
+def step_kind(plan: StepPlan) -> str:
+    """``decode`` when every scheduled item is one decode token, ``prefill`` when none is (prompt
+    chunks, or the recomputed outputs of a resumed request), else ``mixed``."""
+    decode = sum(
+        item.num_new_tokens == 1
+        and item.start == item.seq.num_tokens - 1
+        and item.start >= len(item.seq.prompt_token_ids)
+        for item in plan.scheduled
+    )
+    return "decode" if decode == len(plan.scheduled) else "prefill" if not decode else "mixed"
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -202,6 +214,7 @@ class LLMEngine:
             LlamaModel(mc, weights), kv_cache, config.cache.block_size, sampler
         )
         self._stops: dict[str, StopChecker] = {}
+        self.last_step_kind = "decode"  # of the last step that ran (step_kind)
         self.grammars = GrammarCache(config.model, mc.vocab_size, self.eos_token_ids)
 
     @classmethod
@@ -389,6 +402,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan is None:
             return []
+        self.last_step_kind = step_kind(plan)
         result = self.runner.run(plan)
         self.scheduler.update(plan, result)
         outputs = []

@@ -38,13 +38,15 @@ class WorkerMetrics:
         self.prefill_tokens = gauge(
             "kvrelay_num_prefill_tokens", "Prompt tokens yet to compute (prefill placement)"
         )
+        self._labels = labels
         self.step_seconds = Histogram(
             "kvrelay_engine_step_seconds",
-            "Time of one engine step",
-            list(labels),
+            "Time of one engine step, by kind: decode (decode tokens only), prefill (prompt "
+            "chunks only) or mixed",
+            [*labels, "kind"],
             buckets=_STEP_BUCKETS,
             registry=r,
-        ).labels(**labels)
+        )
         self.transfer_seconds = Histogram(
             "kvrelay_kv_transfer_seconds",
             "Time of one KV pull (decode side)",
@@ -80,8 +82,8 @@ class WorkerMetrics:
         """Exports per-tier cache counters read from ``tier_stats()`` at scrape time."""
         self.registry.register(_TierCollector(tier_stats))
 
-    def observe_step(self, seconds: float) -> None:
-        self.step_seconds.observe(seconds)
+    def observe_step(self, seconds: float, kind: str) -> None:
+        self.step_seconds.labels(**self._labels, kind=kind).observe(seconds)
 
     def update_load(self, engine: LLMEngine) -> None:
         for waiting in (self.num_waiting, self.vllm_waiting):

@@ -446,7 +446,7 @@ class Worker:
     def _step(self) -> None:
         started = time.perf_counter()
         outputs = self.engine.step()
-        self.metrics.observe_step(time.perf_counter() - started)
+        self.metrics.observe_step(time.perf_counter() - started, self.engine.last_step_kind)
         for out in outputs:
             self.on_output(out)
         self._collect_cache_changes()  # after the tokens went out
