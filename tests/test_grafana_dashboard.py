@@ -62,6 +62,7 @@ def _declared(family: Any) -> set[str]:
         "kvrelay_kv_transfer_seconds": {"transport", "instance", "role"},
         "kvrelay_kv_transfer_bytes": {"transport", "instance", "role"},
         "kvrelay_kv_transfer_failures": {"transport", "reason", "instance", "role"},
+        "kvrelay_engine_step_seconds": {"instance", "role", "kind"},
     }
     return known.get(family.name, set())
 
