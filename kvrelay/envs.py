@@ -175,8 +175,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "what kvrelay keeps between runs: digests of model files (identity/)", "--cache-dir",
          commands=()),
     _var("KVRELAY_NATIVE_MATMUL", bool, True,
-         "CPU decode steps multiply by the weights in kvrelay's native kernel (0: torch's; "
-         "for comparisons)", commands=("serve",)),
+         "CPU decode steps multiply by the weights, and CPU steps run a layer's norms, rotary "
+         "and SiLU, in kvrelay's native library (0: torch's; for comparisons)",
+         commands=("serve",)),
     _var("KVRELAY_NATIVE_ATTENTION", bool, True,
          "CPU decode tokens attend over the KV pool in kvrelay's native kernel (0: torch's "
          "gather + SDPA; for comparisons)", commands=("serve",)),
