@@ -165,3 +165,30 @@ def test_results_do_not_depend_on_which_thread_took_a_chunk(dtype: torch.dtype) 
             assert torch.equal(gemv.matmul(x, w), first)
     finally:
         gemv.set_threads(old)
+
+
+def test_back_to_back_jobs_of_different_sizes_stay_apart() -> None:
+    """The pool must not let a helper that read one job's ticket claim a chunk of the next job
+    (whose fields the caller is writing): jobs of few and of many chunks alternate fast here,
+    in a child process so that the crash this once caused fails the test, not the run."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from kvrelay.kernels import cpu_rows, gemv
+gemv.set_threads(2)
+torch.manual_seed(0)
+x, w = torch.randn(1, 64), torch.randn(64, 8)
+gate_up = torch.randn(64, 1024)
+want_y = x @ w
+want_act = torch.nn.functional.silu(gate_up[:, :512]) * gate_up[:, 512:]
+for _ in range(20000):
+    assert torch.allclose(gemv.matmul(x, w), want_y, atol=1e-4)
+    assert torch.allclose(cpu_rows.silu_mul(gate_up), want_act, atol=1e-4)
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

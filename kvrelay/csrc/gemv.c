@@ -282,7 +282,7 @@ static void work(uint64_t gen) {
         uint64_t cur = __atomic_load_n(&ticket, __ATOMIC_ACQUIRE);
         for (;;) {
             if ((cur >> 32) != (gen & 0xffffffffu)) return;
-            if ((int)(cur & 0xffffffffu) >= current.num_chunks) return;
+            if ((cur & 0xffffffffu) >= (uint64_t)current.num_chunks) return; /* also a closed job */
             if (__atomic_compare_exchange_n(&ticket, &cur, cur + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
                 break;
         }
@@ -366,6 +366,13 @@ static void run_job(void) {
             sched_yield();
         }
     }
+    /* Close the job before the caller writes the next one into `current`. A helper that read
+     * this job's ticket just before it ran out, and was descheduled, would otherwise compare
+     * that ticket with the next job's chunk count and claim a chunk that does not exist: it
+     * ran the next job's half-written fields (a crash, or wrong sums) and took from the next
+     * job's pending count. Its claim is a compare-and-swap on the ticket, so once the ticket
+     * reads "no chunk left" it fails whatever `current` holds. */
+    __atomic_store_n(&ticket, ((gen & 0xffffffffu) << 32) | 0xffffffffu, __ATOMIC_RELEASE);
 }
 
 /* y[m, n] = x[m, k] @ w; kind 0: w is [k, n]; kind 1: w is [n, k]. Returns 0 on success. */
