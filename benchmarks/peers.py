@@ -127,6 +127,11 @@ def start_engines(args: argparse.Namespace, dtype: str, vllm_python: Path) -> li
     return [kvrelay, vllm]
 
 
+def model_vocab(model: str) -> int:
+    """The checkpoint's vocabulary size (its config.json), so prompts stay in range."""
+    return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+
+
 def make_requests(n: int, vocab: int = 49152, seed: int = 0) -> list[list[Any]]:
     rng = random.Random(seed)
     out = []
@@ -199,7 +204,7 @@ def measure(engines: list[Engine], args: argparse.Namespace) -> dict[str, Any]:
         e.name: e.call(op="greedy", messages=CHATS, max_tokens=32)["token_ids"] for e in engines
     }
     same = sum(a == b for a, b in zip(greedy["kvrelay"], greedy["vllm"], strict=True))
-    requests = make_requests(args.num_requests)
+    requests = make_requests(args.num_requests, model_vocab(args.model))
     for engine in engines:  # warm-up: the whole set once (first-seen shapes, first-touched pools)
         engine.call(op="offline", requests=requests)
     offline = interleaved(engines, args.repeats, op="offline", requests=requests)
