@@ -87,7 +87,10 @@ static inline void silu_mul_row(int dtype, int n, const float *gate, const float
         for (int i = 0; i < c; i++) act[i] = rnd(dtype, rnd(dtype, act[i]) * up[i]);
     }
 #endif
-    for (; c < n; c++) act[c] = rnd(dtype, rnd(dtype, gate[c] / (1.0f + expf(-gate[c]))) * up[c]);
+    for (; c < n; c++) { /* silu_avx2's formula, so a value's result does not depend on its position */
+        const float t = expf(-fabsf(gate[c]));
+        act[c] = rnd(dtype, rnd(dtype, gate[c] * ((gate[c] >= 0.0f ? 1.0f : t) / (1.0f + t))) * up[c]);
+    }
 }
 
 #endif

@@ -14,17 +14,11 @@ torch otherwise.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from kvrelay.kernels import gemv
+from kvrelay.kernels import gemv  # its load_library sets the rows_* signatures
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def _library() -> ctypes.CDLL | None:
-    return gemv.load_library()  # which sets the rows_* signatures
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -34,7 +28,7 @@ def supports(x: torch.Tensor) -> bool:
         and x.dtype in _DTYPES
         and x.dim() == 2
         and x.is_contiguous()
-        and _library() is not None
+        and gemv.load_library() is not None
     )
 
 
@@ -48,7 +42,7 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """``x += delta`` in place (when given), then returns ``rms_norm(x) * weight``
     (``llama.rms_norm``'s rounding)."""
-    library = _library()
+    library = gemv.load_library()
     assert library is not None and weight.dtype == x.dtype and weight.is_contiguous()
     if delta is not None:
         assert delta.shape == x.shape and delta.dtype == x.dtype and delta.is_contiguous()
@@ -67,7 +61,7 @@ def rope_(
 ) -> None:
     """Rotates the first ``heads`` heads of each row of ``qkv [T, width]`` in place
     (``llama.apply_rope``); ``cos`` and ``sin`` hold ``head_dim / 2`` values per row."""
-    library = _library()
+    library = gemv.load_library()
     assert library is not None and qkv.is_contiguous()
     assert cos.dtype == sin.dtype == qkv.dtype and cos.is_contiguous() and sin.is_contiguous()
     m, width = qkv.shape
@@ -81,7 +75,7 @@ def rope_(
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [T, 2 * n]`` (gate first), as ``[T, n]``."""
-    library = _library()
+    library = gemv.load_library()
     assert library is not None and gate_up.is_contiguous()
     m, width = gate_up.shape
     out = torch.empty(m, width // 2, dtype=gate_up.dtype)

@@ -20,8 +20,8 @@ Pure Python: no torch, no numpy (the simulator's inner loop calls these).
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -139,12 +139,10 @@ def interpolate(points: list[list[float]], x: float) -> float:
     x, the last segment's slope (never negative) beyond the last."""
     if x <= points[0][0] or len(points) == 1:
         return points[0][1]
-    i = bisect.bisect_left([p[0] for p in points], x)
-    if i == len(points):
-        (x0, y0), (x1, y1) = points[-2], points[-1]
-        return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
-    (x0, y0), (x1, y1) = points[i - 1], points[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    for (x0, y0), (x1, y1) in itertools.pairwise(points):  # a handful of points: a scan
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)  # past the last: its slope
 
 
 def fit_decode_base(rows: list[tuple[float, float, float]], model: StepModel) -> list[list[float]]:

@@ -38,8 +38,7 @@ class WorkerMetrics:
         self.prefill_tokens = gauge(
             "kvrelay_num_prefill_tokens", "Prompt tokens yet to compute (prefill placement)"
         )
-        self._labels = labels
-        self.step_seconds = Histogram(
+        step_seconds = Histogram(
             "kvrelay_engine_step_seconds",
             "Time of one engine step, by kind: decode (decode tokens only), prefill (prompt "
             "chunks only) or mixed",
@@ -47,6 +46,8 @@ class WorkerMetrics:
             buckets=_STEP_BUCKETS,
             registry=r,
         )
+        kinds = ("decode", "prefill", "mixed")  # LLMEngine.last_step_kind
+        self.step_seconds = {kind: step_seconds.labels(**labels, kind=kind) for kind in kinds}
         self.transfer_seconds = Histogram(
             "kvrelay_kv_transfer_seconds",
             "Time of one KV pull (decode side)",
@@ -83,7 +84,7 @@ class WorkerMetrics:
         self.registry.register(_TierCollector(tier_stats))
 
     def observe_step(self, seconds: float, kind: str) -> None:
-        self.step_seconds.labels(**self._labels, kind=kind).observe(seconds)
+        self.step_seconds[kind].observe(seconds)
 
     def update_load(self, engine: LLMEngine) -> None:
         for waiting in (self.num_waiting, self.vllm_waiting):
