@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--from-json", type=Path, default=None, help="render a saved run's results")
     p.add_argument("--note", default="", help="a paragraph appended to the section")
+    p.add_argument(
+        "--resim", action="store_true", help="with --from-json: simulate again, keep the real runs"
+    )
     p.add_argument("--no-write", action="store_true")
     args = p.parse_args(argv)
     trace = cap_requests(
@@ -106,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     if args.from_json is not None:
         results = json.loads(args.from_json.read_text())
+        if args.resim:
+            for name, r in results.items():
+                r["sim"] = sim_run(args, FLEETS[name], trace)
     for name in [f for f in args.fleets if f not in results]:
         started = time.time()
         real = real_run(args, FLEETS[name], trace)

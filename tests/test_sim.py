@@ -26,7 +26,7 @@ from kvrelay.sim.profile import (
     Link,
     Profile,
     StepModel,
-    fit_decode_base,
+    fit_base,
     fit_linear,
     interpolate,
 )
@@ -359,7 +359,7 @@ def test_decode_steps_follow_the_measured_batch_sizes(tmp_path: Path) -> None:
     rows = [(1.0, 100.0, 0.045), (1.0, 1000.0, 0.054), (8.0, 800.0, 0.0908),
             (8.0, 8000.0, 0.0980), (32.0, 3200.0, 0.1632)]  # fmt: skip
     model = fit_linear(rows)
-    base = fit_decode_base(rows, model)
+    base = fit_base(rows, model)
     assert [seqs for seqs, _ in base] == [1.0, 8.0, 32.0]
     prof = dataclasses.replace(linear, decode=model, decode_base=base)
     # at a measured size the context term restores the measured time (up to the fit)
@@ -373,6 +373,34 @@ def test_decode_steps_follow_the_measured_batch_sizes(tmp_path: Path) -> None:
     prof.save(tmp_path / "p.json")
     assert Profile.load(tmp_path / "p.json") == prof
     assert interpolate([[2.0, 5.0]], 9.0) == 5.0
+
+
+def test_prefill_steps_follow_the_measured_token_counts(tmp_path: Path) -> None:
+    """A profile with prefill_base goes through each measured prompt size (a CPU's cost per
+    token is not constant: one line overstates the middle sizes); one without it stays linear."""
+    linear = make_profile()
+    assert linear.prefill_s(100, 5000.0) == pytest.approx(
+        linear.prefill.intercept_s
+        + 100 * linear.prefill.per_item_s
+        + 5000 * linear.prefill.per_attn_s
+    )
+    # (tokens, attn, s): 5.8 ms a token at 32, 2.6 at 256, 3.3 past it (a curved profile)
+    rows = [(32.0, 512.0, 0.185), (64.0, 1024.0, 0.298), (128.0, 8192.0, 0.441),
+            (256.0, 16384.0, 0.690), (512.0, 131072.0, 1.691), (1024.0, 262144.0, 3.241),
+            (1024.0, 524288.0, 3.594), (2048.0, 2097152.0, 8.016)]  # fmt: skip
+    model = fit_linear(rows)
+    base = fit_base(rows, model)
+    assert [tokens for tokens, _ in base] == [32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0]
+    prof = dataclasses.replace(linear, prefill=model, prefill_base=base)
+    for tokens, attn, seconds in rows[:5]:  # every measured size, to within 3%
+        assert prof.prefill_s(int(tokens), attn) == pytest.approx(seconds, rel=0.03)
+    line_256 = model.intercept_s + 256 * model.per_item_s + 16384 * model.per_attn_s
+    assert abs(line_256 - 0.690) > 3 * abs(prof.prefill_s(256, 16384.0) - 0.690)
+    assert prof.prefill_s(100, 0.0) < prof.prefill_s(200, 0.0)  # between sizes: monotone
+    # a mixed step still shares one overhead
+    assert prof.step_s(100, 5000.0, 4, 400) < prof.prefill_s(100, 5000.0) + prof.decode_s(4, 400)
+    prof.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == prof
 
 
 def test_sim_cli_writes_json(tmp_path: Path) -> None:

@@ -5,9 +5,11 @@ minimum is the best estimate of the uncontended cost, which is what an instance 
 would see):
 
 - prefill: ``LLMEngine.step()`` over fresh random prompts (no prefix hit), ``batch`` prompts
-  of ``tokens`` each computed in one step; fitted to ``a + b * tokens + c * attn``.
+  of ``tokens`` each computed in one step; fitted to ``a + b * tokens + c * attn``, and
+  ``base(tokens) + c * attn`` with ``base`` through the measured token counts.
 - decode: ``batch`` sequences of ``context`` tokens each (one shared prefix, so setting up
-  costs one prefill), then single decode steps; fitted to ``a + b * seqs + c * context``.
+  costs one prefill), then single decode steps; fitted to ``a + b * seqs + c * context``,
+  and ``base(seqs) + c * context`` with ``base`` through the measured batch sizes.
 - hand-off, shm: what a shm pull does to the bytes: the source's lease checksum and the
   destination's fused copy + checksum (``SlabCopier``) over ``n`` blocks of the model's layout.
   tcp: the same plus the bytes sent over a ZMQ loopback socket. Control messages are not
@@ -30,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvrelay.sim.profile import Link, Profile, fit_decode_base, fit_linear
+from kvrelay.sim.profile import Link, Profile, fit_base, fit_linear
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ def measure_profile(
     weight_bytes = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     start_s, start_parts = _measure_start(model_dir, config, handoff["tcp"], weight_bytes)
     decode = fit_linear([(b, c, s) for b, c, s in decode_rows])
+    prefill = fit_linear([(t, a, s) for t, a, s in prefill_rows])
     return Profile(
         model=Path(model_dir).name,
         machine=_machine(),
@@ -91,9 +94,10 @@ def measure_profile(
         block_size=config.cache.block_size,
         kv_bytes_per_block=block_bytes,
         kv_blocks_per_gib=(1 << 30) // block_bytes,
-        prefill=fit_linear([(t, a, s) for t, a, s in prefill_rows]),
+        prefill=prefill,
         decode=decode,
-        decode_base=fit_decode_base(decode_rows, decode),
+        decode_base=fit_base(decode_rows, decode),
+        prefill_base=fit_base(prefill_rows, prefill),
         handoff=handoff,
         start_s=start_s,
         points={

@@ -4,8 +4,11 @@
 same format measured on a GPU. Step times are linear models fitted by least squares to
 measured engine steps (the raw points are kept beside the fit)::
 
-    prefill step   a + b * tokens + c * attn        attn = sum over chunks of
-                                                    chunk * (context before it + chunk / 2)
+    prefill step   base(tokens) + c * attn          attn = sum over chunks of
+                                                    chunk * (context before it + chunk / 2);
+                                                    base: piecewise linear through the
+                                                    measured token counts (a + b * tokens
+                                                    where a profile has no such points)
     decode step    base(seqs) + c * context         context = sum of the batch's lengths;
                                                     base: piecewise linear through the
                                                     measured batch sizes (a + b * seqs where
@@ -67,6 +70,10 @@ class Profile:
     # cost is far from linear in its sequences at small batches (the weights' bytes dominate
     # a lone sequence's step), which a single line through 1-32 sequences overstates
     decode_base: list[list[float]] = dataclasses.field(default_factory=list)
+    # [tokens, seconds] of a prefill step with no attention, at each measured token count: a
+    # short prompt's cost per token is higher than a long one's (SmolLM2 on an EPYC core: 4.2
+    # ms a token at 32 tokens, 2.7-2.9 from 256 on), which one line puts 12% low at 32 tokens
+    prefill_base: list[list[float]] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         missing = [m for m in START_MODES if m not in self.start_s]
@@ -79,7 +86,9 @@ class Profile:
     # -------------------------------------------------------------- step costs
     def prefill_s(self, tokens: int, attn: float) -> float:
         m = self.prefill
-        return m.intercept_s + m.per_item_s * tokens + m.per_attn_s * attn
+        if not self.prefill_base:
+            return m.intercept_s + m.per_item_s * tokens + m.per_attn_s * attn
+        return interpolate(self.prefill_base, tokens) + m.per_attn_s * attn
 
     def decode_s(self, seqs: int, context: int) -> float:
         m = self.decode
@@ -145,13 +154,14 @@ def interpolate(points: list[list[float]], x: float) -> float:
     return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)  # past the last: its slope
 
 
-def fit_decode_base(rows: list[tuple[float, float, float]], model: StepModel) -> list[list[float]]:
-    """``[seqs, seconds]`` per measured batch size: each point's time less ``model``'s context
-    term, averaged over the contexts measured at that size."""
-    by_seqs: dict[float, list[float]] = {}
-    for seqs, context, seconds in rows:
-        by_seqs.setdefault(seqs, []).append(max(0.0, seconds - model.per_attn_s * context))
-    return [[seqs, sum(ts) / len(ts)] for seqs, ts in sorted(by_seqs.items())]
+def fit_base(rows: list[tuple[float, float, float]], model: StepModel) -> list[list[float]]:
+    """``[x, seconds]`` per measured ``x`` (decode: sequences; prefill: tokens) of ``(x, y,
+    seconds)`` rows: each point's time less ``model``'s ``y`` term (context, attention),
+    averaged over the rows measured at that ``x``."""
+    by_x: dict[float, list[float]] = {}
+    for x, y, seconds in rows:
+        by_x.setdefault(x, []).append(max(0.0, seconds - model.per_attn_s * y))
+    return [[x, sum(ts) / len(ts)] for x, ts in sorted(by_x.items())]
 
 
 def fit_linear(rows: list[tuple[float, float, float]]) -> StepModel:
