@@ -40,6 +40,7 @@ def create_engine(args: argparse.Namespace) -> Any:
             seed=0,
             num_threads=args.threads,
             max_model_len=args.max_model_len,
+            enable_prefix_caching=False,  # as vLLM's below: timed runs repeat the same prompts
         )
     import importlib.metadata as md
 

@@ -24,6 +24,7 @@ call (``kernels.cpu_decode``).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping
 
@@ -31,9 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from kvrelay.engine.config import ModelConfig, RopeConfig
-from kvrelay.kernels import cpu_rows, gemv
+from kvrelay.kernels import cpu_packed, cpu_rows, gemv
 from kvrelay.kernels.attention import AttentionMetadata, paged_attention
 from kvrelay.kernels.cpu_decode import FusedDecode
+
+logger = logging.getLogger(__name__)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -90,9 +93,17 @@ def add_rms_norm(
     return x, rms_norm(x, weight, eps)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``x @ w + bias`` for a weight stored ``[in, out]`` (decode-sized batches on CPU in the
-    native kernel, ``kernels.gemv``; anything else in torch)."""
+    native kernel, ``kernels.gemv``; more rows on ``w``'s ``packed`` copy when there is one,
+    ``kernels.cpu_packed``; anything else in torch)."""
+    if packed is not None and x.shape[0] > gemv.MAX_ROWS:
+        return cpu_packed.linear(x, packed, bias)
     return gemv.matmul(x, w, bias)
 
 
@@ -107,6 +118,20 @@ class LlamaModel:
         self._kv_size = config.num_kv_heads * config.head_dim
         self._qk_heads = config.num_heads + config.num_kv_heads
         self._fused: FusedDecode | None = None  # built for the first KV pool it can serve
+        # oneDNN-blocked copies of the projections for steps of many rows (opt-in)
+        self.packed: dict[str, torch.Tensor] = self._pack() if cpu_packed.wanted(weights) else {}
+
+    def _pack(self) -> dict[str, torch.Tensor]:
+        names = [f"layers.{i}.{n}" for i in range(self.config.num_layers)
+                 for n in ("qkv", "o", "gate_up", "down")]  # fmt: skip
+        names += ["lm_head"] if "lm_head" in self.weights else []
+        packed = {name: cpu_packed.pack(self.weights[name], transposed=True) for name in names}
+        if "lm_head" not in self.weights:  # tied: the embedding, stored [vocab, hidden]
+            packed["embed"] = cpu_packed.pack(self.weights["embed"], transposed=False)
+        size = sum(self.weights[n].numel() * self.weights[n].element_size() for n in packed)
+        logger.info("packed %d weights for oneDNN: %.0f MB beside the plain ones", len(packed),
+                    size / 1e6)  # fmt: skip
+        return packed
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[T, 1, head_dim / 2]`` for the given positions."""
@@ -126,7 +151,7 @@ class LlamaModel:
         ``kv_cache`` is ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; this
         step's K/V are written into it at ``meta.slot_mapping``.
         """
-        w, cfg = self.weights, self.config
+        w, cfg, pk = self.weights, self.config, self.packed
         x = F.embedding(input_ids, w["embed"])
         cos, sin = self.rotary(positions)
         fused = self._fused_for(kv_cache, meta, x.shape[0])
@@ -138,7 +163,7 @@ class LlamaModel:
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             x, h = add_rms_norm(x, delta, w[p + "in_norm"], eps, native)
-            qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"))
+            qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"), pk.get(p + "qkv"))
             qk_size = self._q_size + self._kv_size
             # q and k rotate in one call: their columns are adjacent in the fused projection
             if native:
@@ -149,15 +174,15 @@ class LlamaModel:
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, qk_size:].view(-1, cfg.num_kv_heads, hd)
             attn = paged_attention(q, k, v, kv_cache[i], meta, self.scale)
-            delta = linear(attn.reshape(-1, self._q_size), w[p + "o"])
+            delta = linear(attn.reshape(-1, self._q_size), w[p + "o"], None, pk.get(p + "o"))
             x, h = add_rms_norm(x, delta, w[p + "post_norm"], eps, native)
-            gate_up = linear(h, w[p + "gate_up"])
+            gate_up = linear(h, w[p + "gate_up"], None, pk.get(p + "gate_up"))
             if native:
                 act = cpu_rows.silu_mul(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
-            delta = linear(act, w[p + "down"])
+            delta = linear(act, w[p + "down"], None, pk.get(p + "down"))
         return x if delta is None else x + delta
 
     def _fused_for(
@@ -181,5 +206,8 @@ class LlamaModel:
         """float32 logits ``[N, vocab]`` for the rows of ``hidden`` that are sampled."""
         h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
         if "lm_head" in self.weights:
-            return linear(h, self.weights["lm_head"]).float()
+            return linear(h, self.weights["lm_head"], None, self.packed.get("lm_head")).float()
+        packed = self.packed.get("embed")
+        if packed is not None and h.shape[0] > gemv.MAX_ROWS:
+            return cpu_packed.linear(h, packed).float()
         return gemv.matmul_nt(h, self.weights["embed"]).float()  # tied: embed [vocab, hidden]

@@ -1,0 +1,77 @@
+"""``KVRELAY_CPU_PACKED_WEIGHTS``: bfloat16 weights packed for oneDNN, used for steps of more
+than ``gemv.MAX_ROWS`` rows, give what torch's ``mm`` on the plain weights gives."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kvrelay.engine.engine import LLMEngine
+from kvrelay.kernels import cpu_packed, gemv
+from kvrelay.protocol.sampling_params import SamplingParams
+
+needs_bf16 = pytest.mark.skipif(
+    not cpu_packed.supported(), reason="this CPU's oneDNN has no bfloat16 compute"
+)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [9, 32, 100])
+def test_packed_linear_matches_torch_in_both_layouts(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 192, generator=g).bfloat16()
+    w_kn = torch.randn(192, 320, generator=g).bfloat16()  # [in, out], kvrelay's projections
+    bias = torch.randn(320, generator=g).bfloat16()
+    want = torch.addmm(bias, x, w_kn)
+    got = cpu_packed.linear(x, cpu_packed.pack(w_kn, transposed=True), bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 320)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-2)
+    w_nk = w_kn.t().contiguous()  # [out, in]: a tied embedding as the LM head
+    got_nk = cpu_packed.linear(x, cpu_packed.pack(w_nk, transposed=False))
+    torch.testing.assert_close(got_nk, torch.mm(x, w_kn), rtol=1.6e-2, atol=2e-2)
+
+
+def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for n, prompt in enumerate(prompts):
+        engine.add_request(f"r{n}", prompt, params)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.token_ids
+    return [tokens[f"r{n}"] for n in range(len(prompts))]
+
+
+@needs_bf16
+def test_a_bfloat16_engine_packs_and_generates_the_same_tokens(real_model_dir, monkeypatch) -> None:
+    """SmolLM2 in bfloat16: twelve prompts batched (decode steps of 12 rows, prefills of
+    hundreds) give the same greedy tokens with the packed weights as without."""
+    prompts = [[(n * 131 + t * 7919) % 49000 + 4 for t in range(20 + 3 * n)] for n in range(12)]
+    plain = LLMEngine.from_args(real_model_dir, dtype="bfloat16", num_threads=2, seed=0)
+    assert plain.runner.model.packed == {}
+    want = _greedy(plain, prompts)
+    del plain
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "1")
+    engine = LLMEngine.from_args(real_model_dir, dtype="bfloat16", num_threads=2, seed=0)
+    model = engine.runner.model
+    assert set(model.packed) == {
+        f"layers.{i}.{n}" for i in range(model.config.num_layers)
+        for n in ("qkv", "o", "gate_up", "down")
+    } | {"embed"}  # fmt: skip
+    calls: list[int] = []
+    real = cpu_packed.linear
+    monkeypatch.setattr(cpu_packed, "linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    assert _greedy(engine, prompts) == want
+    assert calls and min(calls) > gemv.MAX_ROWS  # used, and only for steps of many rows
+
+
+def test_asked_for_where_it_does_not_apply_it_warns_and_packs_nothing(
+    tiny_model_dir, monkeypatch, caplog
+) -> None:
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "1")
+    with caplog.at_level(logging.WARNING, logger="kvrelay.kernels.cpu_packed"):
+        engine = LLMEngine.from_args(tiny_model_dir, dtype="float32", num_threads=1, seed=0)
+    assert engine.runner.model.packed == {}
+    assert "KVRELAY_CPU_PACKED_WEIGHTS ignored" in caplog.text and "float32" in caplog.text
