@@ -1,11 +1,12 @@
-"""bfloat16 on CPU with and without ``KVRELAY_CPU_PACKED_WEIGHTS`` (oneDNN-packed weights).
+"""CPU engines with and without ``KVRELAY_CPU_PACKED_WEIGHTS`` (oneDNN-packed weights).
 
-Two engines of the same model in one process, one packed and one plain, run the offline
-workload of ``peers.py`` (64 requests, prompts 16-128, outputs 16-64) interleaved (A, B, A,
-B) after one untimed run each, and a prefill of one long prompt; medians of ``--repeats``.
-Prefix caching is off (every timed run repeats the same prompts). Greedy tokens of both are compared on the whole workload.
+Per dtype, two engines of the same model in one process, one packed and one plain, run the
+offline workload of ``peers.py`` (64 requests, prompts 16-128, outputs 16-64) interleaved (A,
+B, A, B) after one untimed run each, and a prefill of one long prompt; medians of
+``--repeats``. Prefix caching is off (every timed run repeats the same prompts). Greedy tokens
+of both are compared on the whole workload.
 
-Usage: python benchmarks/cpu_packed.py --model DIR [--threads 2] [--repeats 3] [--write]
+Usage: python benchmarks/cpu_packed.py --model DIR [--dtype float32 bfloat16] [--write]
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model, markdown_table, median, update_benchmarks_md
 from peers import make_requests, model_vocab
 
-TITLE = "bfloat16 on CPU: oneDNN-packed weights (KVRELAY_CPU_PACKED_WEIGHTS)"
+TITLE = "CPU: oneDNN-packed weights (KVRELAY_CPU_PACKED_WEIGHTS)"
 
 
-def build(model: str, threads: int, packed: bool) -> Any:
+def build(model: str, dtype: str, threads: int, packed: bool) -> Any:
     from kvrelay import LLM
 
     os.environ["KVRELAY_CPU_PACKED_WEIGHTS"] = "1" if packed else "0"
     try:
         return LLM(
-            model=model, dtype="bfloat16", seed=0, num_threads=threads, max_model_len=2048,
+            model=model, dtype=dtype, seed=0, num_threads=threads, max_model_len=2048,
             enable_prefix_caching=False,  # timed runs repeat the same prompts
         )  # fmt: skip
     finally:
@@ -57,21 +58,14 @@ def prefill_s(llm: Any, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--prefill-tokens", type=int, default=1024)
-    p.add_argument("--write", action="store_true", help="replace the BENCHMARKS.md section")
-    args = p.parse_args(argv)
+def measure(args: argparse.Namespace, dtype: str) -> tuple[list[list[str]], str]:
+    """Table rows of one dtype and its greedy-identity sentence."""
     vocab = model_vocab(args.model)
     requests = make_requests(args.num_requests, vocab)
     long_prompt = make_requests(1, vocab, seed=1)[0][0] * (args.prefill_tokens // 16)
     long_prompt = long_prompt[: args.prefill_tokens]
-    engines = {"plain": build(args.model, args.threads, False)}
-    engines["packed"] = build(args.model, args.threads, True)
+    engines = {"plain": build(args.model, dtype, args.threads, False)}
+    engines["packed"] = build(args.model, dtype, args.threads, True)
     assert engines["packed"].engine.runner.model.packed, "the packed engine packed nothing"
     tok_s: dict[str, list[float]] = {name: [] for name in engines}
     pre_s: dict[str, list[float]] = {name: [] for name in engines}
@@ -85,22 +79,43 @@ def main(argv: list[str] | None = None) -> int:
             pre_s[name].append(prefill_s(llm, long_prompt))
             loads.append(os.getloadavg()[0])
     same = sum(a == b for a, b in zip(tokens["plain"], tokens["packed"], strict=True))
+    load = f"{min(loads):.1f}-{max(loads):.1f}"
     rows = [
-        [name, f"{median(tok_s[name]):.1f}", f"{median(pre_s[name]) * 1e3:.0f}",
-         " / ".join(f"{v:.1f}" for v in tok_s[name])]
+        [dtype, name, f"{median(tok_s[name]):.1f}", f"{median(pre_s[name]) * 1e3:.0f}",
+         " / ".join(f"{v:.1f}" for v in tok_s[name]), load]
         for name in engines
     ]  # fmt: skip
-    rows.append(["packed / plain", f"{median(tok_s['packed']) / median(tok_s['plain']):.2f}x",
-                 f"{median(pre_s['packed']) / median(pre_s['plain']):.2f}x", ""])  # fmt: skip
+    rows.append([dtype, "packed / plain",
+                 f"{median(tok_s['packed']) / median(tok_s['plain']):.2f}x",
+                 f"{median(pre_s['packed']) / median(pre_s['plain']):.2f}x", "", ""])  # fmt: skip
+    return rows, f"{dtype}: greedy tokens identical on {same} of {len(requests)} requests."
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prefill-tokens", type=int, default=1024)
+    p.add_argument("--write", action="store_true", help="replace the BENCHMARKS.md section")
+    args = p.parse_args(argv)
+    rows, same = [], []
+    for dtype in args.dtype:
+        dtype_rows, sentence = measure(args, dtype)
+        rows += dtype_rows
+        same.append(sentence)
+    headers = ["dtype", "weights", "offline tok/s", "prefill ms", "runs tok/s", "load avg"]
     body = "\n".join([
-        f"`{Path(args.model).name}`, bfloat16, {args.threads} threads, {cpu_model()}; "
-        f"{args.num_requests} requests (prompts 16-128, outputs 16-64, ignore_eos), medians of "
-        f"{args.repeats} interleaved runs after one untimed run each; prefill: one "
-        f"{args.prefill_tokens}-token prompt. Load average {min(loads):.1f}-{max(loads):.1f}.",
+        f"`{Path(args.model).name}`, {args.threads} threads, {cpu_model()}; "
+        f"{args.num_requests} requests (prompts 16-128, outputs 16-64, ignore_eos), prefix "
+        f"caching off, medians of {args.repeats} interleaved runs after one untimed run each; "
+        f"prefill: one {args.prefill_tokens}-token prompt.",
         "",
-        markdown_table(["weights", "offline tok/s", "prefill ms", "runs tok/s"], rows),
+        markdown_table(headers, rows),
         "",
-        f"Greedy tokens identical on {same} of {len(requests)} requests.",
+        " ".join(same),
     ])  # fmt: skip
     print(body)
     if args.write:

@@ -179,9 +179,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "and SiLU, in kvrelay's native library (0: torch's; for comparisons)",
          commands=("serve",)),
     _var("KVRELAY_CPU_PACKED_WEIGHTS", bool, False,
-         "a bfloat16 CPU engine keeps a copy of every projection and the LM head in oneDNN's "
-         "blocked layout for steps of more than 8 rows (batched decode, prefill): faster, at "
-         "a second copy of the weights' memory, private to the process",
+         "a float32 or bfloat16 CPU engine keeps a copy of every projection and the LM head in "
+         "oneDNN's blocked layout for steps of more than 8 rows (batched decode, prefill): "
+         "faster, at a second copy of the weights' memory, private to the process",
          commands=("serve",)),
     _var("KVRELAY_NATIVE_ATTENTION", bool, True,
          "CPU decode tokens attend over the KV pool in kvrelay's native kernel (0: torch's "

@@ -1,5 +1,5 @@
-"""``KVRELAY_CPU_PACKED_WEIGHTS``: bfloat16 weights packed for oneDNN, used for steps of more
-than ``gemv.MAX_ROWS`` rows, give what torch's ``mm`` on the plain weights gives."""
+"""``KVRELAY_CPU_PACKED_WEIGHTS``: float32 / bfloat16 weights packed for oneDNN, used for steps
+of more than ``gemv.MAX_ROWS`` rows, give what torch's ``mm`` on the plain weights gives."""
 
 from __future__ import annotations
 
@@ -13,24 +13,32 @@ from kvrelay.kernels import cpu_packed, gemv
 from kvrelay.protocol.sampling_params import SamplingParams
 
 needs_bf16 = pytest.mark.skipif(
-    not cpu_packed.supported(), reason="this CPU's oneDNN has no bfloat16 compute"
+    not cpu_packed.supported(torch.bfloat16), reason="this CPU's oneDNN has no bfloat16 compute"
+)
+needs_onednn = pytest.mark.skipif(
+    not cpu_packed.supported(torch.float32), reason="this torch has no oneDNN"
 )
 
 
-@needs_bf16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [9, 32, 100])
-def test_packed_linear_matches_torch_in_both_layouts(rows: int) -> None:
+def test_packed_linear_matches_torch_in_both_layouts(rows: int, dtype: torch.dtype) -> None:
+    if not cpu_packed.supported(dtype):
+        pytest.skip(f"this CPU's oneDNN does not compute {dtype}")
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 192, generator=g).bfloat16()
-    w_kn = torch.randn(192, 320, generator=g).bfloat16()  # [in, out], kvrelay's projections
-    bias = torch.randn(320, generator=g).bfloat16()
+    x = torch.randn(rows, 192, generator=g).to(dtype)
+    w_kn = torch.randn(192, 320, generator=g).to(dtype)  # [in, out], kvrelay's projections
+    bias = torch.randn(320, generator=g).to(dtype)
+    tol = (
+        {"rtol": 1.6e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-4}
+    )
     want = torch.addmm(bias, x, w_kn)
     got = cpu_packed.linear(x, cpu_packed.pack(w_kn, transposed=True), bias)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 320)
-    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-2)
+    assert got.dtype == dtype and got.shape == (rows, 320)
+    torch.testing.assert_close(got, want, **tol)
     w_nk = w_kn.t().contiguous()  # [out, in]: a tied embedding as the LM head
     got_nk = cpu_packed.linear(x, cpu_packed.pack(w_nk, transposed=False))
-    torch.testing.assert_close(got_nk, torch.mm(x, w_kn), rtol=1.6e-2, atol=2e-2)
+    torch.testing.assert_close(got_nk, torch.mm(x, w_kn), **tol)
 
 
 def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
@@ -44,17 +52,20 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
     return [tokens[f"r{n}"] for n in range(len(prompts))]
 
 
-@needs_bf16
-def test_a_bfloat16_engine_packs_and_generates_the_same_tokens(real_model_dir, monkeypatch) -> None:
-    """SmolLM2 in bfloat16: twelve prompts batched (decode steps of 12 rows, prefills of
-    hundreds) give the same greedy tokens with the packed weights as without."""
+@pytest.mark.parametrize(
+    "dtype",
+    [pytest.param("float32", marks=needs_onednn), pytest.param("bfloat16", marks=needs_bf16)],
+)
+def test_an_engine_packs_and_generates_the_same_tokens(real_model_dir, monkeypatch, dtype) -> None:
+    """SmolLM2: twelve prompts batched (decode steps of 12 rows, prefills of hundreds) give
+    the same greedy tokens with the packed weights as without."""
     prompts = [[(n * 131 + t * 7919) % 49000 + 4 for t in range(20 + 3 * n)] for n in range(12)]
-    plain = LLMEngine.from_args(real_model_dir, dtype="bfloat16", num_threads=2, seed=0)
+    plain = LLMEngine.from_args(real_model_dir, dtype=dtype, num_threads=2, seed=0)
     assert plain.runner.model.packed == {}
     want = _greedy(plain, prompts)
     del plain
     monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "1")
-    engine = LLMEngine.from_args(real_model_dir, dtype="bfloat16", num_threads=2, seed=0)
+    engine = LLMEngine.from_args(real_model_dir, dtype=dtype, num_threads=2, seed=0)
     model = engine.runner.model
     assert set(model.packed) == {
         f"layers.{i}.{n}" for i in range(model.config.num_layers)
@@ -72,6 +83,6 @@ def test_asked_for_where_it_does_not_apply_it_warns_and_packs_nothing(
 ) -> None:
     monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "1")
     with caplog.at_level(logging.WARNING, logger="kvrelay.kernels.cpu_packed"):
-        engine = LLMEngine.from_args(tiny_model_dir, dtype="float32", num_threads=1, seed=0)
+        engine = LLMEngine.from_args(tiny_model_dir, dtype="float16", num_threads=1, seed=0)
     assert engine.runner.model.packed == {}
-    assert "KVRELAY_CPU_PACKED_WEIGHTS ignored" in caplog.text and "float32" in caplog.text
+    assert "KVRELAY_CPU_PACKED_WEIGHTS ignored" in caplog.text and "float16" in caplog.text
