@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="16 requests, 1 dtype, 3 repeats")
     parser.add_argument(
         "--cpu-packed-weights", action="store_true",
-        help="kvrelay's bfloat16 runs with KVRELAY_CPU_PACKED_WEIGHTS=1 (oneDNN-packed weights)",
+        help="kvrelay runs with KVRELAY_CPU_PACKED_WEIGHTS=1 (oneDNN-packed weights)",
     )  # fmt: skip
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     return parser.parse_args(argv)
@@ -119,7 +119,7 @@ def start_engines(args: argparse.Namespace, dtype: str, vllm_python: Path) -> li
     common = ["--model", args.model, "--dtype", dtype, "--threads", str(args.threads)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env["PYTHONPATH"] = str(HERE.parent)
-    packed = "1" if args.cpu_packed_weights and dtype == "bfloat16" else "0"
+    packed = "1" if args.cpu_packed_weights else "0"
     kvrelay = Engine(
         "kvrelay",
         [sys.executable, str(ENGINE_SCRIPT), "--system", "kvrelay", *common],
@@ -307,11 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.num_requests} requests (prompts 16-128, outputs 16-64, ignore_eos), "
             f"{args.threads} threads each, medians of {args.repeats} interleaved runs, prefix "
             "caching off in both (the timed runs repeat the same prompts)"
-            + (
-                "; kvrelay's bfloat16 with KVRELAY_CPU_PACKED_WEIGHTS=1"
-                if args.cpu_packed_weights
-                else ""
-            )
+            + ("; kvrelay with KVRELAY_CPU_PACKED_WEIGHTS=1" if args.cpu_packed_weights else "")
             + f"; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n{table}"
         )
         update_benchmarks_md(SECTION, body, command_line())
