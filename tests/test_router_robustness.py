@@ -282,7 +282,10 @@ def test_router_killed_mid_stream_workers_abort_its_requests(
         tiny_model_dir, tmp_path, check_leaks=False, worker_args=WORKER_ARGS, **spec
     ) as launcher:
         urls = _status_urls(launcher)
-        stream = _stream(launcher, max_tokens=2000)
+        # nearly the whole context (4,096): the request must outlive the workers' judgement
+        # of the router (dead_after, then a heartbeat check); 2,000 tokens took 1.5 s on an
+        # EPYC core, about that judgement, and sometimes finished first
+        stream = _stream(launcher, max_tokens=4000)
         it = iter(stream)
         for _ in range(3):
             next(it)
