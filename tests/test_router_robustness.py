@@ -178,8 +178,9 @@ def test_paused_worker_drops_the_superseded_attempt(cluster: Launcher) -> None:
 
 def test_queue_bound_answers_429_and_503_with_retry_after(cluster: Launcher) -> None:
     # holds the only slot (--max-inflight 1) for seconds, far past --max-queue-time even on a
-    # quiet machine (200 tokens of the tiny model took under 0.5 s there)
-    stream = _stream(cluster, max_tokens=2000)
+    # quiet machine (200 tokens of the tiny model took under 0.5 s there, 2,000 1.5 s on an
+    # EPYC core); closed as soon as the two answers are in
+    stream = _stream(cluster, max_tokens=4000)
     it = iter(stream)
     next(it)
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
