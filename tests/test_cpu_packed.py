@@ -10,7 +10,7 @@ import torch
 
 from kvrelay.engine.engine import LLMEngine
 from kvrelay.kernels import cpu_packed, gemv
-from kvrelay.protocol.sampling_params import SamplingParams
+from tests.engine_steps import greedy_tokens
 
 needs_bf16 = pytest.mark.skipif(
     not cpu_packed.supported(torch.bfloat16), reason="this CPU's oneDNN has no bfloat16 compute"
@@ -41,17 +41,6 @@ def test_packed_linear_matches_torch_in_both_layouts(rows: int, dtype: torch.dty
     torch.testing.assert_close(got_nk, torch.mm(x, w_kn), **tol)
 
 
-def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    for n, prompt in enumerate(prompts):
-        engine.add_request(f"r{n}", prompt, params)
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id] = out.token_ids
-    return [tokens[f"r{n}"] for n in range(len(prompts))]
-
-
 @pytest.mark.parametrize(
     "dtype",
     [pytest.param("float32", marks=needs_onednn), pytest.param("bfloat16", marks=needs_bf16)],
@@ -62,7 +51,7 @@ def test_an_engine_packs_and_generates_the_same_tokens(real_model_dir, monkeypat
     prompts = [[(n * 131 + t * 7919) % 49000 + 4 for t in range(20 + 3 * n)] for n in range(12)]
     plain = LLMEngine.from_args(real_model_dir, dtype=dtype, num_threads=2, seed=0)
     assert plain.runner.model.packed == {}
-    want = _greedy(plain, prompts)
+    want = greedy_tokens(plain, prompts, 6)
     del plain
     monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "1")
     engine = LLMEngine.from_args(real_model_dir, dtype=dtype, num_threads=2, seed=0)
@@ -74,7 +63,7 @@ def test_an_engine_packs_and_generates_the_same_tokens(real_model_dir, monkeypat
     calls: list[int] = []
     real = cpu_packed.linear
     monkeypatch.setattr(cpu_packed, "linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
-    assert _greedy(engine, prompts) == want
+    assert greedy_tokens(engine, prompts, 6) == want
     assert calls and min(calls) > gemv.MAX_ROWS  # used, and only for steps of many rows
 
 

@@ -4,21 +4,11 @@ from __future__ import annotations
 
 from kvrelay.engine.engine import LLMEngine
 from kvrelay.protocol.sampling_params import SamplingParams
+from tests.engine_steps import greedy_tokens
 
 
 def _engine(model_dir, **kwargs) -> LLMEngine:
     return LLMEngine.from_args(model_dir, num_threads=2, seed=0, **kwargs)
-
-
-def _greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
-    for n, prompt in enumerate(prompts):
-        engine.add_request(f"r{n}", prompt, params)
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens[out.request_id] = out.token_ids
-    return [tokens[f"r{n}"] for n in range(len(prompts))]
 
 
 def test_leaves_no_blocks_cache_entries_or_counts(tiny_model_dir) -> None:
@@ -52,10 +42,10 @@ def test_runs_every_kind_of_step(tiny_model_dir, monkeypatch) -> None:
 
 def test_output_after_warm_up_is_a_fresh_engines(tiny_model_dir) -> None:
     prompts = [list(range(3, 3 + n)) for n in (5, 33, 17)]
-    fresh = _greedy(_engine(tiny_model_dir), prompts)
+    fresh = greedy_tokens(_engine(tiny_model_dir), prompts, 5)
     warmed = _engine(tiny_model_dir)
     warmed.warm_up()
-    assert _greedy(warmed, prompts) == fresh
+    assert greedy_tokens(warmed, prompts, 5) == fresh
 
 
 def test_fits_a_small_context_and_pool(tiny_model_dir) -> None:
