@@ -75,3 +75,22 @@ def test_asked_for_where_it_does_not_apply_it_warns_and_packs_nothing(
         engine = LLMEngine.from_args(tiny_model_dir, dtype="float16", num_threads=1, seed=0)
     assert engine.runner.model.packed == {}
     assert "KVRELAY_CPU_PACKED_WEIGHTS ignored" in caplog.text and "float16" in caplog.text
+
+
+@needs_onednn
+def test_an_untied_lm_head_is_packed_and_used(tiny_model_dir, monkeypatch) -> None:
+    """make-tiny's LM head is its own weight (not the embedding): packed as ``lm_head`` and
+    used for logits of more than ``gemv.MAX_ROWS`` rows, to the same greedy tokens."""
+    prompts = [[(n * 37 + t * 11) % 500 + 4 for t in range(8 + n)] for n in range(10)]
+    want = greedy_tokens(LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0), prompts, 4)
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "1")
+    engine = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0)
+    assert "lm_head" in engine.runner.model.packed and "embed" not in engine.runner.model.packed
+    widths: list[int] = []
+    real = cpu_packed.linear
+    monkeypatch.setattr(
+        cpu_packed, "linear", lambda x, p, *a: widths.append(p.shape[0]) or real(x, p, *a)
+    )
+    assert greedy_tokens(engine, prompts, 4) == want
+    vocab = engine.runner.model.weights["lm_head"].shape[1]
+    assert vocab in widths  # the LM head ran on its packed copy

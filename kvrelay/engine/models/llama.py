@@ -205,9 +205,10 @@ class LlamaModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[N, vocab]`` for the rows of ``hidden`` that are sampled."""
         h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
-        if "lm_head" in self.weights:
-            return linear(h, self.weights["lm_head"], None, self.packed.get("lm_head")).float()
-        packed = self.packed.get("embed")
+        tied = "lm_head" not in self.weights
+        packed = self.packed.get("embed" if tied else "lm_head")
         if packed is not None and h.shape[0] > gemv.MAX_ROWS:
             return cpu_packed.linear(h, packed).float()
-        return gemv.matmul_nt(h, self.weights["embed"]).float()  # tied: embed [vocab, hidden]
+        if tied:
+            return gemv.matmul_nt(h, self.weights["embed"]).float()  # embed [vocab, hidden]
+        return linear(h, self.weights["lm_head"]).float()
