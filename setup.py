@@ -28,9 +28,11 @@ setup(
                 "kvrelay/csrc/rowops.h",
                 "kvrelay/csrc/vexp.h",
             ],
-            # no fused multiply-adds the source did not write: decode.c rounds as torch does
-            extra_compile_args=["-O3", "-std=gnu99", "-pthread", "-ffp-contract=off"],
-            extra_link_args=["-pthread"],
+            # no fused multiply-adds the source did not write: decode.c rounds as torch does.
+            # -fopenmp: the kernels' thread pool is OpenMP's (libgomp), the one torch's CPU
+            # build loads, so native kernels and torch ops share one team of threads.
+            extra_compile_args=["-O3", "-std=gnu99", "-pthread", "-fopenmp", "-ffp-contract=off"],
+            extra_link_args=["-pthread", "-fopenmp"],
             optional=True,
         ),
     ]

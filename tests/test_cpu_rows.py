@@ -62,6 +62,23 @@ def test_add_rms_norm_matches_torch(
     _close(h, llama.rms_norm(want_x, weight, 1e-5))
 
 
+def test_bfloat16_residual_add_rounds_as_torch_bit_for_bit() -> None:
+    """The vector path's narrowing (round to nearest even, NaN kept a NaN) against torch's add,
+    on sums that fall exactly halfway between two bfloat16 values, infinities and NaNs; 1,024
+    columns so every value goes through the vector loop."""
+    ulp = 2.0**-7  # a bfloat16 ulp at 1.0
+    x = torch.tensor([1.0, 1.0 + ulp, -1.0, -(1.0 + ulp), 3.0, float("inf"), float("nan"), 0.0])
+    delta = torch.tensor([ulp / 2, ulp / 2, -ulp / 2, -ulp / 2, 2.0**-30, 1.0, 1.0, -0.0])
+    x = x.repeat(128).unsqueeze(0).to(torch.bfloat16)
+    delta = delta.repeat(128).unsqueeze(0).to(torch.bfloat16)
+    want = (x + delta).view(torch.int16)
+    cpu_rows.add_rms_norm(x, delta, torch.ones(1024, dtype=torch.bfloat16), 1e-5)
+    got = x.view(torch.int16)
+    nan = torch.isnan(x)
+    assert torch.equal(got[~nan], want[~nan])
+    assert bool(torch.isnan((want.view(torch.bfloat16))[nan]).all()) and int(nan.sum()) == 128
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_rope_matches_torch(threads: int, dtype: torch.dtype, rows: int) -> None:

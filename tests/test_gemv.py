@@ -192,3 +192,27 @@ print("ok")
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_the_pool_is_torchs_openmp_runtime() -> None:
+    """The library's jobs run on OpenMP, and on the same runtime torch loaded, so native
+    kernels and torch ops share one team of threads instead of two pools competing for the
+    cores (csrc/gemv.c). Checked in a child: torch first, then the library, then one job."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from kvrelay.kernels import gemv
+gemv.set_threads(2)
+x, w = torch.randn(2, 256), torch.randn(256, 512)
+assert torch.allclose(gemv.matmul(x, w), x @ w, atol=1e-4)
+maps = {line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line.rsplit("/", 1)[-1]}
+print(len(maps), sorted(maps))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    count, _, names = done.stdout.strip().partition(" ")
+    assert count == "1", f"OpenMP runtimes mapped: {names}"

@@ -92,10 +92,6 @@ static int attend(const DecodeModel *md, const StepInputs *in, Buffers *b, const
     return 0;
 }
 
-static void add_rows(int dtype, size_t count, float *x, const float *y) {
-    for (size_t i = 0; i < count; i++) x[i] = rnd(dtype, x[i] + y[i]);
-}
-
 /* act = SiLU(gate) * up, row by row (rowops.h). */
 static void silu_mul(int dtype, int m, int inter, const float *gate_up, float *act) {
     for (int r = 0; r < m; r++) {

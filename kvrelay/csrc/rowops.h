@@ -27,10 +27,138 @@ static inline void put(int dtype, void *p, size_t i, float v) {
     }
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+#define ROWOPS_X86 1
+/* rnd, get and put eight values at a time, with the same results as the scalar ones:
+ * narrowing adds 0x7fff plus the kept part's lowest bit (round to nearest even) and keeps a
+ * NaN a quiet NaN. */
+__attribute__((target("avx2,fma"))) static inline __m256 rnd_bf16_avx2(__m256 v) {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(bits, _mm256_set1_epi32(0x400000)), nan);
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
+__attribute__((target("avx2,fma"))) static inline __m256 rnd8(int dtype, __m256 v) {
+    return dtype == DT_BF16 ? rnd_bf16_avx2(v) : v;
+}
+
+__attribute__((target("avx2,fma"))) static inline __m256 get8(int dtype, const void *p, size_t i) {
+    if (dtype == DT_F32) return _mm256_loadu_ps((const float *)p + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx2,fma"))) static inline void put8(int dtype, void *p, size_t i, __m256 v) {
+    if (dtype == DT_F32) {
+        _mm256_storeu_ps((float *)p + i, v);
+        return;
+    }
+    const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(rnd_bf16_avx2(v)), 16);
+    /* pack the eight 32-bit lanes' low halves (values < 2^16, so no saturation) in order */
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+    _mm_storeu_si128((__m128i *)((uint16_t *)p + i), packed);
+}
+
+/* get_row and put_row for the first multiple of eight values; return how many. */
+__attribute__((target("avx2,fma"))) static inline int get_row_avx2(int dtype, const void *p, size_t i, int n, float *dst) {
+    int c = 0;
+    for (; c + 8 <= n; c += 8) _mm256_storeu_ps(dst + c, get8(dtype, p, i + c));
+    return c;
+}
+
+__attribute__((target("avx2,fma"))) static inline int put_row_avx2(int dtype, void *p, size_t i, int n, const float *src) {
+    int c = 0;
+    for (; c + 8 <= n; c += 8) put8(dtype, p, i + c, _mm256_loadu_ps(src + c));
+    return c;
+}
+#else
+#define ROWOPS_X86 0
+#endif
+
+/* dst[0:n] = the values p[i:i+n] as float32; put_row writes them back rounded to dtype. */
+static inline void get_row(int dtype, const void *p, size_t i, int n, float *dst) {
+    int c = 0;
+#if ROWOPS_X86
+    if (kv_use_avx2()) c = get_row_avx2(dtype, p, i, n, dst);
+#endif
+    for (; c < n; c++) dst[c] = get(dtype, p, i + c);
+}
+
+static inline void put_row(int dtype, void *p, size_t i, int n, const float *src) {
+    int c = 0;
+#if ROWOPS_X86
+    if (kv_use_avx2()) c = put_row_avx2(dtype, p, i, n, src);
+#endif
+    for (; c < n; c++) put(dtype, p, i + c, src[c]);
+}
+
+#if ROWOPS_X86
+/* sum_squares's eight partial sums, a vector's lanes (a product then a sum, as the scalar
+ * loop: no fused multiply-add); returns how many values it took. */
+__attribute__((target("avx2,fma"))) static inline int sum_squares_avx2(int n, const float *x, float *part) {
+    __m256 acc = _mm256_setzero_ps();
+    int c = 0;
+    for (; c + 8 <= n; c += 8) {
+        const __m256 v = _mm256_loadu_ps(x + c);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    _mm256_storeu_ps(part, acc);
+    return c;
+}
+
+/* add_rows for the first multiple of eight values; returns how many. */
+__attribute__((target("avx2,fma"))) static inline size_t add_rows_avx2(int dtype, size_t count, float *x, const float *y) {
+    size_t i = 0;
+    for (; i + 8 <= count; i += 8)
+        _mm256_storeu_ps(x + i, rnd8(dtype, _mm256_add_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i))));
+    return i;
+}
+
+/* norm_row's products for c in [0, n8). */
+__attribute__((target("avx2,fma"))) static inline void norm_scale_avx2(int dtype, int n8, float inv, const float *x,
+                                                                      const void *w, float *h) {
+    const __m256 iv = _mm256_set1_ps(inv);
+    for (int c = 0; c < n8; c += 8) {
+        const __m256 xn = _mm256_mul_ps(_mm256_loadu_ps(x + c), iv);
+        if (dtype == DT_F32)
+            _mm256_storeu_ps(h + c, _mm256_mul_ps(xn, _mm256_loadu_ps((const float *)w + c)));
+        else
+            _mm256_storeu_ps(h + c, rnd_bf16_avx2(_mm256_mul_ps(get8(DT_BF16, w, c), rnd_bf16_avx2(xn))));
+    }
+}
+
+/* rope_row for one head, d in [0, half8). */
+__attribute__((target("avx2,fma"))) static inline void rope_head_avx2(int dtype, int half8, int half, const float *cos,
+                                                                     const float *sin, float *x) {
+    for (int d = 0; d < half8; d += 8) {
+        const __m256 x1 = _mm256_loadu_ps(x + d), x2 = _mm256_loadu_ps(x + half + d);
+        const __m256 c = _mm256_loadu_ps(cos + d), s = _mm256_loadu_ps(sin + d);
+        _mm256_storeu_ps(x + d, rnd8(dtype, _mm256_sub_ps(rnd8(dtype, _mm256_mul_ps(x1, c)), rnd8(dtype, _mm256_mul_ps(x2, s)))));
+        _mm256_storeu_ps(x + half + d, rnd8(dtype, _mm256_add_ps(rnd8(dtype, _mm256_mul_ps(x2, c)), rnd8(dtype, _mm256_mul_ps(x1, s)))));
+    }
+}
+#endif
+
+/* x[0:count] = x + y, rounded to dtype (a residual add, as torch's). */
+static inline void add_rows(int dtype, size_t count, float *x, const float *y) {
+    size_t i = 0;
+#if ROWOPS_X86
+    if (kv_use_avx2()) i = add_rows_avx2(dtype, count, x, y);
+#endif
+    for (; i < count; i++) x[i] = rnd(dtype, x[i] + y[i]);
+}
+
 /* The sum of x[c]^2 in eight running partial sums (c mod 8), added pairwise at the end. */
 static inline float sum_squares(int n, const float *x) {
     float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
     int c = 0;
+#if ROWOPS_X86
+    if (kv_use_avx2()) c = sum_squares_avx2(n, x, part);
+#endif
     for (; c + 8 <= n; c += 8)
         for (int l = 0; l < 8; l++) part[l] += x[c + l] * x[c + l];
     float ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
@@ -42,10 +170,17 @@ static inline float sum_squares(int n, const float *x) {
  * value is rounded and then its product with the weight is (llama.rms_norm). */
 static inline void norm_row(int dtype, int n, float eps, const float *x, const void *w, float *h) {
     const float inv = 1.0f / sqrtf(sum_squares(n, x) / (float)n + eps);
+    int c0 = 0;
+#if ROWOPS_X86
+    if (kv_use_avx2()) {
+        c0 = n & ~7;
+        norm_scale_avx2(dtype, c0, inv, x, w, h);
+    }
+#endif
     if (dtype == DT_F32) {
-        for (int c = 0; c < n; c++) h[c] = x[c] * inv * ((const float *)w)[c];
+        for (int c = c0; c < n; c++) h[c] = x[c] * inv * ((const float *)w)[c];
     } else {
-        for (int c = 0; c < n; c++) h[c] = rnd(DT_BF16, get(DT_BF16, w, c) * rnd(DT_BF16, x[c] * inv));
+        for (int c = c0; c < n; c++) h[c] = rnd(DT_BF16, get(DT_BF16, w, c) * rnd(DT_BF16, x[c] * inv));
     }
 }
 
@@ -55,7 +190,14 @@ static inline void rope_row(int dtype, int heads, int hd, const float *cos, cons
     const int half = hd / 2;
     for (int hh = 0; hh < heads; hh++) {
         float *x = row + (size_t)hh * hd;
-        for (int d = 0; d < half; d++) {
+        int d0 = 0;
+#if ROWOPS_X86
+        if (kv_use_avx2()) {
+            d0 = half & ~7;
+            rope_head_avx2(dtype, d0, half, cos, sin, x);
+        }
+#endif
+        for (int d = d0; d < half; d++) {
             const float x1 = x[d], x2 = x[d + half];
             x[d] = rnd(dtype, rnd(dtype, x1 * cos[d]) - rnd(dtype, x2 * sin[d]));
             x[d + half] = rnd(dtype, rnd(dtype, x2 * cos[d]) + rnd(dtype, x1 * sin[d]));
@@ -75,6 +217,13 @@ __attribute__((target("avx2,fma"))) static inline void silu_avx2(int n8, const f
         _mm256_storeu_ps(out + c, _mm256_mul_ps(x, _mm256_div_ps(num, _mm256_add_ps(one, t))));
     }
 }
+
+/* silu_mul_row for c in [0, n8): SiLU, rounded, times up, rounded. */
+__attribute__((target("avx2,fma"))) static inline void silu_mul_avx2(int dtype, int n8, const float *gate, const float *up, float *act) {
+    silu_avx2(n8, gate, act);
+    for (int i = 0; i < n8; i += 8)
+        _mm256_storeu_ps(act + i, rnd8(dtype, _mm256_mul_ps(rnd8(dtype, _mm256_loadu_ps(act + i)), _mm256_loadu_ps(up + i))));
+}
 #endif
 
 /* act = SiLU(gate) * up over n values, each op rounded as torch's (F.silu, then the product). */
@@ -83,8 +232,7 @@ static inline void silu_mul_row(int dtype, int n, const float *gate, const float
 #if defined(__x86_64__) || defined(__i386__)
     if (kv_use_avx2()) {
         c = n & ~7;
-        silu_avx2(c, gate, act);
-        for (int i = 0; i < c; i++) act[i] = rnd(dtype, rnd(dtype, act[i]) * up[i]);
+        silu_mul_avx2(dtype, c, gate, up, act);
     }
 #endif
     for (; c < n; c++) { /* silu_avx2's formula, so a value's result does not depend on its position */

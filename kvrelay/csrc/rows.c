@@ -41,30 +41,27 @@ static void run_rows(RowsJob *j, int r0, int r1) {
     for (int r = r0; r < r1; r++) {
         if (j->op == OP_NORM) {
             const size_t base = (size_t)r * j->n;
-            for (int c = 0; c < j->n; c++) row[c] = get(dt, j->x, base + c);
+            get_row(dt, j->x, base, j->n, row);
             if (j->delta != NULL) { /* x = x + delta, rounded as torch's add, written back */
-                for (int c = 0; c < j->n; c++) {
-                    row[c] = rnd(dt, row[c] + get(dt, j->delta, base + c));
-                    put(dt, j->x, base + c, row[c]);
-                }
+                get_row(dt, j->delta, base, j->n, res);
+                add_rows(dt, (size_t)j->n, row, res);
+                put_row(dt, j->x, base, j->n, row);
             }
             norm_row(dt, j->n, j->eps, row, j->w, res);
-            for (int c = 0; c < j->n; c++) put(dt, j->out, base + c, res[c]);
+            put_row(dt, j->out, base, j->n, res);
         } else if (j->op == OP_ROPE) {
             const int half = j->head_dim / 2;
             const size_t base = (size_t)r * j->stride;
-            for (int c = 0; c < width; c++) row[c] = get(dt, j->x, base + c);
-            for (int d = 0; d < half; d++) {
-                trig[d] = get(dt, j->cos, (size_t)r * half + d);
-                trig[half + d] = get(dt, j->sin, (size_t)r * half + d);
-            }
+            get_row(dt, j->x, base, width, row);
+            get_row(dt, j->cos, (size_t)r * half, half, trig);
+            get_row(dt, j->sin, (size_t)r * half, half, trig + half);
             rope_row(dt, j->heads, j->head_dim, trig, trig + half, row);
-            for (int c = 0; c < width; c++) put(dt, j->x, base + c, row[c]);
+            put_row(dt, j->x, base, width, row);
         } else {
             const size_t base = (size_t)r * 2 * j->n;
-            for (int c = 0; c < width; c++) row[c] = get(dt, j->x, base + c);
+            get_row(dt, j->x, base, width, row);
             silu_mul_row(dt, j->n, row, row + j->n, res);
-            for (int c = 0; c < j->n; c++) put(dt, j->out, (size_t)r * j->n + c, res[c]);
+            put_row(dt, j->out, (size_t)r * j->n, j->n, res);
         }
     }
     free(buf);
