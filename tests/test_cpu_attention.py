@@ -109,7 +109,12 @@ def test_engine_decode_tokens_use_the_native_kernel(
         return real(q, kv, batch, window, scale, out)
 
     monkeypatch.setattr(cpu_attention, "decode", spy)
+    modes: list[bool] = []  # the pool mode each step asked for
+    real_mode = gemv.use_openmp
+    monkeypatch.setattr(gemv, "use_openmp", lambda on: modes.append(on) or real_mode(on))
     llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2)
+    calls.clear()  # the LLM's warm-up steps: this test counts its own generate's
+    modes.clear()
     assert llm.engine.runner.native_attention
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     lens = [9, 40, 17, 3, 25, 11, 30, 5, 19, 8]  # 10 sequences: more than gemv.MAX_ROWS
@@ -118,6 +123,8 @@ def test_engine_decode_tokens_use_the_native_kernel(
     layers = llm.engine.runner.model.config.num_layers
     assert calls and len(calls) % layers == 0
     assert sum(calls) == len(lens) * 3 * layers  # each sequence's 3 decode tokens, per layer
+    # 10 rows a step: torch runs on all threads, so the kernels join its OpenMP team
+    assert modes and all(modes)
     llm.engine.runner.native_attention = False
     calls.clear()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == native

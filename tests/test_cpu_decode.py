@@ -33,10 +33,19 @@ def test_fused_steps_match_the_torch_ops(
         return real(self, x, *args)
 
     monkeypatch.setattr(cpu_decode.FusedDecode, "forward", spy)
+    modes: list[bool] = []  # the pool mode each step asked for
+    real_mode = gemv.use_openmp
+    monkeypatch.setattr(gemv, "use_openmp", lambda on: modes.append(on) or real_mode(on))
     llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2, dtype=dtype)
+    assert steps  # the LLM's warm-up ends with lone decode steps, fused
+    steps.clear()
+    modes.clear()
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (9, 40, 17)]
     fused_tokens, fused_lp = _generate(llm, prompts)
     assert steps == [3] * 5  # the prefill step is torch's; then 5 steps of 3 decode tokens
+    # the prefill step joins torch's OpenMP team; the decode steps (torch on one thread) keep
+    # the library's own pool
+    assert modes == [True] + [False] * 5
     model = llm.engine.runner.model
     monkeypatch.setattr(model, "_fused_for", lambda *a: None)
     monkeypatch.setattr(cpu_rows, "supports", lambda x: False)  # torch's ops, not rows.c's
@@ -61,6 +70,7 @@ def test_not_used_for_prefill_or_large_batches(tiny_model_dir, monkeypatch) -> N
         lambda self, x, *a: steps.append(x.shape[0]) or real(self, x, *a),
     )
     llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2)
+    steps.clear()  # the LLM's warm-up: this test counts its own generate's steps
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in range(5, 5 + gemv.MAX_ROWS + 2)]
     _generate(llm, prompts, max_tokens=3)
     assert not steps  # every decode step had MAX_ROWS + 2 tokens

@@ -153,7 +153,8 @@ def test_engine_decode_steps_use_the_library(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_results_do_not_depend_on_which_thread_took_a_chunk(dtype: torch.dtype) -> None:
     """More pool threads than cores, so chunks go to whichever thread runs first: the partial
-    sums must still be added in one order, or greedy decoding would change from run to run."""
+    sums must still be added in one order, or greedy decoding would change from run to run;
+    and the library's own pool and OpenMP's give the same sums."""
     old = torch.get_num_threads()
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(3, 1536, generator=gen).to(dtype)
@@ -161,9 +162,12 @@ def test_results_do_not_depend_on_which_thread_took_a_chunk(dtype: torch.dtype) 
     try:
         gemv.set_threads(4)
         first = gemv.matmul(x, w)
-        for _ in range(50):
-            assert torch.equal(gemv.matmul(x, w), first)
+        for openmp in (False, True):
+            assert gemv.use_openmp(openmp) == openmp
+            for _ in range(50):
+                assert torch.equal(gemv.matmul(x, w), first)
     finally:
+        gemv.use_openmp(False)
         gemv.set_threads(old)
 
 
@@ -195,9 +199,10 @@ print("ok")
 
 
 def test_the_pool_is_torchs_openmp_runtime() -> None:
-    """The library's jobs run on OpenMP, and on the same runtime torch loaded, so native
-    kernels and torch ops share one team of threads instead of two pools competing for the
-    cores (csrc/gemv.c). Checked in a child: torch first, then the library, then one job."""
+    """In OpenMP mode (the engine's batched steps) the library's jobs run on the same OpenMP
+    runtime torch loaded, so native kernels and torch ops share one team of threads instead of
+    two pools competing for the cores (csrc/gemv.c). Checked in a child: torch first, then
+    the library, then one job."""
     import subprocess
     import sys
 
@@ -205,6 +210,7 @@ def test_the_pool_is_torchs_openmp_runtime() -> None:
 import torch
 from kvrelay.kernels import gemv
 gemv.set_threads(2)
+assert gemv.use_openmp(True)
 x, w = torch.randn(2, 256), torch.randn(256, 512)
 assert torch.allclose(gemv.matmul(x, w), x @ w, atol=1e-4)
 maps = {line.split()[-1] for line in open("/proc/self/maps") if "gomp" in line.rsplit("/", 1)[-1]}

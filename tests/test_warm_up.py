@@ -70,3 +70,21 @@ def test_each_step_says_its_kind(tiny_model_dir) -> None:
     engine.step()
     kinds.append(engine.last_step_kind)
     assert kinds == ["prefill", "decode", "mixed"]
+
+
+def test_offline_llm_warms_up_unless_told_not_to(tiny_model_dir, monkeypatch) -> None:
+    """``LLM(...)`` runs the engine's warm-up before returning (as a serving worker does) and
+    leaves nothing of it; ``warm_up=False`` skips it."""
+    from kvrelay import LLM
+    from kvrelay.engine.engine import LLMEngine
+
+    runs: list[float] = []
+    real = LLMEngine.warm_up
+    monkeypatch.setattr(LLMEngine, "warm_up", lambda self: runs.append(real(self)) or runs[-1])
+    llm = LLM(model=str(tiny_model_dir), seed=0)
+    assert len(runs) == 1 and runs[0] > 0
+    engine = llm.engine
+    assert not engine.has_unfinished_requests()
+    assert engine.block_manager.num_query_tokens == 0  # the prefix-cache counters restored
+    LLM(model=str(tiny_model_dir), seed=0, warm_up=False)
+    assert len(runs) == 1

@@ -24,16 +24,24 @@
  * bfloat16 y is rounded to nearest even, as torch rounds. AVX2+FMA code is chosen at run time
  * (portable C otherwise), so the library builds with plain -O3 for any x86-64 or ARM host.
  *
- * The pool is OpenMP's, the same runtime (libgomp) and so the same worker threads as torch's
- * own parallel regions: gemv_set_threads(n) sets how many threads a job uses, and a job is a
- * parallel loop over its chunks (dynamic schedule: a slow or descheduled thread delays only
- * the chunk it holds). An earlier private pthread pool competed with torch's OpenMP team,
- * which spins on its core for a while after every torch op: a native kernel called right
- * after one got about half of that core (decode attention after a packed linear, 64 rows:
- * 1.9 against 0.5 ms). Calls come from one thread at a time (the engine's step loop);
- * gemv_lock serializes callers anyway. Built without OpenMP, jobs run on the caller.
+ * The pool: gemv_set_threads(n) starts n - 1 helper threads. A call publishes its job under a
+ * mutex and wakes the helpers, does share 0 itself, then waits for the others. A helper polls
+ * for the next job for a short while after each one (a decode step's products come tens of
+ * microseconds apart) and then sleeps on the condition variable, so an idle engine burns no
+ * CPU. Calls come from one thread at a time (the engine's step loop); gemv_lock serializes
+ * callers anyway.
+ *
+ * Batched steps run their jobs on OpenMP instead (gemv_use_openmp(1), set by the engine for
+ * steps where torch runs on all threads): the same runtime (libgomp) and so the same threads
+ * as torch's own parallel regions. Torch's OpenMP team spins on its cores for a while after
+ * every torch op, so a helper of this pool woken between two torch ops got about half a core
+ * (decode attention after a packed linear, 64 rows: 1.9 against 0.5 ms alone). A lone
+ * decode step keeps this pool: torch runs on one thread then (no team spinning), and
+ * libgomp's own wait between the step's many small jobs made it slower (bfloat16 SmolLM2:
+ * 16.9 against 11-13 ms a step).
  */
 #include <pthread.h>
+#include <sched.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -47,13 +55,16 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define KV_X86 1
+#define KV_PAUSE() _mm_pause()
 #else
 #define KV_X86 0
+#define KV_PAUSE() ((void)0)
 #endif
 
 #define MAX_THREADS 64
 #define MAX_ROWS 8
 #define CHUNKS_PER_THREAD 4 /* enough to even out a slow thread; 1 or 2 measured the same */
+#define SPIN_POLLS 200 /* sched_yield()s a helper polls for the next job before sleeping */
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -70,12 +81,22 @@ typedef struct {
     void *ctx;
 } Job;
 
+/* A job's chunks are claimed through `ticket` = generation << 32 | next chunk, so a thread
+ * that wakes late can never claim a chunk of a later job with an earlier job's fields. */
+static pthread_mutex_t pool_mutex = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t gemv_lock = PTHREAD_MUTEX_INITIALIZER;
-static int pool_threads = 1; /* threads a job uses, the caller included */
+static pthread_cond_t pool_wake = PTHREAD_COND_INITIALIZER;
+static uint64_t generation = 0;
+static uint64_t ticket = 0;
+static int pending = 0; /* chunks of the current job not yet finished */
+static int shutdown_flag = 0;
+static int pool_threads = 1; /* including the caller */
+static pthread_t helpers[MAX_THREADS];
 static Job current;
 static float *scratch = NULL;
 static size_t scratch_floats = 0;
 static int have_avx2 = -1;
+static int use_openmp = 0; /* jobs run as OpenMP parallel loops (gemv_use_openmp) */
 
 /* ------------------------------------------------------------------ portable kernels */
 
@@ -268,14 +289,80 @@ static void run_chunk(int c) {
     }
 }
 
-/* Sets how many threads a job uses (the caller included); returns the count in effect. */
+/* Claims and runs chunks of job `gen` until none is left (or a later job has started). */
+static void work(uint64_t gen) {
+    for (;;) {
+        uint64_t cur = __atomic_load_n(&ticket, __ATOMIC_ACQUIRE);
+        for (;;) {
+            if ((cur >> 32) != (gen & 0xffffffffu)) return;
+            if ((cur & 0xffffffffu) >= (uint64_t)current.num_chunks) return; /* also a closed job */
+            if (__atomic_compare_exchange_n(&ticket, &cur, cur + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                break;
+        }
+        run_chunk((int)(cur & 0xffffffffu));
+        __atomic_sub_fetch(&pending, 1, __ATOMIC_ACQ_REL);
+    }
+}
+
+static void *helper_main(void *arg) {
+    (void)arg;
+    uint64_t seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
+    for (;;) {
+        int polls = 0;
+        while (__atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen && polls < SPIN_POLLS) {
+            sched_yield(); /* a runnable thread on this core (torch's OpenMP team) goes first */
+            polls++;
+        }
+        if (__atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen) {
+            pthread_mutex_lock(&pool_mutex);
+            while (generation == seen && !shutdown_flag) pthread_cond_wait(&pool_wake, &pool_mutex);
+            pthread_mutex_unlock(&pool_mutex);
+        }
+        if (__atomic_load_n(&shutdown_flag, __ATOMIC_ACQUIRE)) return NULL;
+        seen = __atomic_load_n(&generation, __ATOMIC_ACQUIRE);
+        work(seen);
+    }
+}
+
+static void stop_pool(void) {
+    pthread_mutex_lock(&pool_mutex);
+    __atomic_store_n(&shutdown_flag, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_mutex);
+    for (int t = 1; t < pool_threads; t++) pthread_join(helpers[t], NULL);
+    shutdown_flag = 0;
+    pool_threads = 1;
+}
+
+/* Sets the pool to n threads (the caller included); returns the count in effect. */
 int gemv_set_threads(int n) {
     if (n < 1) n = 1;
     if (n > MAX_THREADS) n = MAX_THREADS;
     pthread_mutex_lock(&gemv_lock);
-    pool_threads = n;
+    if (n != pool_threads) {
+        stop_pool();
+        for (int t = 1; t < n; t++) {
+            if (pthread_create(&helpers[t], NULL, helper_main, NULL) != 0) break;
+            pool_threads = t + 1;
+        }
+    }
+    int result = pool_threads;
     pthread_mutex_unlock(&gemv_lock);
-    return n;
+    return result;
+}
+
+/* Jobs run on OpenMP's threads (1) or this library's pool (0); returns the mode in effect
+ * (always 0 when built without OpenMP). */
+int gemv_use_openmp(int on) {
+    pthread_mutex_lock(&gemv_lock);
+#ifdef _OPENMP
+    use_openmp = on != 0;
+#else
+    (void)on;
+#endif
+    const int result = use_openmp;
+    pthread_mutex_unlock(&gemv_lock);
+    return result;
 }
 
 static int ensure_scratch(size_t floats) {
@@ -287,21 +374,41 @@ static int ensure_scratch(size_t floats) {
     return 1;
 }
 
-/* Runs every chunk of `current` and returns once all are done: a parallel loop on OpenMP's
- * threads, the caller one of them. Chunks write disjoint outputs (kn: a partial each), so
- * which thread takes which does not change a result. */
+/* Publishes the job, works on it, and returns once every chunk is done. The caller claims
+ * chunks too, so a helper that is descheduled (a busy machine) delays only a chunk it has
+ * already claimed, never the whole product. */
 static void run_job(void) {
-    const int chunks = current.num_chunks;
-    const int threads = pool_threads < chunks ? pool_threads : chunks;
 #ifdef _OPENMP
-    if (threads > 1) {
+    if (use_openmp && pool_threads > 1 && current.num_chunks > 1) {
+        const int threads = pool_threads < current.num_chunks ? pool_threads : current.num_chunks;
+        /* dynamic: a descheduled thread delays only the chunk it holds */
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-        for (int c = 0; c < chunks; c++) run_chunk(c);
+        for (int c = 0; c < current.num_chunks; c++) run_chunk(c);
         return;
     }
 #endif
-    (void)threads;
-    for (int c = 0; c < chunks; c++) run_chunk(c);
+    __atomic_store_n(&pending, current.num_chunks, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&pool_mutex);
+    uint64_t gen = __atomic_add_fetch(&generation, 1, __ATOMIC_ACQ_REL);
+    __atomic_store_n(&ticket, (gen & 0xffffffffu) << 32, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&pool_wake);
+    pthread_mutex_unlock(&pool_mutex);
+    work(gen);
+    int polls = 0;
+    while (__atomic_load_n(&pending, __ATOMIC_ACQUIRE) > 0) {
+        if (++polls < 1000) {
+            KV_PAUSE();
+        } else {
+            sched_yield();
+        }
+    }
+    /* Close the job before the caller writes the next one into `current`. A helper that read
+     * this job's ticket just before it ran out, and was descheduled, would otherwise compare
+     * that ticket with the next job's chunk count and claim a chunk that does not exist: it
+     * ran the next job's half-written fields (a crash, or wrong sums) and took from the next
+     * job's pending count. Its claim is a compare-and-swap on the ticket, so once the ticket
+     * reads "no chunk left" it fails whatever `current` holds. */
+    __atomic_store_n(&ticket, ((gen & 0xffffffffu) << 32) | 0xffffffffu, __ATOMIC_RELEASE);
 }
 
 /* y[m, n] = x[m, k] @ w; kind 0: w is [k, n]; kind 1: w is [n, k]. Returns 0 on success. */

@@ -45,6 +45,9 @@ class LLM:
         dtype: "float32" or "bfloat16" (or "float16").
         seed: seed for requests that do not set their own.
         skip_tokenizer_init: run without a tokenizer (token-id prompts only, no text).
+        warm_up: run throwaway requests through every kind of step before returning
+            (``LLMEngine.warm_up``, as a serving worker does), so that the first ``generate``
+            does not pay one-time kernel and allocator set-up; nothing of them remains.
         **engine_args: ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``,
             ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
             ``max_model_len``, ``num_threads``.
@@ -56,11 +59,14 @@ class LLM:
         dtype: str = "float32",
         seed: int = 0,
         skip_tokenizer_init: bool = False,
+        warm_up: bool = True,
         **engine_args: Any,
     ) -> None:
         self.engine = LLMEngine.from_args(
             model, dtype=dtype, seed=seed, skip_tokenizer_init=skip_tokenizer_init, **engine_args
         )
+        if warm_up:
+            self.engine.warm_up()
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -52,10 +52,13 @@ class ModelRunner:
         self.narrow_decode = self.device.type == "cpu" and self.threads > 1 and gemv.available()
         if self.narrow_decode:
             gemv.set_threads(self.threads)
+        self.native_library = self.device.type == "cpu" and gemv.available()
 
     def run(self, plan: StepPlan) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
         narrow = self.narrow_decode and input_ids.numel() <= gemv.MAX_ROWS
+        if self.native_library:  # its jobs share torch's OpenMP team where torch runs wide
+            gemv.use_openmp(not narrow)
         if narrow:
             torch.set_num_threads(1)
         try:

@@ -66,6 +66,8 @@ def load_library() -> ctypes.CDLL | None:
                 fn.restype = c_int
             library.gemv_set_threads.argtypes = [ctypes.c_int]
             library.gemv_set_threads.restype = ctypes.c_int
+            library.gemv_use_openmp.argtypes = [ctypes.c_int]
+            library.gemv_use_openmp.restype = ctypes.c_int
             library.gemv_set_threads(torch.get_num_threads())
             return library
     logger.warning(
@@ -82,6 +84,15 @@ def set_threads(threads: int) -> int:
     effect, 0 without the library. The engine sets it to its ``num_threads``."""
     library = load_library()
     return 0 if library is None else library.gemv_set_threads(max(1, threads))
+
+
+def use_openmp(on: bool) -> bool:
+    """Runs the library's jobs on torch's OpenMP threads (True) or its own pool (False);
+    returns the mode in effect (False without the library or OpenMP). The engine turns it on
+    for steps where torch runs on all threads, so that the two never compete for the cores,
+    and off for a lone decode step (csrc/gemv.c says why)."""
+    library = load_library()
+    return False if library is None else bool(library.gemv_use_openmp(int(on)))
 
 
 def available() -> bool:
