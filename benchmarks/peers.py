@@ -3,9 +3,13 @@
 Both engines are started once (``benchmarks/peers_engine.py``, vLLM with the Python of its own
 venv) and kept alive; timed runs then alternate between them (A, B, A, B...) so that the
 machine's noise (it is shared) falls on both, and medians of the repeats are reported with the
-load average seen around each run. Measured: offline throughput (mixed requests, ignore_eos),
-a lone request's decode step, and greedy token identity on chat prompts. The vLLM venv is
-created when missing (``--vllm-venv``; idempotent: an existing one is reused).
+load average seen around each run. Each timed run starts on a quiet machine: vLLM's worker
+keeps a core busy for 1-2 s after it answers, which fell on whichever run came next (kvrelay's
+bfloat16 offline run: 10.3-11.0 s right after vLLM's, 8.5 s alone), so the script waits until
+other processes use under 5% of the CPUs (at most 30 s) before each one. Measured: offline
+throughput (mixed requests, ignore_eos), a lone request's decode step, and greedy token
+identity on chat prompts. The vLLM venv is created when missing (``--vllm-venv``; idempotent:
+an existing one is reused).
 
     python benchmarks/peers.py --model DIR [--dtype float32 bfloat16] [--quick] [--write]
 """
@@ -22,7 +26,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import command_line, markdown_table, median, update_benchmarks_md
+from common import (
+    command_line,
+    markdown_table,
+    median,
+    update_benchmarks_md,
+    wait_for_quiet_cpu,
+)
 
 HERE = Path(__file__).resolve().parent
 ENGINE_SCRIPT = HERE / "peers_engine.py"
@@ -154,8 +164,10 @@ def interleaved(engines: list[Engine], repeats: int, **cmd: Any) -> dict[str, li
     for i in range(repeats):
         order = engines if i % 2 == 0 else engines[::-1]
         for engine in order:
+            others = wait_for_quiet_cpu(max_wait_s=30.0)  # the other engine's tail, above
             answer = engine.call(**cmd)
             answer["load1"] = os.getloadavg()[0]
+            answer["others_cpu_before"] = round(others, 3)
             runs[engine.name].append(answer)
             print(f"{cmd['op']} {engine.name}: {json.dumps(answer)}", file=sys.stderr, flush=True)
     return runs

@@ -26,7 +26,13 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from common import command_line, markdown_table, median, update_benchmarks_md
+from common import (
+    command_line,
+    markdown_table,
+    median,
+    update_benchmarks_md,
+    wait_for_quiet_cpu,
+)
 from peers import ensure_vllm_venv
 
 SECTION = "Peers: online serving, kvrelay vs vLLM-CPU (vllm bench serve)"
@@ -146,6 +152,7 @@ def bench(
     argv += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     if rate == "inf":
         argv += ["--max-concurrency", str(args.max_concurrency)]
+    wait_for_quiet_cpu(max_wait_s=30.0)  # vLLM's worker stays busy 1-2 s after a run (peers.py)
     load_before = os.getloadavg()[0]
     done = subprocess.run(argv, env=vllm_env(args), capture_output=True, text=True)
     if done.returncode != 0:
