@@ -85,3 +85,28 @@ def test_sections_name_their_model_and_dtype(tmp_path: Path) -> None:
     assert args.model_dir == imported and args.dtype == "bfloat16"
     with pytest.raises(SystemExit):
         parser.parse_args(["--dtype", "float64"])
+
+
+@pytest.mark.timeout(600)
+def test_engine_ab_runs_a_commit_against_the_tree(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/engine_ab.py end to end on the tiny model, HEAD against the working tree:
+    the base is checked out and built in a worktree, both engines answer, and the worktree is
+    removed afterwards (a smoke test, not a timing)."""
+    inside = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True)
+    if inside.returncode != 0:
+        pytest.skip("the checkout is not a git repository: engine_ab needs one for its worktree")
+    worktree = tmp_path / "base"
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "engine_ab.py"), "--model",
+        str(tiny_model_dir), "--base", "HEAD", "--worktree", str(worktree), "--dtype", "float32",
+        "--repeats", "1", "--num-requests", "4", "--max-wait-quiet", "0",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=580, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert re.search(r"base: offline [\d.]+ tok/s", proc.stdout), proc.stdout
+    assert re.search(r"head: offline [\d.]+ tok/s .*decode step [\d.]+ ms", proc.stdout)
+    assert not worktree.exists()
+    listed = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "worktree", "list"], capture_output=True, text=True
+    )
+    assert str(worktree) not in listed.stdout

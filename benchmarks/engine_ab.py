@@ -1,0 +1,101 @@
+"""kvrelay's engine at another commit against the working tree, on the same machine and load.
+
+An engine change is measured against the engine before it in the same run: the other commit
+is checked out into a git worktree (``--base``, built in place there), both engines are
+started once (``peers_engine.py``, the offline ``LLM``) and kept alive, and timed runs
+alternate between them (A, B, B, A...), each started on a quiet machine. Measured as in
+``peers.py``: offline throughput (64 mixed requests, ignore_eos, prefix caching off) and a
+lone request's decode step. This VM's speed drifts by 20-30% within an hour, so only ratios
+from one run mean anything.
+
+    python benchmarks/engine_ab.py --model DIR --base REV [--dtype bfloat16] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from common import wait_for_quiet_cpu
+from peers import ENGINE_SCRIPT, Engine, make_requests, model_vocab
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    parser.add_argument("--base", required=True, help="the commit to compare against")
+    parser.add_argument("--worktree", default="/tmp/kvrelay-ab-base", help="where it is built")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--cpu-packed-weights", action="store_true")
+    parser.add_argument("--max-wait-quiet", type=float, default=30.0, help="seconds; 0: none")
+    return parser.parse_args(argv)
+
+
+def base_tree(rev: str, path: Path) -> Path:
+    """A worktree of ``rev`` with its native library built in place."""
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", str(path), rev], check=True)
+    build = [sys.executable, "setup.py", "build_ext", "--inplace", "-q"]
+    subprocess.run(build, cwd=path, check=True, capture_output=True)
+    return path
+
+
+def start(name: str, root: Path, args: argparse.Namespace) -> Engine:
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(root))
+    env["KVRELAY_CPU_PACKED_WEIGHTS"] = "1" if args.cpu_packed_weights else "0"
+    argv = [sys.executable, str(root / "benchmarks" / ENGINE_SCRIPT.name), "--system", "kvrelay"]
+    argv += ["--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads)]
+    return Engine(name, argv, env)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    worktree = Path(args.worktree)
+    engines = []
+    try:
+        engines = [start("base", base_tree(args.base, worktree), args), start("head", ROOT, args)]
+        requests = make_requests(args.num_requests, model_vocab(args.model))
+        tokens = sum(r[1] for r in requests)
+        for engine in engines:  # untimed: first-run costs
+            engine.call(op="offline", requests=requests)
+        offline: dict[str, list[float]] = {e.name: [] for e in engines}
+        step: dict[str, list[float]] = {e.name: [] for e in engines}
+        for i in range(args.repeats):
+            for engine in engines if i % 2 == 0 else engines[::-1]:
+                if args.max_wait_quiet > 0:
+                    wait_for_quiet_cpu(max_wait_s=args.max_wait_quiet)
+                seconds = engine.call(op="offline", requests=requests)["seconds"]
+                offline[engine.name].append(tokens / seconds)
+                if args.max_wait_quiet > 0:
+                    wait_for_quiet_cpu(max_wait_s=args.max_wait_quiet)
+                prompt = list(range(100, 164))
+                step_s = engine.call(op="decode", prompt=prompt, steps=32)["step_s"]
+                step[engine.name].append(step_s * 1e3)
+    finally:
+        for engine in engines:
+            engine.close()
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "-f", str(worktree)])
+    print(f"{args.dtype}, {args.threads} threads, base {args.base} vs the working tree")
+    for name in offline:
+        runs = " / ".join(f"{v:.1f}" for v in offline[name])
+        steps = " / ".join(f"{v:.2f}" for v in step[name])
+        print(
+            f"{name}: offline {statistics.median(offline[name]):.1f} tok/s ({runs}); "
+            f"decode step {statistics.median(step[name]):.2f} ms ({steps})"
+        )
+    ratio = statistics.median(offline["head"]) / statistics.median(offline["base"])
+    print(f"head / base offline: {ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
