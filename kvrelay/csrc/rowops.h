@@ -79,21 +79,22 @@ __attribute__((target("avx2,fma"))) static inline int put_row_avx2(int dtype, vo
 #define ROWOPS_X86 0
 #endif
 
+/* How many leading values the AVX2 helper `call` took (each returns its count; the scalar
+ * loop after it does the rest): 0 on a CPU without AVX2 or a build for another architecture,
+ * where `call` is not compiled. */
+#if ROWOPS_X86
+#define AVX2_PREFIX(call) (kv_use_avx2() ? (call) : 0)
+#else
+#define AVX2_PREFIX(call) 0
+#endif
+
 /* dst[0:n] = the values p[i:i+n] as float32; put_row writes them back rounded to dtype. */
 static inline void get_row(int dtype, const void *p, size_t i, int n, float *dst) {
-    int c = 0;
-#if ROWOPS_X86
-    if (kv_use_avx2()) c = get_row_avx2(dtype, p, i, n, dst);
-#endif
-    for (; c < n; c++) dst[c] = get(dtype, p, i + c);
+    for (int c = AVX2_PREFIX(get_row_avx2(dtype, p, i, n, dst)); c < n; c++) dst[c] = get(dtype, p, i + c);
 }
 
 static inline void put_row(int dtype, void *p, size_t i, int n, const float *src) {
-    int c = 0;
-#if ROWOPS_X86
-    if (kv_use_avx2()) c = put_row_avx2(dtype, p, i, n, src);
-#endif
-    for (; c < n; c++) put(dtype, p, i + c, src[c]);
+    for (int c = AVX2_PREFIX(put_row_avx2(dtype, p, i, n, src)); c < n; c++) put(dtype, p, i + c, src[c]);
 }
 
 #if ROWOPS_X86
@@ -118,10 +119,11 @@ __attribute__((target("avx2,fma"))) static inline size_t add_rows_avx2(int dtype
     return i;
 }
 
-/* norm_row's products for c in [0, n8). */
-__attribute__((target("avx2,fma"))) static inline void norm_scale_avx2(int dtype, int n8, float inv, const float *x,
-                                                                      const void *w, float *h) {
+/* norm_row's products for the first multiple of eight values; returns how many. */
+__attribute__((target("avx2,fma"))) static inline int norm_scale_avx2(int dtype, int n, float inv, const float *x,
+                                                                     const void *w, float *h) {
     const __m256 iv = _mm256_set1_ps(inv);
+    const int n8 = n & ~7;
     for (int c = 0; c < n8; c += 8) {
         const __m256 xn = _mm256_mul_ps(_mm256_loadu_ps(x + c), iv);
         if (dtype == DT_F32)
@@ -129,36 +131,32 @@ __attribute__((target("avx2,fma"))) static inline void norm_scale_avx2(int dtype
         else
             _mm256_storeu_ps(h + c, rnd_bf16_avx2(_mm256_mul_ps(get8(DT_BF16, w, c), rnd_bf16_avx2(xn))));
     }
+    return n8;
 }
 
-/* rope_row for one head, d in [0, half8). */
-__attribute__((target("avx2,fma"))) static inline void rope_head_avx2(int dtype, int half8, int half, const float *cos,
-                                                                     const float *sin, float *x) {
+/* rope_row for one head, the first multiple of eight of its half pairs; returns how many. */
+__attribute__((target("avx2,fma"))) static inline int rope_head_avx2(int dtype, int half, const float *cos, const float *sin,
+                                                                    float *x) {
+    const int half8 = half & ~7;
     for (int d = 0; d < half8; d += 8) {
         const __m256 x1 = _mm256_loadu_ps(x + d), x2 = _mm256_loadu_ps(x + half + d);
         const __m256 c = _mm256_loadu_ps(cos + d), s = _mm256_loadu_ps(sin + d);
         _mm256_storeu_ps(x + d, rnd8(dtype, _mm256_sub_ps(rnd8(dtype, _mm256_mul_ps(x1, c)), rnd8(dtype, _mm256_mul_ps(x2, s)))));
         _mm256_storeu_ps(x + half + d, rnd8(dtype, _mm256_add_ps(rnd8(dtype, _mm256_mul_ps(x2, c)), rnd8(dtype, _mm256_mul_ps(x1, s)))));
     }
+    return half8;
 }
 #endif
 
 /* x[0:count] = x + y, rounded to dtype (a residual add, as torch's). */
 static inline void add_rows(int dtype, size_t count, float *x, const float *y) {
-    size_t i = 0;
-#if ROWOPS_X86
-    if (kv_use_avx2()) i = add_rows_avx2(dtype, count, x, y);
-#endif
-    for (; i < count; i++) x[i] = rnd(dtype, x[i] + y[i]);
+    for (size_t i = AVX2_PREFIX(add_rows_avx2(dtype, count, x, y)); i < count; i++) x[i] = rnd(dtype, x[i] + y[i]);
 }
 
 /* The sum of x[c]^2 in eight running partial sums (c mod 8), added pairwise at the end. */
 static inline float sum_squares(int n, const float *x) {
     float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    int c = 0;
-#if ROWOPS_X86
-    if (kv_use_avx2()) c = sum_squares_avx2(n, x, part);
-#endif
+    int c = AVX2_PREFIX(sum_squares_avx2(n, x, part));
     for (; c + 8 <= n; c += 8)
         for (int l = 0; l < 8; l++) part[l] += x[c + l] * x[c + l];
     float ss = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
@@ -170,13 +168,7 @@ static inline float sum_squares(int n, const float *x) {
  * value is rounded and then its product with the weight is (llama.rms_norm). */
 static inline void norm_row(int dtype, int n, float eps, const float *x, const void *w, float *h) {
     const float inv = 1.0f / sqrtf(sum_squares(n, x) / (float)n + eps);
-    int c0 = 0;
-#if ROWOPS_X86
-    if (kv_use_avx2()) {
-        c0 = n & ~7;
-        norm_scale_avx2(dtype, c0, inv, x, w, h);
-    }
-#endif
+    const int c0 = AVX2_PREFIX(norm_scale_avx2(dtype, n, inv, x, w, h));
     if (dtype == DT_F32) {
         for (int c = c0; c < n; c++) h[c] = x[c] * inv * ((const float *)w)[c];
     } else {
@@ -190,14 +182,7 @@ static inline void rope_row(int dtype, int heads, int hd, const float *cos, cons
     const int half = hd / 2;
     for (int hh = 0; hh < heads; hh++) {
         float *x = row + (size_t)hh * hd;
-        int d0 = 0;
-#if ROWOPS_X86
-        if (kv_use_avx2()) {
-            d0 = half & ~7;
-            rope_head_avx2(dtype, d0, half, cos, sin, x);
-        }
-#endif
-        for (int d = d0; d < half; d++) {
+        for (int d = AVX2_PREFIX(rope_head_avx2(dtype, half, cos, sin, x)); d < half; d++) {
             const float x1 = x[d], x2 = x[d + half];
             x[d] = rnd(dtype, rnd(dtype, x1 * cos[d]) - rnd(dtype, x2 * sin[d]));
             x[d + half] = rnd(dtype, rnd(dtype, x2 * cos[d]) + rnd(dtype, x1 * sin[d]));
@@ -205,7 +190,7 @@ static inline void rope_row(int dtype, int heads, int hd, const float *cos, cons
     }
 }
 
-#if defined(__x86_64__) || defined(__i386__)
+#if ROWOPS_X86
 /* out[0:n8] = SiLU(g) = g * sigmoid(g), sigmoid from t = e^-|g| (never overflows): 1 / (1 + t)
  * for g >= 0, t / (1 + t) below. */
 __attribute__((target("avx2,fma"))) static inline void silu_avx2(int n8, const float *g, float *out) {
@@ -218,24 +203,21 @@ __attribute__((target("avx2,fma"))) static inline void silu_avx2(int n8, const f
     }
 }
 
-/* silu_mul_row for c in [0, n8): SiLU, rounded, times up, rounded. */
-__attribute__((target("avx2,fma"))) static inline void silu_mul_avx2(int dtype, int n8, const float *gate, const float *up, float *act) {
+/* silu_mul_row for the first multiple of eight values (SiLU, rounded, times up, rounded);
+ * returns how many. */
+__attribute__((target("avx2,fma"))) static inline int silu_mul_avx2(int dtype, int n, const float *gate, const float *up, float *act) {
+    const int n8 = n & ~7;
     silu_avx2(n8, gate, act);
     for (int i = 0; i < n8; i += 8)
         _mm256_storeu_ps(act + i, rnd8(dtype, _mm256_mul_ps(rnd8(dtype, _mm256_loadu_ps(act + i)), _mm256_loadu_ps(up + i))));
+    return n8;
 }
 #endif
 
 /* act = SiLU(gate) * up over n values, each op rounded as torch's (F.silu, then the product). */
 static inline void silu_mul_row(int dtype, int n, const float *gate, const float *up, float *act) {
-    int c = 0;
-#if defined(__x86_64__) || defined(__i386__)
-    if (kv_use_avx2()) {
-        c = n & ~7;
-        silu_mul_avx2(dtype, c, gate, up, act);
-    }
-#endif
-    for (; c < n; c++) { /* silu_avx2's formula, so a value's result does not depend on its position */
+    /* the tail uses silu_avx2's formula, so a value's result does not depend on its position */
+    for (int c = AVX2_PREFIX(silu_mul_avx2(dtype, n, gate, up, act)); c < n; c++) {
         const float t = expf(-fabsf(gate[c]));
         act[c] = rnd(dtype, rnd(dtype, gate[c] * ((gate[c] >= 0.0f ? 1.0f : t) / (1.0f + t))) * up[c]);
     }
