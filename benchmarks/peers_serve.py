@@ -10,6 +10,12 @@ measured. Each run is ``vllm bench serve`` (random prompts of ``--input-len`` to
 (``inf`` with ``--max-concurrency``: saturation); reported: TTFT and TPOT p50/p99, output
 tok/s and goodput under the SLOs, medians over ``--repeats``.
 
+Every run draws prompts no server has seen (``vllm bench serve --seed``: one seed per rate and
+repeat, the same for every system in it): both engines cache prefixes, so a repeated prompt set
+would time a cached prefill. The prompt tokens each server served from its prefix cache during
+a run are read from its own counters (vLLM's ``/metrics``, kvrelay's ``/admin/cache/stats``)
+and reported, so a cold run can be told from a warm one.
+
     python benchmarks/peers_serve.py --model DIR [--dtype float32] [--rates 1 inf] [--write]
 """
 
@@ -67,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=18300, help="first of three ports")
     parser.add_argument("--systems", nargs="+", default=["vllm", "kvrelay-1p1d", "kvrelay-colo"])
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
+    parser.add_argument(
+        "--cpu-packed-weights",
+        action="store_true",
+        help="kvrelay runs with KVRELAY_CPU_PACKED_WEIGHTS=1 (oneDNN-packed weights)",
+    )
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     return parser.parse_args(argv)
 
@@ -97,6 +108,20 @@ class Server:
             except OSError:
                 time.sleep(2)
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s; see {self.log.name}")
+
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens this server has served from its prefix cache so far (every tier)."""
+        if self.name == "vllm":
+            with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+            return sum(
+                int(float(line.rsplit(" ", 1)[1]))
+                for line in text.splitlines()
+                if line.startswith("vllm:prefix_cache_hits_total")
+            )
+        with urllib.request.urlopen(f"{self.url}/admin/cache/stats", timeout=10) as resp:
+            tiers = json.load(resp)["tiers"]
+        return sum(int(tier.get("hit_tokens", 0)) for tier in tiers.values())
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -130,7 +155,8 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
                 argv += ["--colocated", "1", "--threads", str(args.threads)]
             else:
                 argv += ["--threads", str(max(1, args.threads // 2))]
-            env = dict(os.environ)
+            packed = "1" if args.cpu_packed_weights else "0"
+            env = dict(os.environ, KVRELAY_CPU_PACKED_WEIGHTS=packed)
         servers.append(Server(name, argv, env, port, log_dir / f"{name}.log"))
     for server in servers:
         server.wait_ready()
@@ -138,9 +164,10 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
 
 
 def bench(
-    args: argparse.Namespace, vllm_python: Path, server: Server, rate: str, out: Path
+    args: argparse.Namespace, vllm_python: Path, server: Server, rate: str, out: Path, seed: int
 ) -> dict[str, Any]:
-    """One ``vllm bench serve`` run; its result JSON plus the load average after it."""
+    """One ``vllm bench serve`` run over the prompts ``seed`` draws; its result JSON plus the
+    load average and the prompt tokens the server took from its prefix cache."""
     argv = [str(vllm_python), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai"]
     argv += ["--base-url", server.url, "--model", args.model]
     argv += ["--served-model-name", server.model_id, "--tokenizer", args.model]
@@ -148,17 +175,20 @@ def bench(
     argv += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
     argv += ["--num-prompts", str(args.num_prompts), "--request-rate", rate, "--ignore-eos"]
     argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
-    argv += ["--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}", "--seed", "0"]
+    argv += ["--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}"]
+    argv += ["--seed", str(seed)]
     argv += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     if rate == "inf":
         argv += ["--max-concurrency", str(args.max_concurrency)]
     wait_for_quiet_cpu(max_wait_s=30.0)  # vLLM's worker stays busy 1-2 s after a run (peers.py)
     load_before = os.getloadavg()[0]
+    cached_before = server.cached_prompt_tokens()
     done = subprocess.run(argv, env=vllm_env(args), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve against {server.name}: {done.stderr[-2000:]}")
     result = json.loads(out.read_text())
     result["load1"] = (load_before, os.getloadavg()[0])
+    result["cached_prompt_tokens"] = server.cached_prompt_tokens() - cached_before
     return result
 
 
@@ -166,12 +196,14 @@ def run_all(args: argparse.Namespace, vllm_python: Path, servers: list[Server], 
     """rate -> system -> runs, in the order A, B, C, C, B, A..."""
     runs: dict[str, dict[str, list[dict]]] = {r: {s.name: [] for s in servers} for r in args.rates}
     for rep in range(args.repeats):
-        for rate in args.rates:
+        for r, rate in enumerate(args.rates):
+            seed = 1 + 1000 * r + rep  # prompts no server has seen; the same for each system
             for server in servers if rep % 2 == 0 else servers[::-1]:
                 out = work / f"{server.name}-{rate}-{rep}.json"
-                result = bench(args, vllm_python, server, rate, out)
+                result = bench(args, vllm_python, server, rate, out, seed)
                 runs[rate][server.name].append(result)
                 brief = {k: round(result.get(k, 0.0), 1) for k in (*METRICS, "output_throughput")}
+                brief["cached_prompt_tokens"] = result["cached_prompt_tokens"]
                 print(f"rate {rate} {server.name} #{rep}: {brief}", file=sys.stderr, flush=True)
     return runs
 
@@ -187,6 +219,7 @@ def summarize(args: argparse.Namespace, runs: dict[str, dict[str, list[dict]]]) 
                 return median([float(r.get(key) or 0.0) for r in results])
 
             loads = [x for r in results for x in r["load1"]]
+            cached = [r["cached_prompt_tokens"] for r in results]
             rows.append(
                 [
                     rate,
@@ -194,6 +227,7 @@ def summarize(args: argparse.Namespace, runs: dict[str, dict[str, list[dict]]]) 
                     *(f"{med(key):,.1f}" for key in METRICS),
                     f"{med('output_throughput'):.1f}",
                     f"{med('request_goodput'):.2f}",
+                    f"{max(cached):,}",
                     f"{min(loads):.1f}-{max(loads):.1f}",
                 ]
             )
@@ -214,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers:
             server.stop()
     headers = ["rate", "system", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
-    headers += ["output tok/s", "goodput req/s", "load avg (1 min)"]
+    headers += ["output tok/s", "goodput req/s", "cached prompt tokens (max)", "load avg (1 min)"]
     table = markdown_table(headers, summarize(args, runs))
     print(table)
     (work / "runs.json").write_text(json.dumps(runs))
@@ -227,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.input_len} tokens, {args.output_len} out (ignore_eos), rate inf = "
             f"{args.max_concurrency} at once; goodput under TTFT <= {args.slo_ttft_ms:.0f} ms "
             f"and TPOT <= {args.slo_tpot_ms:.0f} ms; medians of {args.repeats} interleaved "
-            f"runs; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n{table}"
+            f"runs, each over prompts no server had seen"
+            + ("; kvrelay with KVRELAY_CPU_PACKED_WEIGHTS=1" if args.cpu_packed_weights else "")
+            + f"; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n{table}"
         )
         update_benchmarks_md(SECTION, body, command_line())
     return 0
