@@ -110,3 +110,22 @@ def test_engine_ab_runs_a_commit_against_the_tree(tiny_model_dir, tmp_path: Path
         ["git", "-C", str(REPO_ROOT), "worktree", "list"], capture_output=True, text=True
     )
     assert str(worktree) not in listed.stdout
+
+
+@pytest.mark.timeout(300)
+def test_decode_attention_benchmark_times_the_tree_kernel(tmp_path: Path) -> None:
+    """benchmarks/decode_attention.py without --base: one case timed in a child process over
+    scattered blocks, a table row with the time and bandwidth (a smoke test, not a timing)."""
+    gemv = pytest.importorskip("kvrelay.kernels.gemv")
+    if gemv.load_library() is None:
+        pytest.skip("the native library is not built")
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "decode_attention.py"), "--cases",
+        "f32:2:40", "bf16:3:17", "--rounds", "1", "--iters", "2",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = re.findall(r"^\| (\w+:\d+:\d+) \| ([\d.]+) \(([\d.]+)\) \|$", proc.stdout, re.M)
+    assert [case for case, _, _ in rows] == ["f32:2:40", "bf16:3:17"], proc.stdout
+    assert all(float(ms) > 0 and float(gb_s) > 0 for _, ms, gb_s in rows)
+    assert re.search(r"f32:2:40 tree: checksum -?[\d.]+", proc.stderr), proc.stderr

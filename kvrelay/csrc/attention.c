@@ -28,7 +28,8 @@
 
 #define MAX_HEAD_DIM 256
 #define MAX_Q_PER_KV 16
-#define TILE 32 /* keys scored before the running maximum is updated */
+#define TILE 16 /* keys scored before the running maximum is updated */
+#define PREFETCH_TILES 2 /* how far ahead of the tile being computed its keys are fetched */
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -256,10 +257,13 @@ static void finish_head(const AttnJob *j, const Piece *p, int i, int h) {
     }
 }
 
-/* Asks for the cache lines of keys t0..t0+nt-1 of sequence i (every kv head's, K and V)
- * while the tile before them is computed. A sequence's blocks lie anywhere in the pool, so the
- * hardware prefetchers lose the stream at every block and each tile would otherwise start
- * with a wait on memory: a 64-sequence step over 1,000-token contexts ran at 6 GB/s. */
+/* Asks for the cache lines of keys t0..t0+nt-1 of sequence i (every kv head's, K and V),
+ * PREFETCH_TILES tiles before they are computed. A sequence's blocks lie anywhere in the
+ * pool, so the hardware prefetchers lose the stream at every block and each tile would
+ * otherwise start with a wait on memory: a 64-sequence step over 1,000-token contexts ran at
+ * 6 GB/s. The lines go to L2 (prefetcht2), not L1: a tile's K and V rows for every head are
+ * 24 KB in float32, and fetching the next ones into a 32 KB L1 evicted the rows in use (one
+ * tile of 32 keys fetched into L1 ran slower than two of 16 into L2, BENCHMARKS.md). */
 static void prefetch_tile(const AttnJob *j, int i, int t0, int nt) {
     const size_t esize = j->dtype == DT_F32 ? 4 : 2;
     const size_t token_bytes = (size_t)j->kv_heads * j->head_dim * esize; /* a token's heads */
@@ -269,8 +273,8 @@ static void prefetch_tile(const AttnJob *j, int i, int t0, int nt) {
         const int run = j->block_size - off < t0 + nt - t ? j->block_size - off : t0 + nt - t;
         const size_t first = ((size_t)table[b] * j->block_size + off) * token_bytes, bytes = run * token_bytes;
         for (size_t x = 0; x < bytes; x += 64) {
-            __builtin_prefetch((const char *)j->k + first + x, 0, 3);
-            __builtin_prefetch((const char *)j->v + first + x, 0, 3);
+            __builtin_prefetch((const char *)j->k + first + x, 0, 1);
+            __builtin_prefetch((const char *)j->v + first + x, 0, 1);
         }
         t += run;
     }
@@ -293,8 +297,11 @@ static void attend(void *ctx, int piece) {
     for (int h = 0; h < heads; h++) p[h].tile = tile;
     for (int hs = h0; hs < h0 + j->heads_per_piece; hs += heads) {
         for (int h = 0; h < heads; h++) start_head(j, &p[h], i, hs + h);
+        for (int t = start; t < start + PREFETCH_TILES * TILE && t < len; t += TILE)
+            prefetch_tile(j, i, t, len - t < TILE ? len - t : TILE); /* the first tiles, now */
         for (int t0 = start; t0 < len; t0 += TILE) {
-            if (t0 + TILE < len) prefetch_tile(j, i, t0 + TILE, len - t0 - TILE < TILE ? len - t0 - TILE : TILE);
+            const int ahead = t0 + PREFETCH_TILES * TILE;
+            if (ahead < len) prefetch_tile(j, i, ahead, len - ahead < TILE ? len - ahead : TILE);
             for (int h = 0; h < heads; h++)
                 attend_tile(j, &p[h], i, hs + h, t0, len - t0 < TILE ? len - t0 : TILE, qpk, simd);
         }

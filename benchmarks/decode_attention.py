@@ -1,0 +1,141 @@
+"""kvrelay's native CPU decode attention (``csrc/attention.c``) over a pool whose blocks are
+scattered, as in a server after some churn; optionally against the kernel at another commit.
+
+Each case is a batch of sequences of one context length attending over 30 layers' pools (a
+pool per layer, so that a layer's keys come from memory, not from the cache the layer before
+left warm), every sequence's blocks drawn at random from the pool. Reported: the median time
+of the 30 layers and the K/V bytes read per second. With ``--base REV`` the library is built
+at that commit in a git worktree (``engine_ab.base_tree``) and the two are timed in turns, in
+separate processes (A, B, A, B...), with their outputs' sums printed beside the times.
+
+    python benchmarks/decode_attention.py [--base REV] [--cases f32:32:260 bf16:64:300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.machinery
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, Q_HEADS = 30, 1456, 16, 3, 64, 9  # SmolLM2
+DEFAULT_CASES = ["f32:32:260", "bf16:64:300", "f32:16:1000", "f32:1:1024", "bf16:1:1024"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="dtype:seqs:context")
+    parser.add_argument("--base", default=None, help="a commit whose kernel is timed beside")
+    parser.add_argument("--worktree", default="/tmp/kvrelay-attn-base", help="where it is built")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of each build per case")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--library", default=None, help=argparse.SUPPRESS)  # one measurement
+    return parser.parse_args(argv)
+
+
+def library_path(root: Path) -> Path:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = root / "kvrelay" / "kernels" / f"_gemv{suffix}"
+        if path.exists():
+            return path
+    raise FileNotFoundError(f"no built native library under {root} (setup.py build_ext)")
+
+
+def measure(library: str, case: str, threads: int, iters: int) -> dict[str, float]:
+    """Times ``case`` on ``library`` in this process: median ms over 30 layers, GB/s, checksum."""
+    import torch
+
+    from kvrelay.kernels import cpu_attention, gemv
+
+    lib = ctypes.CDLL(library)
+    lib.decode_attention.argtypes = [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_void_p] * 7
+    lib.decode_attention.restype = ctypes.c_int
+    lib.gemv_set_threads.argtypes = lib.gemv_use_openmp.argtypes = [ctypes.c_int]
+    torch.set_num_threads(threads)
+    lib.gemv_set_threads(threads)
+    gemv.load_library = lambda: lib  # cpu_attention.decode calls the library given
+    name, seqs, ctx = case.split(":")
+    n, ctx_len = int(seqs), int(ctx)
+    lib.gemv_use_openmp(int(n > 1))  # as the runner sets it: batched steps on OpenMP
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[name]
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    pools = [torch.randn(shape, generator=gen).to(dtype) for _ in range(LAYERS)]
+    blocks = list(range(1, NUM_BLOCKS))
+    random.Random(0).shuffle(blocks)
+    per_seq = -(-ctx_len // BLOCK_SIZE)
+    if n * per_seq > len(blocks):
+        raise ValueError(f"{case}: {n * per_seq} blocks asked, the pool has {len(blocks)}")
+    tables = [blocks[i * per_seq : (i + 1) * per_seq] for i in range(n)]
+    batch = cpu_attention.make_decode(list(range(n)), [ctx_len] * n, tables)
+    q = torch.randn(n, Q_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+
+    def run() -> None:
+        for pool in pools:
+            cpu_attention.decode(q, pool, batch, None, HEAD_DIM**-0.5, out)
+
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    ms = statistics.median(times) * 1000
+    kv_bytes = n * ctx_len * KV_HEADS * HEAD_DIM * 2 * q.element_size() * LAYERS
+    return {"ms": ms, "gb_s": kv_bytes / ms / 1e6, "checksum": float(out.float().sum())}
+
+
+def run_one(root: Path, case: str, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, str(HERE / "decode_attention.py"), "--library", str(library_path(root))]
+    cmd += ["--cases", case, "--threads", str(args.threads), "--iters", str(args.iters)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.library:
+        print(json.dumps(measure(args.library, args.cases[0], args.threads, args.iters)))
+        return 0
+    builds = {"tree": ROOT}
+    worktree = Path(args.worktree)
+    try:
+        if args.base:
+            from engine_ab import base_tree
+
+            builds = {"base": base_tree(args.base, worktree), "tree": ROOT}
+        print("| case (dtype:seqs:context) | " + " | ".join(f"{b} ms (GB/s)" for b in builds)
+              + (" | tree / base |" if args.base else ""))  # fmt: skip
+        print("| --- |" + " ---: |" * (len(builds) + bool(args.base)))
+        for case in args.cases:
+            results: dict[str, list[dict[str, float]]] = {b: [] for b in builds}
+            for r in range(args.rounds):
+                for name in builds if r % 2 == 0 else list(builds)[::-1]:
+                    results[name].append(run_one(builds[name], case, args))
+            cells, med = [], {}
+            for name, runs in results.items():
+                med[name] = statistics.median(x["ms"] for x in runs)
+                gb_s = statistics.median(x["gb_s"] for x in runs)
+                cells.append(f"{med[name]:.2f} ({gb_s:.1f})")
+                print(f"{case} {name}: checksum {runs[0]['checksum']:.6f}", file=sys.stderr)
+            ratio = [f"{med['tree'] / med['base']:.2f}x"] if args.base else []
+            print(f"| {case} | " + " | ".join(cells + ratio) + " |", flush=True)
+    finally:
+        if args.base:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "-f", str(worktree)])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
