@@ -1,12 +1,16 @@
 """kvrelay's native CPU decode attention (``csrc/attention.c``) over a pool whose blocks are
-scattered, as in a server after some churn; optionally against the kernel at another commit.
+scattered, as in a server after some churn, and its tied-LM-head product (``gemv_nk`` in
+``csrc/gemv.c``) at a few rows; optionally against the kernels at another commit.
 
 Each case is a batch of sequences of one context length attending over 30 layers' pools (a
 pool per layer, so that a layer's keys come from memory, not from the cache the layer before
 left warm), every sequence's blocks drawn at random from the pool. Reported: the median time
-of the 30 layers and the K/V bytes read per second. With ``--base REV`` the library is built
-at that commit in a git worktree (``engine_ab.base_tree``) and the two are timed in turns, in
-separate processes (A, B, A, B...), with their outputs' sums printed beside the times.
+of the 30 layers and the K/V bytes read per second. An ``lm:dtype:rows`` case multiplies
+``rows`` rows by SmolLM2's tied embedding (49,152 x 576, stored [vocab, hidden]) on the
+library's own pool, as a decode step of that many sequences does; GB/s = the table's bytes.
+With ``--base REV`` the library is built at that commit in a git worktree
+(``engine_ab.base_tree``) and the two are timed in turns, in separate processes (A, B, B,
+A...), with their outputs' sums printed beside the times.
 
     python benchmarks/decode_attention.py [--base REV] [--cases f32:32:260 bf16:64:300]
 """
@@ -28,11 +32,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 LAYERS, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, Q_HEADS = 30, 1456, 16, 3, 64, 9  # SmolLM2
 DEFAULT_CASES = ["f32:32:260", "bf16:64:300", "f32:16:1000", "f32:1:1024", "bf16:1:1024"]
+DEFAULT_CASES += ["lm:f32:4", "lm:f32:8", "lm:bf16:4", "lm:bf16:8"]
+VOCAB, HIDDEN = 49152, 576
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, help="dtype:seqs:context")
+    parser.add_argument(
+        "--cases", nargs="+", default=DEFAULT_CASES, help="dtype:seqs:context or lm:dtype:rows"
+    )
     parser.add_argument("--base", default=None, help="a commit whose kernel is timed beside")
     parser.add_argument("--worktree", default="/tmp/kvrelay-attn-base", help="where it is built")
     parser.add_argument("--rounds", type=int, default=3, help="turns of each build per case")
@@ -59,10 +67,14 @@ def measure(library: str, case: str, threads: int, iters: int) -> dict[str, floa
     lib = ctypes.CDLL(library)
     lib.decode_attention.argtypes = [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_void_p] * 7
     lib.decode_attention.restype = ctypes.c_int
+    lib.gemv.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p] * 3
+    lib.gemv.restype = ctypes.c_int
     lib.gemv_set_threads.argtypes = lib.gemv_use_openmp.argtypes = [ctypes.c_int]
     torch.set_num_threads(threads)
     lib.gemv_set_threads(threads)
-    gemv.load_library = lambda: lib  # cpu_attention.decode calls the library given
+    gemv.load_library = lambda: lib  # cpu_attention.decode and gemv call the library given
+    if case.startswith("lm:"):
+        return measure_lm_head(lib, case, iters)
     name, seqs, ctx = case.split(":")
     n, ctx_len = int(seqs), int(ctx)
     lib.gemv_use_openmp(int(n > 1))  # as the runner sets it: batched steps on OpenMP
@@ -96,6 +108,31 @@ def measure(library: str, case: str, threads: int, iters: int) -> dict[str, floa
     return {"ms": ms, "gb_s": kv_bytes / ms / 1e6, "checksum": float(out.float().sum())}
 
 
+def measure_lm_head(lib: ctypes.CDLL, case: str, iters: int) -> dict[str, float]:
+    """``rows`` rows by the tied embedding on the library's pool (a lone step's threads)."""
+    import torch
+
+    from kvrelay.kernels import gemv
+
+    _, name, rows = case.split(":")
+    torch.set_num_threads(1)  # as in a decode step of at most gemv.MAX_ROWS rows
+    lib.gemv_use_openmp(0)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[name]
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randn(VOCAB, HIDDEN, generator=gen).to(dtype)
+    x = torch.randn(int(rows), HIDDEN, generator=gen).to(dtype)
+    for _ in range(3):
+        out = gemv.matmul_nt(x, table)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        out = gemv.matmul_nt(x, table)
+        times.append(time.perf_counter() - start)
+    ms = statistics.median(times) * 1000
+    nbytes = table.numel() * table.element_size()
+    return {"ms": ms, "gb_s": nbytes / ms / 1e6, "checksum": float(out.double().sum())}
+
+
 def run_one(root: Path, case: str, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, str(HERE / "decode_attention.py"), "--library", str(library_path(root))]
     cmd += ["--cases", case, "--threads", str(args.threads), "--iters", str(args.iters)]
@@ -115,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             from engine_ab import base_tree
 
             builds = {"base": base_tree(args.base, worktree), "tree": ROOT}
-        print("| case (dtype:seqs:context) | " + " | ".join(f"{b} ms (GB/s)" for b in builds)
+        print("| case | " + " | ".join(f"{b} ms (GB/s)" for b in builds)
               + (" | tree / base |" if args.base else ""))  # fmt: skip
         print("| --- |" + " ---: |" * (len(builds) + bool(args.base)))
         for case in args.cases:

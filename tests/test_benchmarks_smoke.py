@@ -121,11 +121,11 @@ def test_decode_attention_benchmark_times_the_tree_kernel(tmp_path: Path) -> Non
         pytest.skip("the native library is not built")
     cmd = [
         sys.executable, str(REPO_ROOT / "benchmarks" / "decode_attention.py"), "--cases",
-        "f32:2:40", "bf16:3:17", "--rounds", "1", "--iters", "2",
+        "f32:2:40", "bf16:3:17", "lm:f32:3", "--rounds", "1", "--iters", "2",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = re.findall(r"^\| (\w+:\d+:\d+) \| ([\d.]+) \(([\d.]+)\) \|$", proc.stdout, re.M)
-    assert [case for case, _, _ in rows] == ["f32:2:40", "bf16:3:17"], proc.stdout
+    rows = re.findall(r"^\| ([\w:]+) \| ([\d.]+) \(([\d.]+)\) \|$", proc.stdout, re.M)
+    assert [case for case, _, _ in rows] == ["f32:2:40", "bf16:3:17", "lm:f32:3"], proc.stdout
     assert all(float(ms) > 0 and float(gb_s) > 0 for _, ms, gb_s in rows)
     assert re.search(r"f32:2:40 tree: checksum -?[\d.]+", proc.stderr), proc.stderr

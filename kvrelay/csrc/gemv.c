@@ -192,43 +192,47 @@ __attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Rows r0..r1-1 of w [n, k]: with one or two x rows, NK_STREAMS W rows at a time, one from
- * each of NK_STREAMS equal spans of the range (long sequential streams, as in kn_avx2), so
- * that eight independent FMA chains hide the FMA latency; with more x rows, one W row at a
- * time. */
+/* Rows r0..r1-1 of w [n, k]: NK_STREAMS W rows at a time, one from each of NK_STREAMS equal
+ * spans of the range (long sequential streams, as in kn_avx2), each multiplied by the x rows
+ * two at a time, so that eight independent FMA chains hide the FMA latency. The first pair of
+ * x rows reads the W rows from memory; later pairs find them in L1 (four rows of a 576-wide
+ * matrix are 9 KB). One W row at a time, for every x row at once, had read the tied LM head
+ * at 10 GB/s with 8 x rows against 32 GB/s with 1 or 2 (BENCHMARKS.md). Rows left over after
+ * whole spans go one at a time at the end. Each output is its lanes' sums over the columns in
+ * order, then the tail: the same order on both paths. */
 #define NK_STREAMS 4
 __attribute__((target("avx2,fma"))) static void nk_avx2(const Job *j, int r0, int r1, float *restrict out) {
     const int m = j->m, kk = j->k, k8 = kk & ~7;
     const float *restrict xf = j->xf;
-    int row = r0;
-    if (m <= 2) {
-        const int span = (r1 - r0) / NK_STREAMS;
-        for (int i = 0; i < span; i++) {
+    const int span = (r1 - r0) / NK_STREAMS;
+    for (int i = 0; i < span; i++) {
+        size_t base[NK_STREAMS];
+        for (int d = 0; d < NK_STREAMS; d++) base[d] = (size_t)(r0 + d * span + i) * kk;
+        for (int x0 = 0; x0 < m; x0 += 2) {
+            const int pair = m - x0 >= 2;
+            const float *xa = xf + (size_t)x0 * kk, *xb = pair ? xa + kk : xa;
             __m256 acc[2][NK_STREAMS];
-            size_t base[NK_STREAMS];
-            for (int d = 0; d < NK_STREAMS; d++) base[d] = (size_t)(r0 + d * span + i) * kk;
             for (int r = 0; r < 2; r++)
                 for (int d = 0; d < NK_STREAMS; d++) acc[r][d] = _mm256_setzero_ps();
             for (int c = 0; c < k8; c += 8) {
-                __m256 x0 = _mm256_loadu_ps(xf + c);
-                __m256 x1 = m == 2 ? _mm256_loadu_ps(xf + kk + c) : x0;
+                const __m256 va = _mm256_loadu_ps(xa + c), vb = _mm256_loadu_ps(xb + c);
                 for (int d = 0; d < NK_STREAMS; d++) {
-                    __m256 wv = load8(j->w, j->dtype, base[d] + c);
-                    acc[0][d] = _mm256_fmadd_ps(wv, x0, acc[0][d]);
-                    if (m == 2) acc[1][d] = _mm256_fmadd_ps(wv, x1, acc[1][d]);
+                    const __m256 wv = load8(j->w, j->dtype, base[d] + c);
+                    acc[0][d] = _mm256_fmadd_ps(wv, va, acc[0][d]);
+                    if (pair) acc[1][d] = _mm256_fmadd_ps(wv, vb, acc[1][d]);
                 }
             }
-            for (int r = 0; r < m; r++) {
+            for (int r = 0; r < 1 + pair; r++) {
+                const float *xr = r ? xb : xa;
                 for (int d = 0; d < NK_STREAMS; d++) {
                     float s = hsum(acc[r][d]);
-                    for (int c = k8; c < kk; c++) s += xf[(size_t)r * kk + c] * w_at(j->w, j->dtype, base[d] + c);
-                    out[(size_t)r * j->n + r0 + d * span + i] = s;
+                    for (int c = k8; c < kk; c++) s += xr[c] * w_at(j->w, j->dtype, base[d] + c);
+                    out[(size_t)(x0 + r) * j->n + r0 + d * span + i] = s;
                 }
             }
         }
-        row = r0 + NK_STREAMS * span;
     }
-    for (; row < r1; row++) {
+    for (int row = r0 + NK_STREAMS * span; row < r1; row++) {
         const size_t base = (size_t)row * kk;
         __m256 acc[MAX_ROWS];
         for (int r = 0; r < m; r++) acc[r] = _mm256_setzero_ps();
