@@ -54,11 +54,12 @@ def _attend(q, kv, lens, tables, block_size, window, native: bool):
     "block_size,kv_heads,q_per_kv,head_dim",
     [(16, 3, 3, 64), (5, 2, 1, 24), (16, 1, 8, 128), (8, 4, 2, 36)],  # 24, 36: no AVX2 tail
 )
-@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("window", [None, 7, 600])
 def test_native_decode_equals_the_torch_path(
     dtype: torch.dtype, block_size: int, kv_heads: int, q_per_kv: int, head_dim: int, window
 ) -> None:
-    lens = [1, 2, block_size, block_size + 1, 33, 64, 65, 200, 31, 97]
+    # past 512 keys the SIMD path softmaxes a chunk at a time: 513 and 1,100 span 2 and 3
+    lens = [1, 2, block_size, block_size + 1, 33, 64, 65, 200, 31, 97, 513, 1100]
     num_blocks = sum(-(-n // block_size) for n in lens) + 3
     kv = _pool(num_blocks, block_size, kv_heads, head_dim, dtype)
     tables = _batch(lens, block_size, num_blocks, seed=head_dim)
@@ -68,6 +69,24 @@ def test_native_decode_equals_the_torch_path(
     want = _attend(q, kv, lens, tables, block_size, window, native=False).float()
     got = _attend(q, kv, lens, tables, block_size, window, native=True)
     assert got.dtype == dtype and got.shape == q.shape
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 600])
+def test_few_long_sequences_split_by_head_equal_the_torch_path(dtype, window) -> None:
+    """Under four sequences the work splits by kv head (one head per piece), each walking its
+    context in chunks: lengths across one, two and three chunks of 512 keys."""
+    lens = [1030, 512, 1537]
+    block_size, kv_heads, q_per_kv, head_dim = 16, 3, 3, 64
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    kv = _pool(num_blocks, block_size, kv_heads, head_dim, dtype)
+    tables = _batch(lens, block_size, num_blocks, seed=7)
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(len(lens), kv_heads * q_per_kv, head_dim, generator=gen).to(dtype)
+    want = _attend(q, kv, lens, tables, block_size, window, native=False).float()
+    got = _attend(q, kv, lens, tables, block_size, window, native=True)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 

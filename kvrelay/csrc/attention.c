@@ -30,6 +30,8 @@
 #define MAX_Q_PER_KV 16
 #define TILE 16 /* keys scored before the running maximum is updated */
 #define PREFETCH_TILES 2 /* how far ahead of the tile being computed its keys are fetched */
+#define CHUNK 512        /* keys whose scores the SIMD path keeps before it updates the maximum */
+#define CHUNK_STRIDE (CHUNK + 8) /* a query head's score row: a last tile's padding fits */
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -56,17 +58,6 @@ static const float *row_f32(const AttnJob *j, const void *base, size_t index, fl
     return buf;
 }
 
-#if KV_X86
-/* p[0:n] = e^(s[0:n] - max), n a multiple of 8 (the tile is padded); returns the sum of the
- * first `count`. */
-__attribute__((target("avx2,fma"))) static float exp_shift_avx2(float *s, float max, int n, int count) {
-    const __m256 m = _mm256_set1_ps(max);
-    for (int t = 0; t < n; t += 8) _mm256_storeu_ps(s + t, exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + t), m)));
-    float sum = 0.0f;
-    for (int t = 0; t < count; t++) sum += s[t];
-    return sum;
-}
-#endif
 
 static float dot(const float *a, const float *b, int n) {
     float s = 0.0f;
@@ -105,11 +96,11 @@ typedef struct {
     float run_max[MAX_Q_PER_KV], run_sum[MAX_Q_PER_KV];
     float buf[MAX_HEAD_DIM]; /* a widened bfloat16 row */
     size_t rows[TILE];
-    float *tile; /* [TILE, head_dim]: a tile's widened bfloat16 rows (attend_tile_avx2) */
+    float *tile; /* [TILE, head_dim]: a tile's widened bfloat16 rows (the SIMD path) */
 } Piece;
 
 /* One tile of keys t0..t0+nt-1: scores, the running maximum and sum, then the values
- * (portable C; attend_tile_avx2 is the same with vectors). */
+ * (portable C; the SIMD path keeps a chunk's scores instead: attend_chunks_avx2). */
 static void attend_tile_c(const AttnJob *j, Piece *p, int i, int h, int t0, int nt, int qpk) {
     const int hd = j->head_dim;
     key_rows(j, i, t0, nt, h, p->rows);
@@ -164,68 +155,7 @@ __attribute__((target("avx2,fma"))) static inline __m256 hsum8_avx2(const __m256
     return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
-/* attend_tile_c with AVX2 (head_dim a multiple of 8). Scores go eight keys at a time into
- * eight accumulators reduced together; the values are added one head_dim slice at a time
- * over the whole tile, with each query head's slice of the output in a register. */
-__attribute__((target("avx2,fma"))) static void attend_tile_avx2(const AttnJob *j, Piece *p, int i, int h, int t0, int nt, int qpk) {
-    const int hd = j->head_dim, padded = (nt + 7) & ~7;
-    const float *rows[TILE];
-    key_rows(j, i, t0, nt, h, p->rows);
-    tile_rows_avx2(j, j->k, p->rows, nt, p->tile, rows);
-    for (int g = 0; g < qpk; g++) {
-        for (int t = 0; t < padded; t += 8) {
-            __m256 acc[8];
-            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
-            for (int d = 0; d < hd; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(p->q[g] + d);
-                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[t + u] + d), acc[u]);
-            }
-            _mm256_storeu_ps(p->score[g] + t, hsum8_avx2(acc));
-        }
-    }
-    for (int g = 0; g < qpk; g++) {
-        float tile_max = p->run_max[g];
-        for (int t = 0; t < nt; t++) tile_max = p->score[g][t] > tile_max ? p->score[g][t] : tile_max;
-        const float correction = expf(p->run_max[g] - tile_max); /* 0 on the first tile */
-        const __m256 c = _mm256_set1_ps(correction);
-        for (int d = 0; d < hd; d += 8) _mm256_storeu_ps(p->acc[g] + d, _mm256_mul_ps(c, _mm256_loadu_ps(p->acc[g] + d)));
-        p->run_sum[g] = p->run_sum[g] * correction + exp_shift_avx2(p->score[g], tile_max, padded, nt);
-        p->run_max[g] = tile_max;
-    }
-    tile_rows_avx2(j, j->v, p->rows, nt, p->tile, rows);
-    /* values: a query head's output slice of 64 columns (eight vectors) stays in registers
-     * over the whole tile. A loop over the group's heads inside the key loop would index an
-     * accumulator array by a run-time count, which the compiler keeps in memory: every
-     * multiply-add then waits on a store and a load (4x slower, measured). */
-    for (int g = 0; g < qpk; g++) {
-        int d = 0;
-        for (; d + 64 <= hd; d += 64) {
-            __m256 acc[8];
-            for (int u = 0; u < 8; u++) acc[u] = _mm256_loadu_ps(p->acc[g] + d + 8 * u);
-            for (int t = 0; t < nt; t++) {
-                const __m256 s = _mm256_set1_ps(p->score[g][t]);
-                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(s, _mm256_loadu_ps(rows[t] + d + 8 * u), acc[u]);
-            }
-            for (int u = 0; u < 8; u++) _mm256_storeu_ps(p->acc[g] + d + 8 * u, acc[u]);
-        }
-        for (; d < hd; d += 8) {
-            __m256 acc = _mm256_loadu_ps(p->acc[g] + d);
-            for (int t = 0; t < nt; t++) acc = _mm256_fmadd_ps(_mm256_set1_ps(p->score[g][t]), _mm256_loadu_ps(rows[t] + d), acc);
-            _mm256_storeu_ps(p->acc[g] + d, acc);
-        }
-    }
-}
 #endif
-
-static void attend_tile(const AttnJob *j, Piece *p, int i, int h, int t0, int nt, int qpk, int simd) {
-#if KV_X86
-    if (simd) {
-        attend_tile_avx2(j, p, i, h, t0, nt, qpk);
-        return;
-    }
-#endif
-    attend_tile_c(j, p, i, h, t0, nt, qpk);
-}
 
 static void start_head(const AttnJob *j, Piece *p, int i, int h) {
     const int qpk = j->q_heads / j->kv_heads;
@@ -257,14 +187,15 @@ static void finish_head(const AttnJob *j, const Piece *p, int i, int h) {
     }
 }
 
-/* Asks for the cache lines of keys t0..t0+nt-1 of sequence i (every kv head's, K and V),
- * PREFETCH_TILES tiles before they are computed. A sequence's blocks lie anywhere in the
- * pool, so the hardware prefetchers lose the stream at every block and each tile would
- * otherwise start with a wait on memory: a 64-sequence step over 1,000-token contexts ran at
- * 6 GB/s. The lines go to L2 (prefetcht2), not L1: a tile's K and V rows for every head are
- * 24 KB in float32, and fetching the next ones into a 32 KB L1 evicted the rows in use (one
- * tile of 32 keys fetched into L1 ran slower than two of 16 into L2, BENCHMARKS.md). */
-static void prefetch_tile(const AttnJob *j, int i, int t0, int nt) {
+/* Asks for the cache lines of keys t0..t0+nt-1 of sequence i in `base` (the pool's K or V,
+ * every kv head's row), a few tiles before they are computed. A sequence's blocks lie
+ * anywhere in the pool, so the hardware prefetchers lose the stream at every block and each
+ * tile would otherwise start with a wait on memory: a 64-sequence step over 1,000-token
+ * contexts ran at 6 GB/s. The lines go to L2 (prefetcht2), not L1: a tile's rows for every
+ * head, K and V, are 24 KB in float32, and fetching the next ones into a 32 KB L1 evicted the
+ * rows in use (one tile of 32 keys fetched into L1 ran slower than two of 16 into L2,
+ * BENCHMARKS.md). */
+static void prefetch_span(const AttnJob *j, const void *base, int i, int t0, int nt) {
     const size_t esize = j->dtype == DT_F32 ? 4 : 2;
     const size_t token_bytes = (size_t)j->kv_heads * j->head_dim * esize; /* a token's heads */
     const int32_t *table = j->tables + (size_t)i * j->max_blocks;
@@ -272,41 +203,175 @@ static void prefetch_tile(const AttnJob *j, int i, int t0, int nt) {
         const int b = t / j->block_size, off = t % j->block_size;
         const int run = j->block_size - off < t0 + nt - t ? j->block_size - off : t0 + nt - t;
         const size_t first = ((size_t)table[b] * j->block_size + off) * token_bytes, bytes = run * token_bytes;
-        for (size_t x = 0; x < bytes; x += 64) {
-            __builtin_prefetch((const char *)j->k + first + x, 0, 1);
-            __builtin_prefetch((const char *)j->v + first + x, 0, 1);
-        }
+        for (size_t x = 0; x < bytes; x += 64) __builtin_prefetch((const char *)base + first + x, 0, 1);
         t += run;
     }
 }
 
-/* A piece is sequence i's kv heads h0..h0+heads_per_piece-1. Each tile of keys is walked for
- * every head of the piece in turn, so a token's row of all heads (contiguous in the pool) is
- * read from memory once and then from cache. */
+static void prefetch_tile(const AttnJob *j, int i, int t0, int nt) {
+    prefetch_span(j, j->k, i, t0, nt);
+    prefetch_span(j, j->v, i, t0, nt);
+}
+
+static int min_int(int a, int b) { return a < b ? a : b; }
+
+#if KV_X86
+/* Scores of a tile's keys (rows[0..nt-1], one kv head's) against the head's query group:
+ * s[g * CHUNK_STRIDE + t]; eight keys at a time into eight accumulators reduced together
+ * (lanes past nt are written, never read). */
+__attribute__((target("avx2,fma"))) static void score_tile_avx2(const AttnJob *j, Piece *p, const size_t *rows, int nt, float *s) {
+    const int hd = j->head_dim, padded = (nt + 7) & ~7, qpk = j->q_heads / j->kv_heads;
+    const float *kr[TILE];
+    tile_rows_avx2(j, j->k, rows, nt, p->tile, kr);
+    for (int g = 0; g < qpk; g++) {
+        for (int t = 0; t < padded; t += 8) {
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(p->q[g] + d);
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t + u] + d), acc[u]);
+            }
+            _mm256_storeu_ps(s + (size_t)g * CHUNK_STRIDE + t, hsum8_avx2(acc));
+        }
+    }
+}
+
+/* A chunk's scores s[g][0..cn-1] become e^(score - new maximum); the running maximum, sum and
+ * output of each query head are rescaled to the new maximum once per chunk. */
+__attribute__((target("avx2,fma"))) static void softmax_chunk_avx2(const AttnJob *j, Piece *p, float *s, int cn) {
+    const int qpk = j->q_heads / j->kv_heads, padded = (cn + 7) & ~7;
+    for (int g = 0; g < qpk; g++) {
+        float *sg = s + (size_t)g * CHUNK_STRIDE;
+        for (int t = cn; t < padded; t++) sg[t] = -INFINITY; /* e^-inf = 0: no lane is skipped */
+        __m256 mv = _mm256_set1_ps(p->run_max[g]);
+        for (int t = 0; t < padded; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
+        float lanes[8], max = -INFINITY, sum = 0.0f;
+        _mm256_storeu_ps(lanes, mv);
+        for (int u = 0; u < 8; u++) max = lanes[u] > max ? lanes[u] : max;
+        const __m256 m = _mm256_set1_ps(max);
+        __m256 sv = _mm256_setzero_ps();
+        for (int t = 0; t < padded; t += 8) {
+            const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(sg + t), m));
+            _mm256_storeu_ps(sg + t, e);
+            sv = _mm256_add_ps(sv, e);
+        }
+        _mm256_storeu_ps(lanes, sv);
+        for (int u = 0; u < 8; u++) sum += lanes[u];
+        const float correction = expf(p->run_max[g] - max); /* 0 on the first chunk */
+        const __m256 c = _mm256_set1_ps(correction);
+        for (int d = 0; d < j->head_dim; d += 8)
+            _mm256_storeu_ps(p->acc[g] + d, _mm256_mul_ps(c, _mm256_loadu_ps(p->acc[g] + d)));
+        p->run_sum[g] = p->run_sum[g] * correction + sum;
+        p->run_max[g] = max;
+    }
+}
+
+/* The tile's values weighted by their probabilities s[g * CHUNK_STRIDE + t], added to the
+ * output: a query head's 64-column slice stays in registers over the tile. A loop over the
+ * group's heads inside the key loop would index an accumulator array by a run-time count,
+ * which the compiler keeps in memory: every multiply-add then waits on a store and a load
+ * (4x slower, measured). */
+__attribute__((target("avx2,fma"))) static void value_tile_avx2(const AttnJob *j, Piece *p, const size_t *rows, int nt, const float *s) {
+    const int hd = j->head_dim, qpk = j->q_heads / j->kv_heads;
+    const float *vr[TILE];
+    tile_rows_avx2(j, j->v, rows, nt, p->tile, vr);
+    for (int g = 0; g < qpk; g++) {
+        const float *sg = s + (size_t)g * CHUNK_STRIDE;
+        int d = 0;
+        for (; d + 64 <= hd; d += 64) {
+            __m256 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm256_loadu_ps(p->acc[g] + d + 8 * u);
+            for (int t = 0; t < nt; t++) {
+                const __m256 w = _mm256_set1_ps(sg[t]);
+                for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr[t] + d + 8 * u), acc[u]);
+            }
+            for (int u = 0; u < 8; u++) _mm256_storeu_ps(p->acc[g] + d + 8 * u, acc[u]);
+        }
+        for (; d < hd; d += 8) {
+            __m256 acc = _mm256_loadu_ps(p->acc[g] + d);
+            for (int t = 0; t < nt; t++) acc = _mm256_fmadd_ps(_mm256_set1_ps(sg[t]), _mm256_loadu_ps(vr[t] + d), acc);
+            _mm256_storeu_ps(p->acc[g] + d, acc);
+        }
+    }
+}
+
+/* Sequence i's keys start..len-1 for the heads hs..hs+heads-1 (p[0..heads-1]), a chunk of
+ * CHUNK keys at a time: every key's scores first (reading K), one softmax over the chunk, then
+ * the values (reading V). An online softmax per tile of 16 keys spent more on its maximum,
+ * rescaling and sum than on the tile's products; per chunk it is once per 512 keys. Each
+ * pass fetches its array PREFETCH_TILES tiles ahead, and at its end the other pass's first
+ * tiles. `scores` holds heads * q_per_kv rows of CHUNK_STRIDE. */
+static void attend_chunks_avx2(const AttnJob *j, Piece *p, int heads, int i, int hs, int start, int len, float *scores) {
+    const int qpk = j->q_heads / j->kv_heads, ahead_keys = PREFETCH_TILES * TILE;
+    const size_t head_scores = (size_t)qpk * CHUNK_STRIDE;
+    size_t rows0[TILE], rows[TILE];
+    for (int c0 = start; c0 < len; c0 += CHUNK) {
+        const int end = min_int(len, c0 + CHUNK);
+        for (int t = c0; t < min_int(end, c0 + ahead_keys); t += TILE) prefetch_span(j, j->k, i, t, min_int(TILE, end - t));
+        for (int t0 = c0; t0 < end; t0 += TILE) {
+            const int nt = min_int(TILE, end - t0), ahead = t0 + ahead_keys;
+            if (ahead < end) prefetch_span(j, j->k, i, ahead, min_int(TILE, end - ahead));
+            else if (c0 + ahead - end < end) prefetch_span(j, j->v, i, c0 + ahead - end, min_int(TILE, end - (c0 + ahead - end)));
+            key_rows(j, i, t0, nt, 0, rows0);
+            for (int h = 0; h < heads; h++) {
+                for (int t = 0; t < nt; t++) rows[t] = rows0[t] + hs + h;
+                score_tile_avx2(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
+            }
+        }
+        for (int h = 0; h < heads; h++) softmax_chunk_avx2(j, &p[h], scores + h * head_scores, end - c0);
+        for (int t0 = c0; t0 < end; t0 += TILE) {
+            const int nt = min_int(TILE, end - t0), ahead = t0 + ahead_keys;
+            if (ahead < end) prefetch_span(j, j->v, i, ahead, min_int(TILE, end - ahead));
+            else if (ahead < len) prefetch_span(j, j->k, i, ahead, min_int(TILE, len - ahead)); /* the next chunk's */
+            key_rows(j, i, t0, nt, 0, rows0);
+            for (int h = 0; h < heads; h++) {
+                for (int t = 0; t < nt; t++) rows[t] = rows0[t] + hs + h;
+                value_tile_avx2(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
+            }
+        }
+    }
+}
+#endif
+
+/* A piece is sequence i's kv heads h0..h0+heads_per_piece-1, walked together, so a token's
+ * row of all heads (contiguous in the pool) is read from memory once and then from cache:
+ * in chunks with vectors (attend_chunks_avx2), else a tile at a time in portable C with an
+ * online softmax per tile. */
 static void attend(void *ctx, int piece) {
     const AttnJob *j = (const AttnJob *)ctx;
     const int per_seq = j->kv_heads / j->heads_per_piece;
     const int i = piece / per_seq, h0 = piece % per_seq * j->heads_per_piece;
-    const int qpk = j->q_heads / j->kv_heads, simd = kv_use_avx2() && j->head_dim % 8 == 0;
+    const int qpk = j->q_heads / j->kv_heads;
     const int len = j->ctx_lens[i];
     const int start = j->window > 0 && len > j->window ? len - j->window : 0;
     Piece one, *p = j->heads_per_piece == 1 ? &one : (Piece *)malloc(sizeof(Piece) * j->heads_per_piece);
     if (p == NULL) p = &one; /* out of memory: one head at a time */
     const int heads = p == &one ? 1 : j->heads_per_piece;
-    float tile[TILE * MAX_HEAD_DIM]; /* filled and used within one attend_tile call */
+    float tile[TILE * MAX_HEAD_DIM]; /* a tile's widened bfloat16 rows, used within one call */
     for (int h = 0; h < heads; h++) p[h].tile = tile;
+    float *scores = NULL;
+#if KV_X86
+    if (kv_use_avx2() && j->head_dim % 8 == 0) scores = (float *)malloc(sizeof(float) * heads * qpk * CHUNK_STRIDE);
+#endif
     for (int hs = h0; hs < h0 + j->heads_per_piece; hs += heads) {
         for (int h = 0; h < heads; h++) start_head(j, &p[h], i, hs + h);
+#if KV_X86
+        if (scores != NULL) {
+            attend_chunks_avx2(j, p, heads, i, hs, start, len, scores);
+            for (int h = 0; h < heads; h++) finish_head(j, &p[h], i, hs + h);
+            continue;
+        }
+#endif
         for (int t = start; t < start + PREFETCH_TILES * TILE && t < len; t += TILE)
-            prefetch_tile(j, i, t, len - t < TILE ? len - t : TILE); /* the first tiles, now */
+            prefetch_tile(j, i, t, min_int(TILE, len - t)); /* the first tiles, now */
         for (int t0 = start; t0 < len; t0 += TILE) {
             const int ahead = t0 + PREFETCH_TILES * TILE;
-            if (ahead < len) prefetch_tile(j, i, ahead, len - ahead < TILE ? len - ahead : TILE);
-            for (int h = 0; h < heads; h++)
-                attend_tile(j, &p[h], i, hs + h, t0, len - t0 < TILE ? len - t0 : TILE, qpk, simd);
+            if (ahead < len) prefetch_tile(j, i, ahead, min_int(TILE, len - ahead));
+            for (int h = 0; h < heads; h++) attend_tile_c(j, &p[h], i, hs + h, t0, min_int(TILE, len - t0), qpk);
         }
         for (int h = 0; h < heads; h++) finish_head(j, &p[h], i, hs + h);
     }
+    free(scores);
     if (p != &one) free(p);
 }
 
