@@ -104,7 +104,9 @@ class Server:
             try:
                 with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as resp:
                     self.model_id = json.load(resp)["data"][0]["id"]
-                    return
+                if self.name != "vllm":  # kvrelay's router lists its model before a worker joins
+                    urllib.request.urlopen(f"{self.url}/ready", timeout=5).close()  # 503 raises
+                return
             except OSError:
                 time.sleep(2)
         raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s; see {self.log.name}")
