@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -56,6 +57,18 @@ def library_path(root: Path) -> Path:
         if path.exists():
             return path
     raise FileNotFoundError(f"no built native library under {root} (setup.py build_ext)")
+
+
+def median_ms(run: Callable[[], None], iters: int) -> float:
+    """Median milliseconds of ``iters`` calls of ``run`` after three warm-up calls."""
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
 
 
 def measure(library: str, case: str, threads: int, iters: int) -> dict[str, float]:
@@ -96,14 +109,7 @@ def measure(library: str, case: str, threads: int, iters: int) -> dict[str, floa
         for pool in pools:
             cpu_attention.decode(q, pool, batch, None, HEAD_DIM**-0.5, out)
 
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    ms = statistics.median(times) * 1000
+    ms = median_ms(run, iters)
     kv_bytes = n * ctx_len * KV_HEADS * HEAD_DIM * 2 * q.element_size() * LAYERS
     return {"ms": ms, "gb_s": kv_bytes / ms / 1e6, "checksum": float(out.float().sum())}
 
@@ -121,14 +127,13 @@ def measure_lm_head(lib: ctypes.CDLL, case: str, iters: int) -> dict[str, float]
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(VOCAB, HIDDEN, generator=gen).to(dtype)
     x = torch.randn(int(rows), HIDDEN, generator=gen).to(dtype)
-    for _ in range(3):
-        out = gemv.matmul_nt(x, table)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        out = gemv.matmul_nt(x, table)
-        times.append(time.perf_counter() - start)
-    ms = statistics.median(times) * 1000
+    result: list[torch.Tensor] = []
+
+    def run() -> None:
+        result[:] = [gemv.matmul_nt(x, table)]  # kept, not copied: the time is the product's
+
+    ms = median_ms(run, iters)
+    out = result[0]
     nbytes = table.numel() * table.element_size()
     return {"ms": ms, "gb_s": nbytes / ms / 1e6, "checksum": float(out.double().sum())}
 

@@ -304,17 +304,18 @@ __attribute__((target("avx2,fma"))) static void value_tile_avx2(const AttnJob *j
 static void attend_chunks_avx2(const AttnJob *j, Piece *p, int heads, int i, int hs, int start, int len, float *scores) {
     const int qpk = j->q_heads / j->kv_heads, ahead_keys = PREFETCH_TILES * TILE;
     const size_t head_scores = (size_t)qpk * CHUNK_STRIDE;
-    size_t rows0[TILE], rows[TILE];
+    size_t rows0[CHUNK], rows[TILE]; /* the chunk's head-0 pool rows, for both passes */
+    for (int t = start; t < min_int(len, start + ahead_keys); t += TILE) /* later chunks' first */
+        prefetch_span(j, j->k, i, t, min_int(TILE, len - t));          /* tiles: the pass before */
     for (int c0 = start; c0 < len; c0 += CHUNK) {
         const int end = min_int(len, c0 + CHUNK);
-        for (int t = c0; t < min_int(end, c0 + ahead_keys); t += TILE) prefetch_span(j, j->k, i, t, min_int(TILE, end - t));
+        key_rows(j, i, c0, end - c0, 0, rows0);
         for (int t0 = c0; t0 < end; t0 += TILE) {
             const int nt = min_int(TILE, end - t0), ahead = t0 + ahead_keys;
             if (ahead < end) prefetch_span(j, j->k, i, ahead, min_int(TILE, end - ahead));
             else if (c0 + ahead - end < end) prefetch_span(j, j->v, i, c0 + ahead - end, min_int(TILE, end - (c0 + ahead - end)));
-            key_rows(j, i, t0, nt, 0, rows0);
             for (int h = 0; h < heads; h++) {
-                for (int t = 0; t < nt; t++) rows[t] = rows0[t] + hs + h;
+                for (int t = 0; t < nt; t++) rows[t] = rows0[t0 - c0 + t] + hs + h;
                 score_tile_avx2(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
             }
         }
@@ -323,9 +324,8 @@ static void attend_chunks_avx2(const AttnJob *j, Piece *p, int heads, int i, int
             const int nt = min_int(TILE, end - t0), ahead = t0 + ahead_keys;
             if (ahead < end) prefetch_span(j, j->v, i, ahead, min_int(TILE, end - ahead));
             else if (ahead < len) prefetch_span(j, j->k, i, ahead, min_int(TILE, len - ahead)); /* the next chunk's */
-            key_rows(j, i, t0, nt, 0, rows0);
             for (int h = 0; h < heads; h++) {
-                for (int t = 0; t < nt; t++) rows[t] = rows0[t] + hs + h;
+                for (int t = 0; t < nt; t++) rows[t] = rows0[t0 - c0 + t] + hs + h;
                 value_tile_avx2(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
             }
         }
