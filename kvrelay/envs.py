@@ -184,8 +184,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "faster, at a second copy of the weights' memory, private to the process",
          commands=("serve",)),
     _var("KVRELAY_NATIVE_ATTENTION", bool, True,
-         "CPU decode tokens attend over the KV pool in kvrelay's native kernel (0: torch's "
-         "gather + SDPA; for comparisons)", commands=("serve",)),
+         "decode tokens attend over the KV pool in kvrelay's own kernel, the native library's "
+         "on CPU and Triton's on CUDA (0: torch's gather + SDPA; for comparisons)",
+         commands=("serve",)),
+    _var("KVRELAY_CUDA_GRAPHS", bool, True,
+         "a CUDA engine replays decode-only steps as CUDA graphs, one per padded batch size, "
+         "captured on first use (0: every step eager; for comparisons and debugging)",
+         commands=("serve",)),
 )  # fmt: skip
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}
 

@@ -9,6 +9,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import torch
+
+# Without a GPU, the Triton kernels run on CPU tensors in Triton's interpreter
+# (tests/test_triton_attention.py); that is decided when triton is first imported.
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 from kvrelay.engine.make_tiny import make_tiny
 

@@ -129,3 +129,55 @@ def test_decode_attention_benchmark_times_the_tree_kernel(tmp_path: Path) -> Non
     assert [case for case, _, _ in rows] == ["f32:2:40", "bf16:3:17", "lm:f32:3"], proc.stdout
     assert all(float(ms) > 0 and float(gb_s) > 0 for _, ms, gb_s in rows)
     assert re.search(r"f32:2:40 tree: checksum -?[\d.]+", proc.stderr), proc.stderr
+
+
+def _load_gpu_decode():
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_gpu_decode", REPO_ROOT / "benchmarks" / "gpu_decode.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+
+
+def test_gpu_decode_random_checkpoint_loads_and_generates(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/gpu_decode.py's stand-in checkpoint (a real config and tokenizer, random
+    weights) loads in the engine with the original's shapes (here on CPU)."""
+    import torch
+
+    from kvrelay import LLM, SamplingParams
+
+    gpu_decode = _load_gpu_decode()
+    out = gpu_decode.random_checkpoint(tiny_model_dir, tmp_path, torch.float32)
+    llm = LLM(out, num_blocks=32, warm_up=False)
+    original = LLM(tiny_model_dir, num_blocks=32, warm_up=False)
+    assert llm.engine.config.model_config == original.engine.config.model_config
+    shapes = {n: w.shape for n, w in llm.engine.runner.model.weights.items()}
+    assert shapes == {n: w.shape for n, w in original.engine.runner.model.weights.items()}
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(["a prompt"], params)[0].outputs[0].token_ids) == 4
+
+
+def test_gpu_decode_renders_its_tables() -> None:
+    gpu_decode = _load_gpu_decode()
+    attention = [
+        {"heads": "SmolLM2-135M", "batch": 1, "ctx": 512, "torch_us": 50.0, "triton_us": 20.0,
+         "triton_gbps": 10.0, "splits": 16, "max_abs_diff": 1e-3},
+    ]  # fmt: skip
+    steps = [
+        {"system": name, "batch": b, "prompt_len": 512, "step_ms": ms, "graph_replays": 0}
+        for b in (1, 8)
+        for name, ms in zip(gpu_decode.SYSTEMS, (12.0, 10.0, 4.0), strict=True)
+    ]
+    data = {
+        "command": "python benchmarks/gpu_decode.py", "device": "GPU", "torch": "2", "triton": "3",
+        "copy_gbps": 3000.0, "repeats": 5, "steps": 5, "prompt_len": 512, "model": "m",
+        "attention": attention, "steps_rows": steps,
+    }  # fmt: skip
+    body = gpu_decode.render(data)
+    assert "| SmolLM2-135M | 1 | 512 | 50.0 | 20.0 | 2.50x | 10 | 16 | 1.0e-03 |" in body
+    assert "| 8 | 12.00 | 1.00x | 10.00 | 1.20x | 4.00 | 3.00x | 2000 |" in body

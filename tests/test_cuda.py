@@ -99,6 +99,38 @@ def test_engine_on_cuda_follows_the_reference(tiny_model_dir, reference):
 
 
 @needs_cuda
+def test_decode_steps_replay_cuda_graphs_and_follow_the_reference(
+    tiny_model_dir, reference, monkeypatch
+):
+    """Graphs padded to 4, 2 and 1 sequences; the eager Triton path and the torch path too:
+    every greedy token of each is the reference's argmax within LOGIT_TOL."""
+    lengths = [MAX_TOKENS, MAX_TOKENS - 4, MAX_TOKENS - 9]  # 3 sequences, then 2, then 1
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+
+    def run(**env: str) -> LLM:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        llm = LLM(tiny_model_dir, device="cuda", num_blocks=128, warm_up=False)
+        for out, n in zip(llm.generate(PROMPTS[:3], params), lengths, strict=True):
+            ids, output = out.prompt_token_ids, out.outputs[0].token_ids
+            assert len(output) == n
+            logits = reference(ids + output[:-1])
+            for step, token in enumerate(output):
+                row = logits[len(ids) - 1 + step]
+                assert float(row.max() - row[token]) <= LOGIT_TOL, (env, step)
+        llm.engine.block_manager.check_integrity()
+        return llm
+
+    graphs = run().engine.runner.graphs
+    assert graphs is not None
+    assert {4, 2, 1} <= set(graphs.graphs) and graphs.replays >= MAX_TOKENS - 1
+    eager = run(KVRELAY_CUDA_GRAPHS="0").engine.runner
+    assert eager.graphs is None and eager.native_attention
+    torch_path = run(KVRELAY_NATIVE_ATTENTION="0").engine.runner
+    assert torch_path.graphs is None and not torch_path.native_attention
+
+
+@needs_cuda
 def test_seeded_sampling_on_cuda_repeats(tiny_model_dir):
     llm = LLM(tiny_model_dir, device="cuda", num_blocks=64)
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)

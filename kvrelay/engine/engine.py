@@ -211,7 +211,12 @@ class LLMEngine:
         )
         sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.runner = ModelRunner(
-            LlamaModel(mc, weights), kv_cache, config.cache.block_size, sampler
+            LlamaModel(mc, weights),
+            kv_cache,
+            config.cache.block_size,
+            sampler,
+            config.scheduler.max_num_seqs,
+            max_len,
         )
         self._stops: dict[str, StopChecker] = {}
         self.last_step_kind = "decode"  # of the last step that ran (step_kind)

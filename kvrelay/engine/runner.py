@@ -9,18 +9,23 @@ thread while the native matmul kernel streams the weights on all of the engine's
 larger steps (prefill) give torch all of them. The ops between a decode step's matmuls are
 too small to gain from a second thread, and each of torch's parallel regions would wake its
 OpenMP team (or find it spinning on the core the kernel's pool needs).
+
+On a GPU, decode tokens attend in the Triton kernel (``kernels.triton_attention``) and
+decode-only steps replay CUDA graphs (``engine.cuda_graphs``; ``KVRELAY_CUDA_GRAPHS=0``: eager).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvrelay import envs
 from kvrelay.engine.config import ModelConfig
+from kvrelay.engine.cuda_graphs import DecodeGraphs
 from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
 from kvrelay.engine.sequence import Sequence
-from kvrelay.kernels import cpu_attention, gemv
+from kvrelay.kernels import cpu_attention, gemv, triton_attention
 from kvrelay.kernels.attention import (
     AttentionMetadata,
     PrefillSegment,
@@ -37,7 +42,13 @@ def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tup
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int, sampler: Sampler
+        self,
+        model: LlamaModel,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        sampler: Sampler,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -46,13 +57,22 @@ class ModelRunner:
         self.device = kv_cache.device
         self.window = model.config.sliding_window
         self.workspace = Workspace()  # context-gather buffers, reused by every step
-        self.native_attention = cpu_attention.supports(kv_cache, model.config.num_heads)
+        heads = model.config.num_heads
+        self.native_attention = cpu_attention.supports(kv_cache, heads) or (
+            triton_attention.supports(kv_cache, heads)
+            and bool(envs.get("KVRELAY_NATIVE_ATTENTION"))
+        )
         self.threads = torch.get_num_threads()
         # decode steps: torch on one thread, the native matmuls on all (module docstring)
         self.narrow_decode = self.device.type == "cpu" and self.threads > 1 and gemv.available()
         if self.narrow_decode:
             gemv.set_threads(self.threads)
         self.native_library = self.device.type == "cpu" and gemv.available()
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and self.native_attention and envs.get("KVRELAY_CUDA_GRAPHS"):
+            max_len = max_model_len or model.config.max_position_embeddings
+            max_blocks = min(kv_cache.shape[2], -(-max_len // block_size))
+            self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, self.window)
 
     def run(self, plan: StepPlan) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
@@ -75,7 +95,10 @@ class ModelRunner:
         meta: AttentionMetadata,
         sample_rows: torch.Tensor,
     ) -> StepResult:
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        if self.graphs is not None and self.graphs.fits(input_ids.numel(), meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
         sampled = [item for item in plan.scheduled if item.needs_sample]
         token_ids: list[int | None] = [None] * len(plan.scheduled)
         logprobs: list = [None] * len(plan.scheduled)

@@ -17,8 +17,10 @@ token by token) into a workspace that lives across layers and steps: a fresh mul
 tensor per layer costs more in page faults than the copy itself. Decode queries are viewed
 as ``[n, kv_heads, q_per_kv, head_dim]``, so grouped-query attention needs no repeated K/V.
 The metadata (block lists, masks) is built once per step by the runner and shared by all
-layers. On CPU, decode tokens go to the native kernel instead (``cpu_attention``: keys and
-values read in place, no gather, no padding) when the runner built ``native_decode``.
+layers. Decode tokens go to kvrelay's own kernel instead when the runner built
+``native_decode`` (keys and values read in place, no gather, no padding): the C library's on
+CPU (``cpu_attention``), Triton's on a GPU (``triton_attention``, which also stores a step's
+K/V there).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from kvrelay.kernels import cpu_attention
+from kvrelay.kernels import cpu_attention, triton_attention
 from kvrelay.kernels.cpu_attention import NativeDecode
 
 DECODE_GROUP_PAD_TOKENS = 256  # a decode group pads no sequence by more than this many tokens
@@ -81,7 +83,17 @@ class AttentionMetadata:
                 for group in self.decode
             ],
             self.workspace,
+            None if self.native_decode is None else _decode_to(self.native_decode, device),
+            self.window,
         )
+
+
+def _decode_to(batch: NativeDecode, device: torch.device) -> NativeDecode:
+    return NativeDecode(
+        batch.rows.to(device, non_blocking=True),
+        batch.tables.to(device, non_blocking=True),
+        batch.ctx_lens.to(device, non_blocking=True),
+    )
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
@@ -222,7 +234,11 @@ def paged_attention(
         meta: the step's segments and decode groups.
         scale: softmax scale, usually ``head_dim ** -0.5``.
     """
-    store_kv(kv, k, v, meta.slot_mapping)
+    on_gpu = meta.native_decode is not None and kv.device.type != "cpu"
+    if on_gpu:  # Triton's store: one launch, and skips the padding rows of a CUDA graph
+        triton_attention.store_kv(kv, k, v, meta.slot_mapping)
+    else:
+        store_kv(kv, k, v, meta.slot_mapping)
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     num_blocks = kv.shape[1]
     k_blocks = kv[0].view(num_blocks, -1)
@@ -240,7 +256,10 @@ def paged_attention(
         out[rows] = _sdpa(q[rows].unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), seg.mask, scale)[
             0
         ]
-    if meta.native_decode is not None:
+    if on_gpu:
+        assert meta.native_decode is not None
+        triton_attention.decode(q, kv, meta.native_decode, meta.window, scale, out)
+    elif meta.native_decode is not None:
         cpu_attention.decode(q.contiguous(), kv, meta.native_decode, meta.window, scale, out)
     q_per_kv = q.shape[1] // num_kv_heads
     for group in meta.decode:

@@ -193,6 +193,8 @@ class LlamaModel:
         batch = meta.native_decode
         if batch is None or meta.prefills or meta.decode or rows > gemv.MAX_ROWS:
             return None
+        if kv_cache.device.type != "cpu":
+            return None
         if batch.rows.numel() != rows:
             return None
         if self._fused is None or self._fused.kv_cache.data_ptr() != kv_cache.data_ptr():

@@ -1,0 +1,267 @@
+"""Paged decode attention and the KV store on a GPU, in Triton.
+
+The torch path (``attention.paged_attention``) gathers every decode group's context blocks
+into a padded copy and runs one masked SDPA per group: on a GPU that is an extra write and
+read of the whole context per layer, a Python loop over groups, and shapes that change with
+every step (so no CUDA graph can hold it). This kernel reads keys and values in place from
+the block pool through each sequence's block table, one query token per sequence, with the
+same inputs as the CPU kernel (``cpu_attention.NativeDecode``: rows, padded tables, context
+lengths), so one step's metadata serves both devices.
+
+One program per (sequence, kv head, split) takes that kv head's ``q_per_kv`` query heads as
+one tile (grouped-query attention reads each key once), walks its span of keys in tiles of
+``BLOCK_N`` (token -> block id from the table -> slot) with an online softmax in float32.
+Splits (flash-decoding) give a few long sequences enough programs to fill the GPU's
+multiprocessors: each split writes an unnormalised partial output with its max and sum, and
+a second kernel combines them. The number of splits depends only on the batch's shape, not
+its context lengths, so a CUDA graph captured for a batch size stays valid.
+
+Under ``TRITON_INTERPRET=1`` (set before triton is first imported) the same kernels run on
+CPU tensors in Triton's interpreter: that is how a machine without a GPU tests them.
+
+A sequence of context length 0 (a CUDA graph's padding row) reads nothing and writes zeros;
+``store_kv`` skips a slot < 0 (the same padding's K/V). Exact against the torch reference up
+to float32 summation order (``tests/test_triton_attention.py``, on CPU through the
+interpreter and on a GPU where one is present).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kvrelay.kernels.cpu_attention import NativeDecode
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton ships with torch's CUDA builds and xgrammar
+    triton = None
+    tl = None
+
+MAX_SPLITS = 16  # a power of two: the combining kernel reads a split's partials as one tile
+NO_WINDOW = 1 << 30  # the window argument when there is none: every key is in it
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def supports(kv: torch.Tensor, q_heads: int) -> bool:
+    """True when decode attention over the pool ``kv`` runs in this kernel (a CUDA pool)."""
+    kv_heads = kv.shape[-2]
+    return (
+        available()
+        and kv.device.type == "cuda"
+        and kv.is_contiguous()
+        and kv.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and q_heads % kv_heads == 0
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
+    """Splits per (sequence, kv head), a power of two: about two programs per multiprocessor."""
+    if device.type != "cuda":
+        return 1
+    sms = _multiprocessors(device.index if device.index is not None else 0)
+    want = 2 * sms // (num_seqs * kv_heads)
+    return max(1, min(MAX_SPLITS, 1 << (want.bit_length() - 1) if want > 0 else 1))
+
+
+def _pow2(n: int, least: int = 2) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    batch: NativeDecode,
+    window: int | None,
+    scale: float,
+    out: torch.Tensor,
+    splits: int | None = None,
+) -> None:
+    """Attention of the decode tokens ``batch.rows`` of ``q [T, q_heads, head_dim]`` over one
+    layer's pool ``kv [2, num_blocks, block_size, kv_heads, head_dim]``, into those rows of
+    ``out [T, q_heads, head_dim]``. ``splits`` overrides the split count (tests)."""
+    n = batch.rows.numel()
+    if n == 0:
+        return
+    block_size, kv_heads, head_dim = kv.shape[2:]
+    q_heads = q.shape[1]
+    q_per_kv = q_heads // kv_heads
+    qg, d_pad = _pow2(q_per_kv), _pow2(head_dim, 16)
+    block_n = max(16, min(64, 16384 // (qg * d_pad)))
+    if splits is None:
+        splits = num_splits(n, kv_heads, kv.device)
+    if splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two, got {splits}")
+    tables = batch.tables
+    grid = (n, kv_heads, splits)
+    common = dict(
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=d_pad,
+        Q_PER_KV=q_per_kv,
+        QG=qg,
+        BLOCK_N=block_n,
+        SPLITS=splits,
+    )
+    if splits == 1:
+        part_acc = part_ml = out  # unused: the kernel normalises and writes ``out`` itself
+    else:
+        part_acc = torch.empty(n, q_heads, splits, d_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(n, q_heads, splits, 2, dtype=torch.float32, device=q.device)
+    _check_device(q)
+    _decode_kernel[grid](
+        out, q, kv[0], kv[1], tables, batch.ctx_lens, batch.rows, part_acc, part_ml,
+        scale, window or NO_WINDOW,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+        kv.stride(1), kv.stride(2),
+        **common,
+    )  # fmt: skip
+    if splits > 1:
+        _combine_kernel[(n, q_heads)](
+            out, batch.rows, part_acc, part_ml, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, SPLITS=splits,
+        )  # fmt: skip
+
+
+def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Writes new K/V rows ``[T, kv_heads, head_dim]`` into their slots of one layer's pool
+    ``[2, num_blocks, block_size, kv_heads, head_dim]``; rows whose slot is < 0 are skipped."""
+    t = slots.numel()
+    if t == 0:
+        return
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    row = kv_heads * head_dim
+    _check_device(kv)
+    _store_kernel[(t,)](
+        kv[0], kv[1], k, v, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        HEAD_DIM=head_dim, ROW=row, ROW_PAD=_pow2(row, 16),
+    )  # fmt: skip
+
+
+def interpreted() -> bool:
+    """True when this process runs Triton kernels in the interpreter (``TRITON_INTERPRET=1``)."""
+    return available() and bool(triton.knobs.runtime.interpret)
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and not interpreted():
+        raise ValueError(
+            f"the Triton kernels need CUDA tensors (got {t.device}), or TRITON_INTERPRET=1 "
+            "set before triton is imported"
+        )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_kernel(
+        out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, ctx_lens_ptr, rows_ptr, acc_ptr, ml_ptr,
+        scale, window,
+        stride_q_row, stride_q_head, stride_o_row, stride_o_head, stride_table,
+        stride_block, stride_token,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        Q_PER_KV: tl.constexpr, QG: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        row = tl.load(rows_ptr + seq).to(tl.int64)
+        ctx = tl.load(ctx_lens_ptr + seq)
+        first = tl.maximum(ctx - window, 0)
+        # this split's keys: whole tiles from the window's first tile on
+        base = (first // BLOCK_N) * BLOCK_N
+        tiles = (ctx - base + BLOCK_N - 1) // BLOCK_N
+        per_split = (tiles + SPLITS - 1) // SPLITS
+        lo = base + split * per_split * BLOCK_N
+        hi = tl.minimum(lo + per_split * BLOCK_N, ctx)
+
+        g = tl.arange(0, QG)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        g_ok = g < Q_PER_KV
+        d_ok = d < HEAD_DIM
+        heads = kv_head * Q_PER_KV + g
+        q = tl.load(
+            q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
+            mask=g_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        q = q * scale
+
+        m_i = tl.full([QG], float("-inf"), tl.float32)
+        l_i = tl.zeros([QG], tl.float32)
+        acc = tl.zeros([QG, HEAD_DIM_PAD], tl.float32)
+        table = tables_ptr + seq.to(tl.int64) * stride_table
+        head_off = kv_head * HEAD_DIM + d
+        for start in range(lo, hi, BLOCK_N):
+            t = start + tl.arange(0, BLOCK_N)
+            t_ok = (t < hi) & (t >= first)
+            block = tl.load(table + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+            offs = block * stride_block + (t % BLOCK_SIZE) * stride_token
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
+            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [QG, BLOCK_N]
+            s = tl.where(t_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            v = tl.load(v_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+
+        if SPLITS == 1:
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            o_ptr = out_ptr + row * stride_o_row + heads[:, None] * stride_o_head + d[None, :]
+            tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        else:
+            part = (seq.to(tl.int64) * Q_PER_KV * tl.num_programs(1) + heads) * SPLITS + split
+            tl.store(acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :], acc, mask=g_ok[:, None])
+            # an empty split's max is -inf: stored finite, so the combine's exp() stays a number
+            tl.store(ml_ptr + part * 2, tl.where(l_i > 0, m_i, -1e30), mask=g_ok)
+            tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_ok)
+
+    @triton.jit
+    def _combine_kernel(
+        out_ptr, rows_ptr, acc_ptr, ml_ptr, stride_o_row, stride_o_head,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        row = tl.load(rows_ptr + seq).to(tl.int64)
+        part = (seq.to(tl.int64) * tl.num_programs(1) + head) * SPLITS + tl.arange(0, SPLITS)
+        m = tl.load(ml_ptr + part * 2)
+        l_s = tl.load(ml_ptr + part * 2 + 1)
+        m_max = tl.max(m, axis=0)
+        w = tl.where(l_s > 0, tl.exp(m - m_max), 0.0)  # an empty split has l = 0
+        total = tl.sum(l_s * w, axis=0)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM_PAD + d[None, :])
+        o = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        o_ptr = out_ptr + row * stride_o_row + head * stride_o_head + d
+        tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+    @triton.jit
+    def _store_kernel(
+        k_pool, v_pool, k_ptr, v_ptr, slots_ptr, stride_k_row, stride_k_head, stride_v_row,
+        stride_v_head, HEAD_DIM: tl.constexpr, ROW: tl.constexpr, ROW_PAD: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if slot >= 0:
+            i = tl.arange(0, ROW_PAD)
+            ok = i < ROW
+            head, dim = i // HEAD_DIM, i % HEAD_DIM
+            k = tl.load(k_ptr + t * stride_k_row + head * stride_k_head + dim, mask=ok)
+            v = tl.load(v_ptr + t * stride_v_row + head * stride_v_head + dim, mask=ok)
+            tl.store(k_pool + slot * ROW + i, k, mask=ok)
+            tl.store(v_pool + slot * ROW + i, v, mask=ok)
