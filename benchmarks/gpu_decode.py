@@ -218,6 +218,13 @@ def render(data: dict[str, Any]) -> str:
                "Triton GB/s", "splits", "max abs diff"]  # fmt: skip
     lines += [markdown_table(headers, rows), ""]
     lines += [
+        "Each call is eager, launched from Python: at a few sequences its time is the launches' "
+        "(the store, the attention and, with splits, the combining kernel), which a CUDA graph "
+        "removes (below). At many sequences the kernel reads the context at close to the "
+        "device's copy rate; the torch path gathers it into a padded copy first.",
+        "",
+    ]
+    lines += [
         f"**Decode step, {data['model']}, bfloat16, {data['prompt_len']}-token prompts** "
         "(ms per `LLMEngine.step()`, sampling and the tokens' copy to the host included):",
         "",

@@ -96,8 +96,9 @@ def decode(
     block_size, kv_heads, head_dim = kv.shape[2:]
     q_heads = q.shape[1]
     q_per_kv = q_heads // kv_heads
-    qg, d_pad = _pow2(q_per_kv), _pow2(head_dim, 16)
-    block_n = max(16, min(64, 16384 // (qg * d_pad)))
+    # the query heads of a kv head are one tile for the tensor cores' products: at least 16 rows
+    qg, d_pad = _pow2(q_per_kv, 16), _pow2(head_dim, 16)
+    block_n = 64 if d_pad <= 128 else 32  # 32-128 x 4-8 warps x 2-3 stages tried on an H200
     if splits is None:
         splits = num_splits(n, kv_heads, kv.device)
     if splits & (splits - 1):
@@ -112,6 +113,9 @@ def decode(
         QG=qg,
         BLOCK_N=block_n,
         SPLITS=splits,
+        # float32 products for a float32 cache (not TF32), and in the interpreter, whose
+        # 16-bit products are wrong (Triton 3.9); 16-bit caches take the tensor cores' products
+        DOT_F32=q.dtype == torch.float32 or interpreted(),
     )
     if splits == 1:
         part_acc = part_ml = out  # unused: the kernel normalises and writes ``out`` itself
@@ -171,6 +175,7 @@ if triton is not None:
         stride_block, stride_token,
         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         Q_PER_KV: tl.constexpr, QG: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+        DOT_F32: tl.constexpr,
     ):  # fmt: skip
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -194,8 +199,9 @@ if triton is not None:
             q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
             mask=g_ok[:, None] & d_ok[None, :],
             other=0.0,
-        ).to(tl.float32)
-        q = q * scale
+        )
+        if DOT_F32:
+            q = q.to(tl.float32)
 
         m_i = tl.full([QG], float("-inf"), tl.float32)
         l_i = tl.zeros([QG], tl.float32)
@@ -209,13 +215,19 @@ if triton is not None:
             offs = block * stride_block + (t % BLOCK_SIZE) * stride_token
             kv_mask = t_ok[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
-            s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [QG, BLOCK_N]
+            if DOT_F32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [QG, BLOCK_N]
             s = tl.where(t_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             v = tl.load(v_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
+            if DOT_F32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [QG, HEAD_DIM_PAD]
+            else:  # probabilities rounded to the cache's 16-bit type, as flash attention does
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
 
