@@ -65,8 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--quick", action="store_true", help="16 requests, 1 dtype, 3 repeats")
     parser.add_argument(
-        "--cpu-packed-weights", action="store_true",
-        help="kvrelay runs with KVRELAY_CPU_PACKED_WEIGHTS=1 (oneDNN-packed weights)",
+        "--cpu-packed-weights", choices=("auto", "1", "0"), default="auto",
+        help="KVRELAY_CPU_PACKED_WEIGHTS for kvrelay (oneDNN-packed weights): auto leaves it "
+        "unset (kvrelay's default: packed when the copy fits in memory)",
     )  # fmt: skip
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     return parser.parse_args(argv)
@@ -129,11 +130,15 @@ def start_engines(args: argparse.Namespace, dtype: str, vllm_python: Path) -> li
     common = ["--model", args.model, "--dtype", dtype, "--threads", str(args.threads)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env["PYTHONPATH"] = str(HERE.parent)
-    packed = "1" if args.cpu_packed_weights else "0"
+    packed = (
+        {}
+        if args.cpu_packed_weights == "auto"
+        else {"KVRELAY_CPU_PACKED_WEIGHTS": args.cpu_packed_weights}
+    )
     kvrelay = Engine(
         "kvrelay",
         [sys.executable, str(ENGINE_SCRIPT), "--system", "kvrelay", *common],
-        dict(env, KVRELAY_CPU_PACKED_WEIGHTS=packed),
+        dict(env, **packed),
     )
     venv_env = dict(env, VLLM_TARGET_DEVICE="cpu", VLLM_CACHE_ROOT=args.vllm_cache)
     venv_env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
@@ -319,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.num_requests} requests (prompts 16-128, outputs 16-64, ignore_eos), "
             f"{args.threads} threads each, medians of {args.repeats} interleaved runs, prefix "
             "caching off in both (the timed runs repeat the same prompts)"
-            + ("; kvrelay with KVRELAY_CPU_PACKED_WEIGHTS=1" if args.cpu_packed_weights else "")
+            + f"; kvrelay's KVRELAY_CPU_PACKED_WEIGHTS: {args.cpu_packed_weights}"
             + f"; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n{table}"
         )
         update_benchmarks_md(SECTION, body, command_line())

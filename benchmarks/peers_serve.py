@@ -75,8 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     parser.add_argument(
         "--cpu-packed-weights",
-        action="store_true",
-        help="kvrelay runs with KVRELAY_CPU_PACKED_WEIGHTS=1 (oneDNN-packed weights)",
+        choices=("auto", "1", "0"),
+        default="auto",
+        help="KVRELAY_CPU_PACKED_WEIGHTS for kvrelay (oneDNN-packed weights): auto leaves it "
+        "unset (kvrelay's default: packed when the copy fits in memory)",
     )
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     return parser.parse_args(argv)
@@ -157,8 +159,9 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
                 argv += ["--colocated", "1", "--threads", str(args.threads)]
             else:
                 argv += ["--threads", str(max(1, args.threads // 2))]
-            packed = "1" if args.cpu_packed_weights else "0"
-            env = dict(os.environ, KVRELAY_CPU_PACKED_WEIGHTS=packed)
+            env = dict(os.environ)
+            if args.cpu_packed_weights != "auto":
+                env["KVRELAY_CPU_PACKED_WEIGHTS"] = args.cpu_packed_weights
         servers.append(Server(name, argv, env, port, log_dir / f"{name}.log"))
     for server in servers:
         server.wait_ready()
@@ -264,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.max_concurrency} at once; goodput under TTFT <= {args.slo_ttft_ms:.0f} ms "
             f"and TPOT <= {args.slo_tpot_ms:.0f} ms; medians of {args.repeats} interleaved "
             f"runs, each over prompts no server had seen"
-            + ("; kvrelay with KVRELAY_CPU_PACKED_WEIGHTS=1" if args.cpu_packed_weights else "")
+            + f"; kvrelay's KVRELAY_CPU_PACKED_WEIGHTS: {args.cpu_packed_weights}"
             + f"; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n{table}"
         )
         update_benchmarks_md(SECTION, body, command_line())

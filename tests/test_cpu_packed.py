@@ -1,5 +1,6 @@
 """``KVRELAY_CPU_PACKED_WEIGHTS``: float32 / bfloat16 weights packed for oneDNN, used for steps
-of more than ``gemv.MAX_ROWS`` rows, give what torch's ``mm`` on the plain weights gives."""
+of more than ``gemv.MAX_ROWS`` rows, give what torch's ``mm`` on the plain weights gives; unset,
+an engine packs when the copy fits in memory."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def test_an_engine_packs_and_generates_the_same_tokens(real_model_dir, monkeypat
     """SmolLM2: twelve prompts batched (decode steps of 12 rows, prefills of hundreds) give
     the same greedy tokens with the packed weights as without."""
     prompts = [[(n * 131 + t * 7919) % 49000 + 4 for t in range(20 + 3 * n)] for n in range(12)]
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "0")
     plain = LLMEngine.from_args(real_model_dir, dtype=dtype, num_threads=2, seed=0)
     assert plain.runner.model.packed == {}
     want = greedy_tokens(plain, prompts, 6)
@@ -82,7 +84,10 @@ def test_an_untied_lm_head_is_packed_and_used(tiny_model_dir, monkeypatch) -> No
     """make-tiny's LM head is its own weight (not the embedding): packed as ``lm_head`` and
     used for logits of more than ``gemv.MAX_ROWS`` rows, to the same greedy tokens."""
     prompts = [[(n * 37 + t * 11) % 500 + 4 for t in range(8 + n)] for n in range(10)]
-    want = greedy_tokens(LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0), prompts, 4)
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "0")
+    plain = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0)
+    assert plain.runner.model.packed == {}
+    want = greedy_tokens(plain, prompts, 4)
     monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "1")
     engine = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0)
     assert "lm_head" in engine.runner.model.packed and "embed" not in engine.runner.model.packed
@@ -94,3 +99,37 @@ def test_an_untied_lm_head_is_packed_and_used(tiny_model_dir, monkeypatch) -> No
     assert greedy_tokens(engine, prompts, 4) == want
     vocab = engine.runner.model.weights["lm_head"].shape[1]
     assert vocab in widths  # the LM head ran on its packed copy
+
+
+@needs_onednn
+def test_unset_packs_when_the_copy_fits_in_a_quarter_of_available_memory(
+    tiny_model_dir, monkeypatch, caplog
+) -> None:
+    monkeypatch.delenv("KVRELAY_CPU_PACKED_WEIGHTS", raising=False)
+    available = cpu_packed.memory_available()
+    assert available is not None and available > 0  # read from /proc/meminfo
+    with caplog.at_level(logging.INFO, logger="kvrelay.kernels.cpu_packed"):
+        engine = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0)
+    packed = engine.runner.model.packed
+    assert packed and "packing the weights" in caplog.text
+    size = sum(engine.runner.model.weights[n].nbytes for n in packed)
+    caplog.clear()
+    # the same copy on a host with less than four times its size available: not packed
+    monkeypatch.setattr(cpu_packed, "memory_available", lambda: 4 * size - 1)
+    with caplog.at_level(logging.INFO, logger="kvrelay.kernels.cpu_packed"):
+        engine = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0)
+    assert engine.runner.model.packed == {}
+    assert f"not packing the weights for oneDNN: the copy is {size / 1e6:.0f} MB" in caplog.text
+    monkeypatch.setattr(cpu_packed, "memory_available", lambda: 4 * size)
+    assert LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0).runner.model.packed
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "0")
+    assert LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0).runner.model.packed == {}
+
+
+def test_unset_where_it_does_not_apply_packs_nothing_and_does_not_warn(
+    tiny_model_dir, monkeypatch, caplog
+) -> None:
+    monkeypatch.delenv("KVRELAY_CPU_PACKED_WEIGHTS", raising=False)
+    with caplog.at_level(logging.WARNING, logger="kvrelay.kernels.cpu_packed"):
+        engine = LLMEngine.from_args(tiny_model_dir, dtype="float16", num_threads=1, seed=0)
+    assert engine.runner.model.packed == {} and "ignored" not in caplog.text

@@ -88,6 +88,8 @@ def test_engine_on_cuda_follows_the_reference(tiny_model_dir, reference):
     # a small chunk budget: prompts prefill in chunks, and decode groups mix context lengths
     llm = LLM(tiny_model_dir, device="cuda", num_blocks=128, max_num_batched_tokens=48)
     assert llm.engine.runner.kv_cache.is_cuda
+    graphs = llm.engine.runner.graphs  # the warm-up captured every decode batch size
+    assert graphs is not None and set(graphs.graphs) == set(graphs.sizes)
     assert all(w.is_cuda for w in llm.engine.runner.model.weights.values())
     outputs = llm.generate(PROMPTS, GREEDY)
     for out in outputs:
@@ -259,3 +261,17 @@ def test_transports_a_pool_cannot_serve_are_refused():
         check_transport_for_device("cuda_ipc", torch.device("cpu"))
     with pytest.raises(ValueError, match="shm needs a CPU KV pool"):
         check_transport_for_device("shm", torch.device("cuda", 0))
+
+
+def test_graph_batch_sizes_cover_max_num_seqs_and_a_cpu_pool_is_refused(tiny_model_dir):
+    from kvrelay.engine.cuda_graphs import BATCH_SIZES, DecodeGraphs, batch_sizes
+
+    assert batch_sizes(1) == (1,)
+    assert batch_sizes(3) == (1, 2, 4)
+    assert batch_sizes(256) == BATCH_SIZES and BATCH_SIZES[-1] == 256
+    assert batch_sizes(300) == (*BATCH_SIZES, 300)
+    assert list(BATCH_SIZES) == sorted(set(BATCH_SIZES))
+    llm = LLM(tiny_model_dir, num_blocks=16, warm_up=False)
+    assert llm.engine.runner.graphs is None  # a CPU engine has none
+    with pytest.raises(ValueError, match="CUDA KV pool"):
+        DecodeGraphs(llm.engine.runner.model, llm.engine.runner.kv_cache, 8, 4, None)

@@ -10,11 +10,15 @@ zeros) and slot -1 (their K/V are not stored), so they touch no sequence's block
 is the Triton kernel (``kernels.triton_attention``), whose launch shape depends only on the
 batch size, and block tables are padded to the longest a sequence can have.
 
-Each batch size is captured the first time a step of that size runs (the engine's warm-up
-makes the common ones), after one eager run of the same inputs that compiles the Triton
-kernels and sets up cuBLAS. All graphs share one memory pool: safe because replays never
-overlap and a step reads its output before the next replay (a later graph may reuse an
-earlier one's intermediate memory, never a live output). Prefill and mixed steps stay eager.
+The engine's warm-up captures every size, largest first, on padding rows alone (context 0,
+slot -1: nothing is read or written) before the engine serves (``capture_all``); a size not
+yet captured (an engine that skipped its warm-up) is captured on its first step. Each capture
+follows one eager run of the same inputs that compiles the Triton kernels and sets up cuBLAS.
+Captures use ``thread_local`` error mode: a worker's transport threads keep copying KV on
+their own streams meanwhile, and only this thread's calls must be capture-safe. All graphs
+share one memory pool: safe because replays never overlap and a step reads its output before
+the next replay (a later graph may reuse an earlier one's intermediate memory, never a live
+output). Prefill and mixed steps stay eager.
 """
 
 from __future__ import annotations
@@ -109,6 +113,19 @@ class DecodeGraphs:
         self.replays += 1
         return self.outputs[size][:n]
 
+    def capture_all(self) -> None:
+        """Captures every size not captured yet, largest first, on padding rows alone."""
+        started, todo = time.perf_counter(), [s for s in self.sizes if s not in self.graphs]
+        self.slots.fill_(-1)
+        self.ctx_lens.zero_()
+        for size in reversed(todo):
+            self._capture(size)
+        if todo:
+            logger.info(
+                "captured %d decode graphs (batch sizes %d-%d) in %.2f s",
+                len(todo), todo[0], todo[-1], time.perf_counter() - started,
+            )  # fmt: skip
+
     def _capture(self, size: int) -> torch.cuda.CUDAGraph:
         started = time.perf_counter()
         meta = AttentionMetadata(
@@ -124,11 +141,11 @@ class DecodeGraphs:
             self.model.forward(*args)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             self.outputs[size] = self.model.forward(*args)
         self.pool = graph.pool()
         self.graphs[size] = graph
-        logger.info(
+        logger.debug(
             "captured the decode step for %d sequences in %.0f ms",
             size,
             1000 * (time.perf_counter() - started),

@@ -362,7 +362,9 @@ class LLMEngine:
 
         The first steps of a fresh process pay one-time costs: MKL / oneDNN set up kernels for
         each new shape, torch's allocator grows, the native library starts its thread pool.
-        Without this the first requests a new worker serves are several times slower (a
+        On a GPU it then captures the CUDA graph of every decode batch size
+        (``DecodeGraphs.capture_all``). Without this the first requests a new worker serves
+        are several times slower (a
         fresh kvrelay's first benchmark run: TTFT p50 446 ms against 130 ms after). One prompt
         of ``prompt_len`` tokens (capped by the context and the step budget) and ``batch - 1``
         short ones, a few greedy tokens each: a long prefill, a batched prefill, batched
@@ -399,6 +401,8 @@ class LLMEngine:
             bm.reset_prefix_cache()
             bm.pop_events()  # the stores and the evictions the reset made: never sent
             bm.num_query_tokens, bm.num_hit_tokens, scheduler.num_preemptions = counters
+        if self.runner.graphs is not None:  # every decode batch size, before anything is served
+            self.runner.graphs.capture_all()
         return time.perf_counter() - started
 
     # ------------------------------------------------------------------ step

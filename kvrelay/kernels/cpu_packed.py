@@ -8,9 +8,12 @@ on copies reordered once (``torch.ops.mkldnn``), its tied LM head 42 against 18 
 (BENCHMARKS.md). Results match ``mm``'s to float32 summation order (the tests compare them).
 
 The cost is memory: the packed copy sits beside the plain weights (which the native decode
-kernels and the parameter pool keep using), private to the process. So it is opt-in,
-``KVRELAY_CPU_PACKED_WEIGHTS=1``, and only where it applies: a float32 or bfloat16 model on a
-CPU whose oneDNN computes that dtype.
+kernels and the parameter pool keep using), private to the process, and the time to write it
+when the engine starts. It applies to a float32 or bfloat16 model on a CPU whose oneDNN
+computes that dtype; there ``KVRELAY_CPU_PACKED_WEIGHTS`` decides: unset, the engine packs
+when the copy fits in ``AUTO_SHARE`` of the memory available (``MemAvailable``), as vLLM's CPU
+backend packs its weights when it loads them; 1 packs always, 0 never (a parameter-pool
+instance that must start fastest, or a host short of memory).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from kvrelay import envs
 logger = logging.getLogger(__name__)
 
 PACK_ROWS = 32  # the batch size oneDNN picks its blocking for; any row count works
+AUTO_SHARE = 0.25  # unset: pack when the copy takes at most this share of the memory available
 
 
 @functools.cache
@@ -38,10 +42,12 @@ def supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def wanted(weights: Mapping[str, torch.Tensor]) -> bool:
-    """Packing is asked for (``KVRELAY_CPU_PACKED_WEIGHTS``) and applies to ``weights``; logs
-    why not when it was asked for and does not apply."""
-    if not envs.get("KVRELAY_CPU_PACKED_WEIGHTS"):
+def wanted(weights: Mapping[str, torch.Tensor], copy_bytes: int) -> bool:
+    """Whether to pack ``weights`` (a copy of ``copy_bytes``): it applies to them, and
+    ``KVRELAY_CPU_PACKED_WEIGHTS`` asks for it or, unset, the copy fits in memory. Logs why
+    not when it was asked for and does not apply, and what unset decided."""
+    choice = envs.get("KVRELAY_CPU_PACKED_WEIGHTS")
+    if choice is False:
         return False
     embed = weights["embed"]
     why = None
@@ -50,9 +56,34 @@ def wanted(weights: Mapping[str, torch.Tensor]) -> bool:
     elif not supported(embed.dtype):
         why = f"this CPU's oneDNN does not compute {embed.dtype}"
     if why is not None:
-        logger.warning("KVRELAY_CPU_PACKED_WEIGHTS ignored: %s", why)
+        if choice:
+            logger.warning("KVRELAY_CPU_PACKED_WEIGHTS ignored: %s", why)
         return False
-    return True
+    if choice:
+        return True
+    available = memory_available()
+    fits = available is not None and copy_bytes <= AUTO_SHARE * available
+    logger.info(
+        "%s the weights for oneDNN: the copy is %.0f MB, %s MB available "
+        "(KVRELAY_CPU_PACKED_WEIGHTS unset: packs when it is at most %d%%)",
+        "packing" if fits else "not packing",
+        copy_bytes / 1e6,
+        "unknown" if available is None else f"{available / 1e6:.0f}",
+        round(100 * AUTO_SHARE),
+    )
+    return fits
+
+
+def memory_available() -> int | None:
+    """Bytes of memory available to new allocations (``MemAvailable``), None where unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def pack(w: torch.Tensor, transposed: bool) -> torch.Tensor:

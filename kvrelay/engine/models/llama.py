@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Mapping
 
 import torch
@@ -119,18 +120,21 @@ class LlamaModel:
         self._qk_heads = config.num_heads + config.num_kv_heads
         self._fused: FusedDecode | None = None  # built for the first KV pool it can serve
         # oneDNN-blocked copies of the projections for steps of many rows (opt-in)
-        self.packed: dict[str, torch.Tensor] = self._pack() if cpu_packed.wanted(weights) else {}
-
-    def _pack(self) -> dict[str, torch.Tensor]:
-        names = [f"layers.{i}.{n}" for i in range(self.config.num_layers)
+        names = [f"layers.{i}.{n}" for i in range(config.num_layers)
                  for n in ("qkv", "o", "gate_up", "down")]  # fmt: skip
-        names += ["lm_head"] if "lm_head" in self.weights else []
-        packed = {name: cpu_packed.pack(self.weights[name], transposed=True) for name in names}
-        if "lm_head" not in self.weights:  # tied: the embedding, stored [vocab, hidden]
-            packed["embed"] = cpu_packed.pack(self.weights["embed"], transposed=False)
+        names.append("lm_head" if "lm_head" in weights else "embed")  # tied: the embedding
+        size = sum(weights[n].numel() * weights[n].element_size() for n in names)
+        self.packed: dict[str, torch.Tensor] = (
+            self._pack(names) if cpu_packed.wanted(weights, size) else {}
+        )
+
+    def _pack(self, names: list[str]) -> dict[str, torch.Tensor]:
+        started = time.perf_counter()
+        # stored [in, out], but a tied embedding [vocab, hidden]
+        packed = {n: cpu_packed.pack(self.weights[n], transposed=n != "embed") for n in names}
         size = sum(self.weights[n].numel() * self.weights[n].element_size() for n in packed)
-        logger.info("packed %d weights for oneDNN: %.0f MB beside the plain ones", len(packed),
-                    size / 1e6)  # fmt: skip
+        logger.info("packed %d weights for oneDNN in %.2f s: %.0f MB beside the plain ones",
+                    len(packed), time.perf_counter() - started, size / 1e6)  # fmt: skip
         return packed
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
