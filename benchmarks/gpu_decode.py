@@ -246,6 +246,7 @@ def render(data: dict[str, Any]) -> str:
         headers += [f"{name} ms", "vs torch"]
     headers.append("graphs tok/s")
     lines += [markdown_table(headers, rows), ""]
+    lines += [f"- {note}" for note in data.get("notes", [])] + ([""] if data.get("notes") else [])
     lines.append(
         "vLLM is not beside these figures: the GPU machine reaches no package index, and "
         "vLLM's CUDA wheel (with its own torch build) is larger than what can be carried to it."

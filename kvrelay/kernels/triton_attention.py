@@ -98,7 +98,9 @@ def decode(
     q_per_kv = q_heads // kv_heads
     # the query heads of a kv head are one tile for the tensor cores' products: at least 16 rows
     qg, d_pad = _pow2(q_per_kv, 16), _pow2(head_dim, 16)
-    block_n = 64 if d_pad <= 128 else 32  # 32-128 x 4-8 warps x 2-3 stages tried on an H200
+    # tiles of 32-128 keys x 4-8 warps x 2-3 stages timed on an H200 (BENCHMARKS.md): 64 keys
+    # and 4 warps were the fastest in the large cases; Triton's default 3 stages kept
+    block_n = 64 if d_pad <= 128 else 32
     if splits is None:
         splits = num_splits(n, kv_heads, kv.device)
     if splits & (splits - 1):
@@ -128,7 +130,7 @@ def decode(
         scale, window or NO_WINDOW,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
         kv.stride(1), kv.stride(2),
-        **common,
+        **common, num_warps=4,
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(n, q_heads)](
