@@ -9,8 +9,10 @@ same inputs as the CPU kernel (``cpu_attention.NativeDecode``: rows, padded tabl
 lengths), so one step's metadata serves both devices.
 
 One program per (sequence, kv head, split) takes that kv head's ``q_per_kv`` query heads as
-one tile (grouped-query attention reads each key once), walks its span of keys in tiles of
-``BLOCK_N`` (token -> block id from the table -> slot) with an online softmax in float32.
+one tile of at least 16 rows (grouped-query attention reads each key once, and both products
+are ``tl.dot`` on the tensor cores; a float32 cache multiplies in IEEE float32, not TF32) and
+walks its span of keys in tiles of ``BLOCK_N`` (token -> block id from the table -> slot)
+with an online softmax in float32.
 Splits (flash-decoding) give a few long sequences enough programs to fill the GPU's
 multiprocessors: each split writes an unnormalised partial output with its max and sum, and
 a second kernel combines them. The number of splits depends only on the batch's shape, not
