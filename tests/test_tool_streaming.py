@@ -137,3 +137,38 @@ def test_required_cut_off_by_length_keeps_the_complete_calls():
     _, streamed_calls, finish, _ = _assemble(chunks)
     assert finish == "length" and len(streamed_calls) == 3  # the third was under way
     assert [json.loads(c["arguments"]) for c in streamed_calls[:2]] == [{"city": "Lima"}] * 2
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_json_answer_that_names_no_declared_tool_is_content(step):
+    """llama3_json's calls are bare JSON: an answer that is a JSON object with a "name" key
+    (asked for by the user, say) names no declared tool, so it is content, streamed and not."""
+    text = '{"name": "Alice", "age": 30, "city": "Paris"}'
+    builder = _builder("auto", Llama3JsonParser())
+    content, calls, finish, _ = _assemble(_stream(builder, text, step))
+    assert (content, calls, finish) == (text, [], "stop")
+    whole = _builder("auto", Llama3JsonParser()).tools.extract(text)
+    assert whole.content == text and whole.calls == []
+
+
+@pytest.mark.parametrize("step", [1, 1000])
+def test_bare_json_calls_stop_at_the_first_undeclared_name(step):
+    text = (
+        '{"name": "get_time", "parameters": {"city": "Lima"}}; '
+        '{"name": "Bob", "parameters": {}}; {"name": "get_weather", "parameters": {}}'
+    )
+    builder = _builder("auto", Llama3JsonParser())
+    content, calls, finish, _ = _assemble(_stream(builder, text, step))
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        ("get_time", {"city": "Lima"})
+    ]
+    assert content == "" and finish == "tool_calls"
+    whole = _builder("auto", Llama3JsonParser()).tools.extract(text)
+    assert [c.name for c in whole.calls] == ["get_time"] and whole.content is None
+
+
+def test_hermes_keeps_a_marked_call_of_any_name():
+    """Hermes marks its calls off with tags, so a call stays a call whatever it names."""
+    text = '<tool_call>\n{"name": "not_declared", "arguments": {}}\n</tool_call>'
+    whole = _builder("auto", HermesParser()).tools.extract(text)
+    assert [c.name for c in whole.calls] == ["not_declared"]

@@ -433,11 +433,10 @@ class ChatBuilder(ResponseBuilder):
         text = "".join(choice.text)
         final = self.tools.extract(text).calls if finished else []
         parts = self._call_parts(choice, self.tools.partial_calls(text), final)
-        parser = self.tools.parser  # None for "required": all of it is the calls
         if finished and not choice.calls_sent:
             ready = len(text)  # no call after all: the rest is content
         else:
-            ready = 0 if parser is None else parser.content_len(text)
+            ready = self.tools.content_len(text)  # 0 for "required": all of it is the calls
         content = text[choice.num_sent_chars : ready]
         choice.num_sent_chars = max(choice.num_sent_chars, ready)
         body: dict[str, Any] = {"content": content} if content else {}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -176,15 +177,25 @@ class ToolPlan:
     parallel: bool = True  # more than one call allowed
     parser: ToolParser | None = None  # mode "auto"
     structured: StructuredOutput | None = None  # modes "required" and "named"
+    names: frozenset[str] = frozenset()  # the declared functions
 
     def extract(self, text: str) -> ParsedTools:
-        """The calls (and remaining content) of one finished choice's text."""
+        """The calls (and remaining content) of one finished choice's text.
+
+        A parser whose calls are bare JSON (``llama3_json``) keeps the calls up to the first
+        that names no declared tool; when that is the first, the text is a JSON answer, not a
+        call, and all of it is content (streaming decides the same way, ``partial_calls``)."""
         if self.mode == "named":
             return ParsedTools(None, [ToolCall(self.name, text)])
         if self.mode == "required":
             return _parse_required(text)
         if self.mode == "auto" and self.parser is not None:
             found = self.parser.extract(text)
+            if self.parser.bare_json:
+                kept = self._declared(found.calls)
+                if kept == 0 and found.calls:
+                    return ParsedTools(text, [])
+                found = ParsedTools(found.content, found.calls[:kept])
             if not self.parallel and len(found.calls) > 1:
                 return ParsedTools(found.content, found.calls[:1])
             return found
@@ -196,9 +207,29 @@ class ToolPlan:
             found = _required_partial(text)
         elif self.mode == "auto" and self.parser is not None:
             found = self.parser.partial_calls(text)
+            if self.parser.bare_json:
+                found = found[: self._declared(found)]
         else:
             return []
         return found if self.parallel else found[:1]
+
+    def content_len(self, text: str) -> int:
+        """How many leading characters of a choice's partial text are content for certain
+        (streaming ``auto``); all of it once a bare-JSON first call names no declared tool."""
+        if self.mode != "auto" or self.parser is None:
+            return 0
+        if self.parser.bare_json:
+            first = self.parser.partial_calls(text)[:1]
+            if first and first[0].name is not None and first[0].name not in self.names:
+                return len(text)
+        return self.parser.content_len(text)
+
+    def _declared(self, calls: Sequence[ToolCall | PartialCall]) -> int:
+        """How many leading calls name a declared tool (or, partial, no complete name yet)."""
+        for i, call in enumerate(calls):
+            if call.name is not None and call.name not in self.names:
+                return i
+        return len(calls)
 
 
 def _parse_required(text: str) -> ParsedTools:
@@ -273,7 +304,7 @@ def plan_tools(
     if len(schemas) != len(tools):
         raise bad_request("'tools' has two functions with the same name", "tools")
     parallel = parallel_tool_calls is not False
-    common = {"tools": tuple(tools), "parallel": parallel}
+    common = {"tools": tuple(tools), "parallel": parallel, "names": frozenset(schemas)}
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
         return ToolPlan("none", **common)  # type: ignore[arg-type]

@@ -156,6 +156,9 @@ class ToolParser(abc.ABC):
     model output: text that is not a well-formed call stays ``content``."""
 
     name: str
+    # calls are bare JSON, not marked off from text (llama3_json): a JSON answer with a "name"
+    # key reads as a call, so the router keeps only calls that name a declared tool
+    bare_json: bool = False
 
     @abc.abstractmethod
     def extract(self, text: str) -> ParsedTools:
@@ -215,6 +218,7 @@ class HermesParser(ToolParser):
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
+    bare_json = True
     _TAG = "<|python_tag|>"
 
     def extract(self, text: str) -> ParsedTools:
