@@ -190,7 +190,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
          commands=("serve",)),
     _var("KVRELAY_CUDA_GRAPHS", bool, True,
          "a CUDA engine replays decode-only steps as CUDA graphs, one per padded batch size, "
-         "captured on first use (0: every step eager; for comparisons and debugging)",
+         "captured by the warm-up (0: every step eager; for comparisons and debugging)",
          commands=("serve",)),
 )  # fmt: skip
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}
