@@ -182,8 +182,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "a float32 or bfloat16 CPU engine keeps a copy of every projection and the LM head in "
          "oneDNN's blocked layout for steps of more than 8 rows (batched decode, prefill): "
          "1.8-2.8x faster steps there, at a second copy of the weights' memory, private to the "
-         "process. Unset: when that copy fits in a quarter of the memory available; 1: "
-         "always; 0: never", commands=("serve",)),
+         "process. Unset: when that copy fits in a quarter of the memory available, on a "
+         "thread while the engine already serves on the plain weights; 1: always, before the "
+         "engine starts; 0: never", commands=("serve",)),
     _var("KVRELAY_NATIVE_ATTENTION", bool, True,
          "decode tokens attend over the KV pool in kvrelay's own kernel, the native library's "
          "on CPU and Triton's on CUDA (0: torch's gather + SDPA; for comparisons)",

@@ -110,8 +110,10 @@ def test_unset_packs_when_the_copy_fits_in_a_quarter_of_available_memory(
     assert available is not None and available > 0  # read from /proc/meminfo
     with caplog.at_level(logging.INFO, logger="kvrelay.kernels.cpu_packed"):
         engine = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0)
+    assert "packing (in the background) the weights" in caplog.text
+    assert engine.runner.model.wait_packed(timeout=60)  # on a thread: the engine did not wait
     packed = engine.runner.model.packed
-    assert packed and "packing the weights" in caplog.text
+    assert packed
     size = sum(engine.runner.model.weights[n].nbytes for n in packed)
     caplog.clear()
     # the same copy on a host with less than four times its size available: not packed
@@ -120,10 +122,13 @@ def test_unset_packs_when_the_copy_fits_in_a_quarter_of_available_memory(
         engine = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0)
     assert engine.runner.model.packed == {}
     assert f"not packing the weights for oneDNN: the copy is {size / 1e6:.0f} MB" in caplog.text
+    assert engine.runner.model.wait_packed() and engine.runner.model.packed == {}
     monkeypatch.setattr(cpu_packed, "memory_available", lambda: 4 * size)
-    assert LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0).runner.model.packed
+    model = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0).runner.model
+    assert model.wait_packed(timeout=60) and set(model.packed) == set(packed)
     monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "0")
-    assert LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0).runner.model.packed == {}
+    model = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0).runner.model
+    assert model.wait_packed() and model.packed == {}
 
 
 def test_unset_where_it_does_not_apply_packs_nothing_and_does_not_warn(
@@ -133,3 +138,22 @@ def test_unset_where_it_does_not_apply_packs_nothing_and_does_not_warn(
     with caplog.at_level(logging.WARNING, logger="kvrelay.kernels.cpu_packed"):
         engine = LLMEngine.from_args(tiny_model_dir, dtype="float16", num_threads=1, seed=0)
     assert engine.runner.model.packed == {} and "ignored" not in caplog.text
+
+
+@needs_onednn
+def test_steps_run_while_the_weights_are_packed_in_the_background(
+    tiny_model_dir, monkeypatch
+) -> None:
+    """Unset, the engine serves on the plain weights while a thread packs them, then on the
+    packed ones: the same greedy tokens before, during and after; the offline LLM waits."""
+    prompts = [[(n * 37 + t * 11) % 500 + 4 for t in range(8 + n)] for n in range(10)]
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "0")
+    want = greedy_tokens(LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0), prompts, 4)
+    monkeypatch.delenv("KVRELAY_CPU_PACKED_WEIGHTS")
+    engine = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0)
+    assert greedy_tokens(engine, prompts, 4) == want  # whichever weights each step found
+    assert engine.runner.model.wait_packed(timeout=60) and engine.runner.model.packed
+    assert greedy_tokens(engine, prompts, 4) == want
+    from kvrelay import LLM
+
+    assert LLM(tiny_model_dir, num_blocks=64, warm_up=False).engine.runner.model.packed

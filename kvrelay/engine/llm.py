@@ -67,6 +67,9 @@ class LLM:
         )
         if warm_up:
             self.engine.warm_up()
+        # offline use wants every step fast from the first: wait for a background packing of
+        # the CPU weights (kernels.cpu_packed; a serving worker starts without waiting)
+        self.engine.runner.model.wait_packed()
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

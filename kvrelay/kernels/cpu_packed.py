@@ -12,8 +12,10 @@ kernels and the parameter pool keep using), private to the process, and the time
 when the engine starts. It applies to a float32 or bfloat16 model on a CPU whose oneDNN
 computes that dtype; there ``KVRELAY_CPU_PACKED_WEIGHTS`` decides: unset, the engine packs
 when the copy fits in ``AUTO_SHARE`` of the memory available (``MemAvailable``), as vLLM's CPU
-backend packs its weights when it loads them; 1 packs always, 0 never (a parameter-pool
-instance that must start fastest, or a host short of memory).
+backend packs its weights when it loads them, but on a background thread, so the engine starts
+and serves on the plain weights meanwhile (start to first token stays as it was; the packed
+copies are opaque oneDNN tensors, which cannot live in the shared parameter pool); 1 packs
+always, before the engine starts; 0 never (a host short of memory).
 """
 
 from __future__ import annotations
@@ -42,13 +44,14 @@ def supported(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-def wanted(weights: Mapping[str, torch.Tensor], copy_bytes: int) -> bool:
-    """Whether to pack ``weights`` (a copy of ``copy_bytes``): it applies to them, and
-    ``KVRELAY_CPU_PACKED_WEIGHTS`` asks for it or, unset, the copy fits in memory. Logs why
-    not when it was asked for and does not apply, and what unset decided."""
+def plan(weights: Mapping[str, torch.Tensor], copy_bytes: int) -> str | None:
+    """How to pack ``weights`` (a copy of ``copy_bytes``): ``"now"`` when
+    ``KVRELAY_CPU_PACKED_WEIGHTS=1`` asks for it, ``"background"`` when unset and the copy
+    fits in memory, None when not at all (0, or it does not apply, or does not fit). Logs
+    why not when it was asked for and does not apply, and what unset decided."""
     choice = envs.get("KVRELAY_CPU_PACKED_WEIGHTS")
     if choice is False:
-        return False
+        return None
     embed = weights["embed"]
     why = None
     if embed.device.type != "cpu" or embed.dtype not in (torch.float32, torch.bfloat16):
@@ -58,20 +61,20 @@ def wanted(weights: Mapping[str, torch.Tensor], copy_bytes: int) -> bool:
     if why is not None:
         if choice:
             logger.warning("KVRELAY_CPU_PACKED_WEIGHTS ignored: %s", why)
-        return False
+        return None
     if choice:
-        return True
+        return "now"
     available = memory_available()
     fits = available is not None and copy_bytes <= AUTO_SHARE * available
     logger.info(
         "%s the weights for oneDNN: the copy is %.0f MB, %s MB available "
         "(KVRELAY_CPU_PACKED_WEIGHTS unset: packs when it is at most %d%%)",
-        "packing" if fits else "not packing",
+        "packing (in the background)" if fits else "not packing",
         copy_bytes / 1e6,
         "unknown" if available is None else f"{available / 1e6:.0f}",
         round(100 * AUTO_SHARE),
     )
-    return fits
+    return "background" if fits else None
 
 
 def memory_available() -> int | None:

@@ -73,6 +73,7 @@ def measure_profile(
         max_model_len=max_len,
     )
     engine = LLMEngine(config)
+    engine.runner.model.wait_packed()  # time the steps a warmed-up worker runs
     vocab = config.model_config.vocab_size
     prefill_rows = _measure_prefill(engine, vocab, points, repeats, statistic)
     decode_rows = _measure_decode(engine, vocab, batches, contexts, repeats, statistic)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Mapping
 
@@ -119,14 +120,35 @@ class LlamaModel:
         self._kv_size = config.num_kv_heads * config.head_dim
         self._qk_heads = config.num_heads + config.num_kv_heads
         self._fused: FusedDecode | None = None  # built for the first KV pool it can serve
-        # oneDNN-blocked copies of the projections for steps of many rows (opt-in)
+        # oneDNN-blocked copies of the projections for steps of many rows (kernels.cpu_packed):
+        # made now, or on a thread while the engine serves on the plain weights; a step reads
+        # ``self.packed`` once, and the thread replaces the empty dict with the whole set
         names = [f"layers.{i}.{n}" for i in range(config.num_layers)
                  for n in ("qkv", "o", "gate_up", "down")]  # fmt: skip
         names.append("lm_head" if "lm_head" in weights else "embed")  # tied: the embedding
         size = sum(weights[n].numel() * weights[n].element_size() for n in names)
-        self.packed: dict[str, torch.Tensor] = (
-            self._pack(names) if cpu_packed.wanted(weights, size) else {}
-        )
+        how = cpu_packed.plan(weights, size)
+        self.packed: dict[str, torch.Tensor] = self._pack(names) if how == "now" else {}
+        self._packer: threading.Thread | None = None
+        if how == "background":
+            self._packer = threading.Thread(
+                target=self._pack_in_background, args=(names,), name="kvrelay-pack", daemon=True
+            )
+            self._packer.start()
+
+    def wait_packed(self, timeout: float | None = None) -> bool:
+        """Waits for a background packing (benchmarks, tests); True once none is running."""
+        if self._packer is not None:
+            self._packer.join(timeout)
+        return self._packer is None or not self._packer.is_alive()
+
+    def _pack_in_background(self, names: list[str]) -> None:
+        try:
+            packed = self._pack(names)
+        except Exception:  # the plain weights keep serving
+            logger.exception("packing the weights for oneDNN failed; steps use the plain ones")
+            return
+        self.packed = packed
 
     def _pack(self, names: list[str]) -> dict[str, torch.Tensor]:
         started = time.perf_counter()
