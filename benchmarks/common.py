@@ -19,7 +19,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
@@ -338,3 +338,52 @@ def measure_memory_bandwidth(
 def fmt(value: float, digits: int = 1) -> str:
     """A number with thousands separators and ``digits`` decimals."""
     return f"{value:,.{digits}f}"
+
+
+def up_first_token_s(
+    tree: Path,
+    model_dir: Path,
+    log_dir: Path,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> float:
+    """Seconds from starting ``kvrelay up`` (the code of ``tree``) to an answered 1-token
+    completion; the cluster is stopped (SIGINT, then SIGKILL after 60 s) before returning."""
+    import signal
+    import subprocess
+    import urllib.error
+    import urllib.request
+
+    from kvrelay.cli.launcher import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvrelay", "up", "--model", str(model_dir), "--port", str(port),
+           "--log-dir", str(log_dir), *args]  # fmt: skip
+    body = json.dumps({"model": model_dir.name, "prompt": "Hello", "max_tokens": 1}).encode()
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {}), "PYTHONPATH": str(tree)},
+                            cwd=tree, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        while time.perf_counter() - start < 300:
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvrelay up exited {proc.returncode}; logs: {log_dir}")
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/completions", body,
+                {"Content-Type": "application/json"},
+            )  # fmt: skip
+            try:
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    if resp.status == 200:
+                        return time.perf_counter() - start
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"no first token in 300 s; logs: {log_dir}")
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -16,16 +16,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -37,11 +32,10 @@ from common import (
     machine_markdown,
     markdown_table,
     median,
+    up_first_token_s,
     update_benchmarks_md,
 )
 from scale_up_setup import evict_page_cache
-
-from kvrelay.cli.launcher import free_port
 
 SMOLLM = Path("/work/cache/models/smollm2-hf")
 NOTES = (
@@ -119,37 +113,8 @@ def measure_identity(model_dir: Path, repeats: int) -> dict[str, float]:
 
 def _first_token_s(tree: Path, model_dir: Path, cache: Path, log_dir: Path) -> float:
     """Seconds from starting ``kvrelay up`` (code of ``tree``) to a 1-token completion."""
-    port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(tree), "KVRELAY_CACHE_DIR": str(cache)}
-    cmd = [sys.executable, "-m", "kvrelay", "up", "--model", str(model_dir), "--port", str(port),
-           "--threads", "1", "--num-blocks", "256", "--log-dir", str(log_dir)]  # fmt: skip
-    body = json.dumps({"model": model_dir.name, "prompt": "Hello", "max_tokens": 1}).encode()
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=tree, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        while time.perf_counter() - start < 300:
-            if proc.poll() is not None:
-                raise RuntimeError(f"kvrelay up exited {proc.returncode}; logs: {log_dir}")
-            req = urllib.request.Request(
-                f"http://127.0.0.1:{port}/v1/completions", body,
-                {"Content-Type": "application/json"},
-            )  # fmt: skip
-            try:
-                with urllib.request.urlopen(req, timeout=30) as resp:
-                    if resp.status == 200:
-                        return time.perf_counter() - start
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"no first token in 300 s; logs: {log_dir}")
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    args = ["--threads", "1", "--num-blocks", "256"]
+    return up_first_token_s(tree, model_dir, log_dir, args, {"KVRELAY_CACHE_DIR": str(cache)})
 
 
 def measure_up(base: Path, model_dir: Path, repeats: int, work: Path) -> dict[str, float]:

@@ -181,3 +181,18 @@ def test_gpu_decode_renders_its_tables() -> None:
     body = gpu_decode.render(data)
     assert "| SmolLM2-135M | 1 | 512 | 50.0 | 20.0 | 2.50x | 10 | 16 | 1.0e-03 |" in body
     assert "| 8 | 12.00 | 1.00x | 10.00 | 1.20x | 4.00 | 3.00x | 2000 |" in body
+
+
+@pytest.mark.timeout(240)
+def test_start_time_benchmark_starts_a_cluster_and_answers(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/start_time.py on this tree, one timed start (a smoke test, not a timing):
+    kvrelay up comes up, answers a 1-token completion, and is stopped."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "start_time.py"), "--model",
+        str(tiny_model_dir), "--trees", str(REPO_ROOT), "--labels", "tree", "--repeats", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    pattern = r"^\| tree \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| 1\.00x \|$"
+    row = re.search(pattern, proc.stdout, re.M)
+    assert row is not None and float(row.group(1)) > 0, proc.stdout
