@@ -60,8 +60,8 @@ def main() -> int:
     ]
     table = markdown_table(["tree", "median s", "min s", "max s", f"vs {labels[0]}"], rows)
     body = (
-        f"Machine: {machine_markdown(machine_info((os.cpu_count() or 2) // 2))} (per worker)."
-        "\n\n"
+        f"{machine_markdown(machine_info((os.cpu_count() or 2) // 2))} (threads: each "
+        "worker's).\n\n"
         f"Launch of `kvrelay up --model {args.model.name}` (router, 1 prefill and 1 decode "
         "worker, default options) to an answered 1-token completion; the trees in turns, "
         f"{args.repeats} starts each after one unmeasured start per tree.\n\n{table}\n"
