@@ -16,9 +16,13 @@ import logging
 import os
 import platform
 import shlex
+import signal
 import statistics
+import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
@@ -349,11 +353,6 @@ def up_first_token_s(
 ) -> float:
     """Seconds from starting ``kvrelay up`` (the code of ``tree``) to an answered 1-token
     completion; the cluster is stopped (SIGINT, then SIGKILL after 60 s) before returning."""
-    import signal
-    import subprocess
-    import urllib.error
-    import urllib.request
-
     from kvrelay.cli.launcher import free_port
 
     port = free_port()

@@ -234,7 +234,8 @@ def paged_attention(
         meta: the step's segments and decode groups.
         scale: softmax scale, usually ``head_dim ** -0.5``.
     """
-    on_gpu = meta.native_decode is not None and kv.device.type != "cpu"
+    native = meta.native_decode
+    on_gpu = native is not None and kv.device.type != "cpu"
     if on_gpu:  # Triton's store: one launch, and skips the padding rows of a CUDA graph
         triton_attention.store_kv(kv, k, v, meta.slot_mapping)
     else:
@@ -256,11 +257,10 @@ def paged_attention(
         out[rows] = _sdpa(q[rows].unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0), seg.mask, scale)[
             0
         ]
-    if on_gpu:
-        assert meta.native_decode is not None
-        triton_attention.decode(q, kv, meta.native_decode, meta.window, scale, out)
-    elif meta.native_decode is not None:
-        cpu_attention.decode(q.contiguous(), kv, meta.native_decode, meta.window, scale, out)
+    if native is not None and on_gpu:
+        triton_attention.decode(q, kv, native, meta.window, scale, out)
+    elif native is not None:
+        cpu_attention.decode(q.contiguous(), kv, native, meta.window, scale, out)
     q_per_kv = q.shape[1] // num_kv_heads
     for group in meta.decode:
         n = group.q_index.numel()

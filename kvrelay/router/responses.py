@@ -353,7 +353,7 @@ class ChatBuilder(ResponseBuilder):
     Streaming with tools: a ``named`` choice streams its arguments as they come; ``auto`` and
     ``required`` stream the text that cannot be part of a call (``ToolParser.content_len``;
     none for ``required``), and each call as the model writes it: its id and name once the
-    name is complete, then its arguments' raw JSON text as it grows (``partial_calls``).
+    name is complete, then its arguments' raw JSON text as it grows (``ToolPlan.streamed``).
     """
 
     object_name = "chat.completion"
@@ -432,11 +432,10 @@ class ChatBuilder(ResponseBuilder):
         complete, then its arguments as they grow; at the end, what is left."""
         text = "".join(choice.text)
         final = self.tools.extract(text).calls if finished else []
-        parts = self._call_parts(choice, self.tools.partial_calls(text), final)
+        partial, ready = self.tools.streamed(text)
+        parts = self._call_parts(choice, partial, final)
         if finished and not choice.calls_sent:
             ready = len(text)  # no call after all: the rest is content
-        else:
-            ready = self.tools.content_len(text)  # 0 for "required": all of it is the calls
         content = text[choice.num_sent_chars : ready]
         choice.num_sent_chars = max(choice.num_sent_chars, ready)
         body: dict[str, Any] = {"content": content} if content else {}

@@ -184,7 +184,7 @@ class ToolPlan:
 
         A parser whose calls are bare JSON (``llama3_json``) keeps the calls up to the first
         that names no declared tool; when that is the first, the text is a JSON answer, not a
-        call, and all of it is content (streaming decides the same way, ``partial_calls``)."""
+        call, and all of it is content (streaming decides the same way, ``streamed``)."""
         if self.mode == "named":
             return ParsedTools(None, [ToolCall(self.name, text)])
         if self.mode == "required":
@@ -201,28 +201,23 @@ class ToolPlan:
             return found
         return ParsedTools(text, [])
 
-    def partial_calls(self, text: str) -> list[PartialCall]:
-        """The calls of a choice's partial text so far (streaming ``auto`` and ``required``)."""
+    def streamed(self, text: str) -> tuple[list[PartialCall], int]:
+        """For streaming ``auto`` and ``required``, from one scan of a choice's partial text:
+        its calls so far, and how many leading characters are content for certain (0 for
+        ``required``: all of it is the calls; all of it once a bare-JSON first call names no
+        declared tool)."""
         if self.mode == "required":
-            found = _required_partial(text)
+            found, ready = _required_partial(text), 0
         elif self.mode == "auto" and self.parser is not None:
-            found = self.parser.partial_calls(text)
+            found, ready = self.parser.partial_calls(text), self.parser.content_len(text)
             if self.parser.bare_json:
-                found = found[: self._declared(found)]
+                kept = self._declared(found)
+                if kept == 0 and found:  # the first call names an undeclared function
+                    ready = len(text)
+                found = found[:kept]
         else:
-            return []
-        return found if self.parallel else found[:1]
-
-    def content_len(self, text: str) -> int:
-        """How many leading characters of a choice's partial text are content for certain
-        (streaming ``auto``); all of it once a bare-JSON first call names no declared tool."""
-        if self.mode != "auto" or self.parser is None:
-            return 0
-        if self.parser.bare_json:
-            first = self.parser.partial_calls(text)[:1]
-            if first and first[0].name is not None and first[0].name not in self.names:
-                return len(text)
-        return self.parser.content_len(text)
+            return [], 0
+        return (found if self.parallel else found[:1]), ready
 
     def _declared(self, calls: Sequence[ToolCall | PartialCall]) -> int:
         """How many leading calls name a declared tool (or, partial, no complete name yet)."""

@@ -128,12 +128,13 @@ class LlamaModel:
         names.append("lm_head" if "lm_head" in weights else "embed")  # tied: the embedding
         size = sum(weights[n].numel() * weights[n].element_size() for n in names)
         how = cpu_packed.plan(weights, size)
-        self.packed: dict[str, torch.Tensor] = self._pack(names) if how == "now" else {}
+        self.packed: dict[str, torch.Tensor] = self._pack(names, size) if how == "now" else {}
         self._packer: threading.Thread | None = None
         if how == "background":
             self._packer = threading.Thread(
-                target=self._pack_in_background, args=(names,), name="kvrelay-pack", daemon=True
-            )
+                target=self._pack_in_background, args=(names, size), name="kvrelay-pack",
+                daemon=True,
+            )  # fmt: skip
             self._packer.start()
 
     def wait_packed(self, timeout: float | None = None) -> bool:
@@ -142,19 +143,19 @@ class LlamaModel:
             self._packer.join(timeout)
         return self._packer is None or not self._packer.is_alive()
 
-    def _pack_in_background(self, names: list[str]) -> None:
+    def _pack_in_background(self, names: list[str], size: int) -> None:
         try:
-            packed = self._pack(names)
+            packed = self._pack(names, size)
         except Exception:  # the plain weights keep serving
             logger.exception("packing the weights for oneDNN failed; steps use the plain ones")
             return
         self.packed = packed
 
-    def _pack(self, names: list[str]) -> dict[str, torch.Tensor]:
+    def _pack(self, names: list[str], size: int) -> dict[str, torch.Tensor]:
+        """Packed copies of ``names`` (``size`` bytes in all, for the log)."""
         started = time.perf_counter()
         # stored [in, out], but a tied embedding [vocab, hidden]
         packed = {n: cpu_packed.pack(self.weights[n], transposed=n != "embed") for n in names}
-        size = sum(self.weights[n].numel() * self.weights[n].element_size() for n in packed)
         logger.info("packed %d weights for oneDNN in %.2f s: %.0f MB beside the plain ones",
                     len(packed), time.perf_counter() - started, size / 1e6)  # fmt: skip
         return packed
