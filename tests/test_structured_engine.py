@@ -276,3 +276,54 @@ def test_grammar_tables_from_tokenizer_json_equal_autotokenizers(model_dir, tmp_
     (other / "tokenizer.json").unlink()
     with pytest.raises((OSError, ValueError)):  # no tokenizer at all: AutoTokenizer's error
         _hf_tokenizer(str(other))
+
+
+def test_tables_built_in_the_background_are_built_once(model_dir, monkeypatch):
+    """A worker builds the grammar tables on a thread after it registers; a structured request
+    that comes meanwhile waits for that build (the cache's lock) instead of starting another,
+    and then compiles its grammar on them."""
+    import threading
+    import time
+
+    from kvrelay.engine import structured
+
+    built: list[str] = []
+    release = threading.Event()
+    real = structured._hf_tokenizer
+
+    def slow_tokenizer(path):
+        built.append(threading.current_thread().name)
+        release.wait(30)  # the request below arrives while the tables are being built
+        return real(path)
+
+    monkeypatch.setattr(structured, "_hf_tokenizer", slow_tokenizer)
+    cache = structured.GrammarCache(model_dir, vocab_size=256, stop_token_ids=[0])
+    thread = cache.warm_up_in_background()
+    for _ in range(3000):  # the build has begun (holds the lock) before the request comes
+        if built:
+            break
+        time.sleep(0.01)
+    compiled: list[object] = []
+    request = threading.Thread(
+        target=lambda: compiled.append(cache.compile(_json({"type": "integer"})))
+    )
+    request.start()
+    assert thread.is_alive() and request.is_alive() and not compiled
+    release.set()
+    thread.join(30)
+    request.join(30)
+    assert built == ["grammar-warm-up"]  # once, on the background thread
+    assert len(compiled) == 1 and cache.num_compiled == 1
+
+
+def test_a_failed_background_build_is_logged_and_raised_by_the_request(tmp_path, caplog):
+    """Without a tokenizer the background build logs its failure and the worker goes on; the
+    structured request that needs the tables gets the error itself."""
+    from kvrelay.engine.structured import GrammarCache
+
+    cache = GrammarCache(tmp_path, vocab_size=256, stop_token_ids=[0])
+    with caplog.at_level("ERROR", logger="kvrelay.engine.structured"):
+        cache.warm_up_in_background().join(60)
+    assert "grammar compiler's tokenizer tables failed" in caplog.text
+    with pytest.raises((OSError, ValueError)):
+        cache.compile(_json({"type": "integer"}))

@@ -360,15 +360,13 @@ class LLMEngine:
         """Runs throwaway requests through every kind of step before the engine serves, and
         returns the seconds it took.
 
-        The first steps of a fresh process pay one-time costs: MKL / oneDNN set up kernels for
-        each new shape, torch's allocator grows, the native library starts its thread pool.
+        The first steps of a fresh process pay one-time costs: Triton compiles its kernels,
+        cuBLAS and torch's allocator set up, MKL / oneDNN build kernels for each new shape.
         On a GPU it then captures the CUDA graph of every decode batch size
-        (``DecodeGraphs.capture_all``). Without this the first requests a new worker serves
-        are several times slower (a
-        fresh kvrelay's first benchmark run: TTFT p50 446 ms against 130 ms after). A longer
-        first prompt buys little: warmed with 512 tokens instead of 128, a 1P+1D ``kvrelay
-        up`` on 2 vCPUs was ready 1.2 s later (6.0-6.4 against 4.9-5.3 s) for a first
-        250-token request 80-130 ms faster, later ones level. One prompt
+        (``DecodeGraphs.capture_all``). Serving workers run it on GPUs only: on CPUs, with
+        packed weights and the native kernels, a fresh 1P+1D ``kvrelay up`` served its first
+        requests as fast without it and was ready 1.1 s sooner (it once made a fresh
+        kvrelay's first benchmark run 3x faster: TTFT p50 446 ms against 130 ms). One prompt
         of ``prompt_len`` tokens (capped by the context and the step budget) and ``batch - 1``
         short ones, a few greedy tokens each: a long prefill, a batched prefill, batched
         decode steps and then, the long one alone, lone decode steps. Nothing remains: the

@@ -18,6 +18,7 @@ xgrammar imports torch and transformers, so only the engine imports this module,
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -27,6 +28,8 @@ from typing import Any
 import torch
 
 from kvrelay.protocol.sampling_params import StructuredOutput
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept per engine
 
@@ -74,10 +77,26 @@ class GrammarCache:
         self.num_compiled = 0  # compilations (cache misses), for tests and metrics
 
     def warm_up(self) -> None:
-        """Imports xgrammar and builds the tokenizer's tables now (seconds), so the first
-        structured request does not stall a worker's loop (and its heartbeats) for that."""
+        """Imports xgrammar and builds the tokenizer's tables now (about 1 s), so the first
+        structured request does not stall the caller's loop for that."""
         with self._lock:
             self._get_compiler()
+
+    def warm_up_in_background(self) -> threading.Thread:
+        """``warm_up`` on a daemon thread: a worker serves meanwhile, and a structured
+        request that comes before it is done waits for it (the lock) instead of building the
+        tables a second time. A failure is logged; the first structured request then raises
+        it as its own error."""
+
+        def build() -> None:
+            try:
+                self.warm_up()
+            except Exception:  # the request that needs the tables reports it again
+                logger.exception("building the grammar compiler's tokenizer tables failed")
+
+        thread = threading.Thread(target=build, name="grammar-warm-up", daemon=True)
+        thread.start()
+        return thread
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar of ``spec``; raises GrammarError naming the request field."""

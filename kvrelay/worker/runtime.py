@@ -107,9 +107,9 @@ class Worker:
             tiers=self.tiers,
             weights=None if self.param_pool is None else pool_weights(self.param_pool, self.device),
         )
-        self.engine.grammars.warm_up()  # before registering: heartbeats must not stall on it
-        warm = self.engine.warm_up()  # so that the first requests routed here are not slow
-        logger.info("%s: engine warmed up in %.2f s", config.instance_id, warm)
+        if self.device.type == "cuda":  # Triton's JIT and every CUDA graph, before serving
+            warm = self.engine.warm_up()
+            logger.info("%s: engine warmed up in %.2f s", config.instance_id, warm)
         self.layout = self._layout()
         self.routers = RouterLinks(
             self.ctx, config.instance_id, config.router_addr, config.heartbeat_interval,
@@ -240,6 +240,8 @@ class Worker:
         signal.signal(signal.SIGTERM, lambda *_: self.on_sigterm())
         self.status.start()
         self.register()
+        # the grammar compiler's tables (about 1 s) build while the worker already serves
+        self.engine.grammars.warm_up_in_background()
         logger.info(
             "%s ready: peer %s, status %s, kv %s",
             self.instance_id,
