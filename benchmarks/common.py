@@ -350,9 +350,11 @@ def up_first_token_s(
     log_dir: Path,
     args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    then: Callable[[str], None] | None = None,
 ) -> float:
     """Seconds from starting ``kvrelay up`` (the code of ``tree``) to an answered 1-token
-    completion; the cluster is stopped (SIGINT, then SIGKILL after 60 s) before returning."""
+    completion; ``then(url)`` runs next, on the cluster as that answer left it; the cluster
+    is stopped (SIGINT, then SIGKILL after 60 s) before returning."""
     from kvrelay.cli.launcher import free_port
 
     port = free_port()
@@ -373,10 +375,13 @@ def up_first_token_s(
             )  # fmt: skip
             try:
                 with urllib.request.urlopen(req, timeout=30) as resp:
-                    if resp.status == 200:
-                        return time.perf_counter() - start
+                    ready = time.perf_counter() - start if resp.status == 200 else None
             except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+                ready = None
+            if ready is not None:
+                if then is not None:
+                    then(f"http://127.0.0.1:{port}")
+                return ready
             time.sleep(0.05)
         raise RuntimeError(f"no first token in 300 s; logs: {log_dir}")
     finally:

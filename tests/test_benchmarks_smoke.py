@@ -186,13 +186,18 @@ def test_gpu_decode_renders_its_tables() -> None:
 @pytest.mark.timeout(240)
 def test_start_time_benchmark_starts_a_cluster_and_answers(tiny_model_dir, tmp_path: Path) -> None:
     """benchmarks/start_time.py on this tree, one timed start (a smoke test, not a timing):
-    kvrelay up comes up, answers a 1-token completion, and is stopped."""
+    kvrelay up comes up, answers a 1-token completion, serves --bench-requests on the fresh
+    cluster, and is stopped."""
     cmd = [
         sys.executable, str(REPO_ROOT / "benchmarks" / "start_time.py"), "--model",
         str(tiny_model_dir), "--trees", str(REPO_ROOT), "--labels", "tree", "--repeats", "1",
+        "--bench-requests", "3",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    pattern = r"^\| tree \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| 1\.00x \|$"
+    number = r"([\d.]+)"
+    cells = [number] * 3 + [r"1\.00x"] + [number] * 3
+    pattern = r"^\| tree \| " + r" \| ".join(cells) + r" \|$"
     row = re.search(pattern, proc.stdout, re.M)
     assert row is not None and float(row.group(1)) > 0, proc.stdout
+    assert float(row.group(4)) > 0 and float(row.group(6)) > 0  # first TTFT, TPOT p50
