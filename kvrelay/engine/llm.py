@@ -46,8 +46,9 @@ class LLM:
         seed: seed for requests that do not set their own.
         skip_tokenizer_init: run without a tokenizer (token-id prompts only, no text).
         warm_up: run throwaway requests through every kind of step before returning
-            (``LLMEngine.warm_up``, as a serving worker on a GPU does), so that the first ``generate``
-            does not pay one-time kernel and allocator set-up; nothing of them remains.
+            (``LLMEngine.warm_up``, as a serving worker on a GPU does), so that the first
+            ``generate`` does not pay one-time kernel and allocator set-up; nothing of them
+            remains.
         **engine_args: ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``,
             ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
             ``max_model_len``, ``num_threads``.
