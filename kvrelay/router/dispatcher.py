@@ -77,6 +77,7 @@ from kvrelay.transport.curve import SocketSecurity
 logger = logging.getLogger(__name__)
 
 _NUM_LATENCY_SAMPLES = 4096  # finished requests kept for windowed SLO attainment
+_PRUNE_INTERVAL_S = 1.0  # how often the connections of instances gone are looked at
 
 
 class LatencySample(NamedTuple):
@@ -151,8 +152,10 @@ class Dispatcher(Backend):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._tracked: dict[str, _Tracked] = {}
         # instance id -> the connection it last registered from (its Aborts reach it even
-        # after the router declared it dead: a paused process finds them when it resumes)
+        # after the router declared it dead: a paused process finds them when it resumes);
+        # a dead one's is dropped once no request in flight watches it (_prune_connections)
         self._connections: dict[str, bytes] = {}
+        self._last_prune = 0.0
         self.admission = Admission(
             settings.max_inflight, settings.max_queue_time, settings.retry_after
         )
@@ -512,6 +515,9 @@ class Dispatcher(Backend):
                 self.metrics.loop_stalls.inc()
                 continue  # let the receive loop catch up before judging
             dead = {inst.instance_id for inst in self.registry.reap()}
+            if now - self._last_prune >= _PRUNE_INTERVAL_S:
+                self._last_prune = now
+                self._prune_connections()
             if not dead:
                 continue
             for instance_id in dead:
@@ -520,6 +526,19 @@ class Dispatcher(Backend):
             for tr in list(self._tracked.values()):
                 if not tr.done and tr.watch & dead:
                     self._retry(tr, dead)
+
+    def _prune_connections(self) -> int:
+        """Forgets the connections of instances that left the registry and that no request
+        in flight watches (a late Abort has nothing left to stop there); returns how many.
+        Without this an autoscaled fleet's router kept one entry per instance ever seen."""
+        gone = [i for i in self._connections if self.registry.get(i) is None]
+        if not gone:
+            return 0
+        watched = set().union(*(tr.watch for tr in self._tracked.values() if not tr.done))
+        dropped = [i for i in gone if i not in watched]
+        for instance_id in dropped:
+            del self._connections[instance_id]
+        return len(dropped)
 
     def _retry(self, tr: _Tracked, dead: set[str]) -> None:
         # the dead too: one that was only paused finds the Abort when it resumes
