@@ -41,3 +41,53 @@ def test_workers_get_the_split_unless_threads_is_given() -> None:
     given = RecordingLauncher(ClusterSpec(model="m", worker_args=("--threads", "2")))
     given.add_worker("decode")
     assert threads_flag(given.spawned[0]) == ["2"]
+
+
+def test_role_threads_override_the_split_and_threads() -> None:
+    """``kvrelay up --prefill-threads/--decode-threads``: a role's own count wins over
+    ``--threads`` and the split; the other role keeps those; a worker's own flag wins over all."""
+    spec = ClusterSpec(model="m", worker_args=("--threads", "1"), role_threads={"prefill": 2})
+    launcher = RecordingLauncher(spec)
+    launcher.add_worker("prefill")
+    launcher.add_worker("decode")
+    launcher.add_worker("prefill", ["--threads", "4"])
+    kept = [threads_flag(args)[-1] for args in launcher.spawned]  # argparse keeps the last
+    assert kept == ["2", "1", "4"]
+    split = RecordingLauncher(ClusterSpec(model="m", role_threads={"decode": 3}))
+    split.add_worker("prefill")
+    split.add_worker("decode")
+    assert [threads_flag(a)[-1] for a in split.spawned] == [str(split.threads_per_worker), "3"]
+
+
+def test_role_threads_must_be_positive_and_of_a_role() -> None:
+    import pytest
+
+    for bad in ({"prefill": 0}, {"router": 2}):
+        with pytest.raises(ValueError, match="threads of role"):
+            ClusterSpec(model="m", role_threads=bad)
+
+
+def test_up_takes_role_threads_for_p_d_and_refuses_them_colocated(tiny_model_dir) -> None:
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "kvrelay", "up", "--model", str(tiny_model_dir)]
+    refused = subprocess.run([*cmd, "--colocated", "1", "--prefill-threads", "2"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert refused.returncode != 0
+    assert "--prefill-threads and --decode-threads are for P/D workers" in refused.stderr
+    helped = subprocess.run([*cmd[:4], "--help"], capture_output=True, text=True, timeout=120)
+    assert "--prefill-threads" in helped.stdout and "--decode-threads" in helped.stdout
+
+
+def test_up_passes_role_threads_into_the_cluster_spec(tiny_model_dir, monkeypatch) -> None:
+    import os
+
+    from kvrelay.cli import launcher, main
+
+    monkeypatch.setenv("KVRELAY_CACHE_DIR", os.environ.get("KVRELAY_CACHE_DIR", ""))
+    specs: list[ClusterSpec] = []
+    monkeypatch.setattr(launcher, "run_up", lambda spec, timeout: specs.append(spec) or 0)
+    assert main(["up", "--model", str(tiny_model_dir), "--prefill-threads", "2"]) == 0
+    assert main(["up", "--model", str(tiny_model_dir), "--decode-threads", "3"]) == 0
+    assert [dict(s.role_threads) for s in specs] == [{"prefill": 2}, {"decode": 3}]

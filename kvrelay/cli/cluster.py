@@ -28,6 +28,14 @@ def add_cluster_parsers(sub: Any) -> None:
     up.add_argument(
         "--colocated", type=int, default=0, help="colocated workers (no hand-off) instead"
     )
+    for role in ("prefill", "decode"):
+        up.add_argument(
+            f"--{role}-threads",
+            type=int,
+            default=None,
+            help=f"CPU threads of each {role} worker (default: --threads, else the CPUs split "
+            "between the workers)",
+        )
     up.add_argument("--host", default="127.0.0.1", help="bind address of every process")
     up.add_argument("--port", type=int, default=8000, help="router HTTP port (0: any free)")
     up.add_argument("--transport", default="auto", choices=["auto", "shm", "tcp"])
@@ -259,6 +267,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     router_args = ["--max-model-len", str(args.max_model_len)] if args.max_model_len else []
     router_args += chat_router_args(args)
     cluster_id = args.cluster_id or ""
+    if args.colocated and (args.prefill_threads or args.decode_threads):
+        raise ValueError("--prefill-threads and --decode-threads are for P/D workers; "
+                         "--threads sets a colocated worker's")  # fmt: skip
     if args.autoscale:
         if args.colocated:
             raise ValueError("--autoscale scales prefill and decode workers, not --colocated")
@@ -282,6 +293,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
         credential=credential or ClusterCredential.generate(),
         admin_token=args.admin_token or envs.get("KVRELAY_ADMIN_TOKEN"),
+        role_threads={
+            role: threads
+            for role, threads in (
+                ("prefill", args.prefill_threads),
+                ("decode", args.decode_threads),
+            )
+            if threads is not None
+        },
     )
     return run_up(spec, args.timeout)
 

@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -85,6 +85,8 @@ class ClusterSpec:
     credential: ClusterCredential | None = None  # the cluster secret; None: a new one
     insecure_no_auth: bool = False  # no secret at all: every process runs --insecure-no-auth
     admin_token: str | None = None  # the router's /admin/* token (in its environment)
+    # role -> --threads of that role's workers, over --threads in worker_args and the split
+    role_threads: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_routers < 1:
@@ -96,6 +98,9 @@ class ClusterSpec:
             raise ValueError("a credential and insecure_no_auth: choose one")
         if not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1):
             raise ValueError("need at least one prefill and one decode worker, or colocated ones")
+        for role, threads in self.role_threads.items():
+            if role not in ROLES or threads < 1:
+                raise ValueError(f"threads of role {role!r} must be >= 1, got {threads!r}")
 
 
 @dataclasses.dataclass
@@ -184,12 +189,16 @@ class Launcher:
             defaults += ["--host-pool", self.host_pool_name]  # removed with the cluster at stop
         if "--threads" not in given:
             defaults += ["--threads", str(self.threads_per_worker)]
+        role_threads = []  # after worker_args: the last --threads is the one argparse keeps
+        if role in self.spec.role_threads and "--threads" not in extra_args:
+            role_threads = ["--threads", str(self.spec.role_threads[role])]
         args = [
             "--cluster-id", self.cluster_id,
             "--instance-id", name,
             "--transport", self.spec.transport,
             *defaults,
             *self.spec.worker_args,
+            *role_threads,
             *extra_args,
         ]  # fmt: skip
         self._spawn(name, role, args)
