@@ -1,4 +1,4 @@
-"""``kvrelay up`` splits the CPUs between the workers it starts unless ``--threads`` is given."""
+"""``kvrelay up`` splits the CPUs between the workers of a role unless ``--threads`` is given."""
 
 from __future__ import annotations
 
@@ -7,12 +7,15 @@ from collections.abc import Sequence
 from kvrelay.cli.launcher import ClusterSpec, Launcher, worker_threads
 
 
-def test_worker_threads_split_the_cpus() -> None:
-    assert worker_threads(ClusterSpec(model="m"), num_cpus=2) == 1  # 1P+1D on 2 cores
-    assert worker_threads(ClusterSpec(model="m"), num_cpus=8) == 4
+def test_worker_threads_split_the_cpus_within_a_role() -> None:
+    assert worker_threads(ClusterSpec(model="m"), num_cpus=2) == 2  # 1P+1D: each may use both
+    assert worker_threads(ClusterSpec(model="m"), num_cpus=8) == 8
+    assert worker_threads(ClusterSpec(model="m", num_prefill=2, num_decode=1), num_cpus=8) == 4
+    assert worker_threads(ClusterSpec(model="m", num_prefill=2, num_decode=3), num_cpus=2) == 1
     colocated = ClusterSpec(model="m", num_prefill=0, num_decode=0, num_colocated=1)
     assert worker_threads(colocated, num_cpus=2) == 2
-    assert worker_threads(ClusterSpec(model="m", num_prefill=2, num_decode=3), num_cpus=2) == 1
+    two = ClusterSpec(model="m", num_prefill=0, num_decode=0, num_colocated=2)
+    assert worker_threads(two, num_cpus=8) == 4  # colocated workers are all busy at once
 
 
 class RecordingLauncher(Launcher):

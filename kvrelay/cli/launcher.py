@@ -112,17 +112,23 @@ class Proc:
 
 
 def worker_threads(spec: ClusterSpec, num_cpus: int) -> int:
-    """torch threads per worker when ``--threads`` is not given: the CPUs split between all
-    the workers ``spec`` starts. Before OpenMP's passive wait (``envs.use_passive_openmp_wait``)
-    two 2-thread pools on 2 cores spun at each other's barriers (a decode-attention call 33 ms
-    against 0.4). With it, 1P+1D on 2 vCPUs with 2 threads each served better once running
-    (a production trace: TTFT p50 0.92-0.98 against 1.17-1.22 s, TPOT p50 30-31 against 38-39
-    ms; saturation level) but worse right after a start, while both workers still pack weights
-    and build grammar tables on their background threads (the first request's TTFT 1.8-2.0 s
-    against 0.6-0.7 s; BENCHMARKS.md "1P+1D threads: ..."), so the split stays and
-    ``--prefill-threads`` / ``--decode-threads`` give a role more."""
-    num_workers = spec.num_prefill + spec.num_decode + spec.num_colocated
-    return max(1, num_cpus // max(1, num_workers))
+    """torch threads per worker when ``--threads`` is not given: the CPUs split between the
+    workers of one role (colocated workers: between all of them). Workers of one role are
+    busy at the same times and would only take cores from each other; a prefill and a decode
+    worker mostly are not (a prompt's prefill, then its decode), so each role may use every
+    core the other leaves idle. With OpenMP's passive wait (``envs.use_passive_openmp_wait``)
+    a thread that finds its core taken sleeps instead of spinning at a barrier, which made the
+    overlap cheap: 1P+1D on 2 vCPUs with 2 threads each against 1 each served a production
+    trace with TTFT p50 0.92-0.98 against 1.17-1.22 s and TPOT p50 30-31 against 38-39 ms,
+    32 prompts at once at 78.9 / 82.7 against 78.3 / 73.0 tok/s, and the first request after
+    a start as fast (BENCHMARKS.md "1P+1D threads: ..."). Before that wait policy, two
+    2-thread pools on 2 cores spun at each other's barriers (a decode-attention call 33 ms
+    against 0.4)."""
+    if spec.num_colocated:
+        per_core = spec.num_prefill + spec.num_decode + spec.num_colocated
+    else:
+        per_core = max(spec.num_prefill, spec.num_decode)
+    return max(1, num_cpus // max(1, per_core))
 
 
 def available_cpus() -> int:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvrelay.engine import background
 from kvrelay.protocol.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class GrammarCache:
         it as its own error."""
 
         def build() -> None:
+            background.lower_priority()  # the first requests' steps come first
             try:
                 self.warm_up()
             except Exception:  # the request that needs the tables reports it again

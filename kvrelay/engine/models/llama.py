@@ -33,6 +33,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from kvrelay.engine import background
 from kvrelay.engine.config import ModelConfig, RopeConfig
 from kvrelay.kernels import cpu_packed, cpu_rows, gemv
 from kvrelay.kernels.attention import AttentionMetadata, paged_attention
@@ -144,6 +145,7 @@ class LlamaModel:
         return self._packer is None or not self._packer.is_alive()
 
     def _pack_in_background(self, names: list[str], size: int) -> None:
+        background.lower_priority()  # the first requests' steps come first
         try:
             packed = self._pack(names, size)
         except Exception:  # the plain weights keep serving
