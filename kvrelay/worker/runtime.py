@@ -240,8 +240,6 @@ class Worker:
         signal.signal(signal.SIGTERM, lambda *_: self.on_sigterm())
         self.status.start()
         self.register()
-        # the grammar compiler's tables (about 1 s) build while the worker already serves
-        self.engine.grammars.warm_up_in_background()
         logger.info(
             "%s ready: peer %s, status %s, kv %s",
             self.instance_id,
@@ -249,6 +247,9 @@ class Worker:
             self.info.status_url,
             "cuda-ipc" if self.device.type == "cuda" else self._kv_segment or "private",
         )
+        # the grammar compiler's tables (about 1 s) build while the worker already serves;
+        # after the log line, which its import (holding the GIL) would otherwise delay
+        self.engine.grammars.warm_up_in_background()
         self.routers.snapshot = self.load_report()
         self.routers.start_heartbeat(lambda: self._running)
         try:
