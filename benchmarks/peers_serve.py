@@ -1,8 +1,9 @@
 """Online serving, kvrelay against vLLM's CPU build, driven by one client: ``vllm bench serve``.
 
 Three servers on the same model, dtype and cores: ``vllm serve`` (its API server and engine,
-``--threads`` OpenMP threads), ``kvrelay up`` with one prefill and one decode worker (the cores
-split between them: ``cpus // 2`` threads each), and ``kvrelay up --colocated 1`` (one engine
+``--threads`` OpenMP threads), ``kvrelay up`` with one prefill and one decode worker (each with
+``--threads`` threads, as ``kvrelay up`` gives each role every core; ``--p1d-threads``
+sets another count), and ``kvrelay up --colocated 1`` (one engine
 with every core). All three are started first and kept up; the timed runs then go A, B, C,
 C, B, A... so that the machine's noise falls on each, and each server idles while another is
 measured. Each run is ``vllm bench serve`` (random prompts of ``--input-len`` tokens,
@@ -60,6 +61,13 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument(
+        "--p1d-threads",
+        type=int,
+        default=None,
+        help="threads per 1P+1D worker (default: --threads, kvrelay up's own split: each role "
+        "gets every core)",
+    )
     parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
     parser.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
     parser.add_argument("--port", type=int, default=port, help="first of three ports")
@@ -149,6 +157,11 @@ def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
+def p1d_threads(args: argparse.Namespace) -> int:
+    """Threads per worker of the 1P+1D cluster."""
+    return args.p1d_threads or args.threads
+
+
 def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) -> list[Server]:
     servers = []
     for i, name in enumerate(args.systems):
@@ -163,7 +176,7 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
             if name == "kvrelay-colo":
                 argv += ["--colocated", "1", "--threads", str(args.threads)]
             else:
-                argv += ["--threads", str(max(1, args.threads // 2))]
+                argv += ["--threads", str(p1d_threads(args))]
             env = dict(os.environ)
             if args.cpu_packed_weights != "auto":
                 env["KVRELAY_CPU_PACKED_WEIGHTS"] = args.cpu_packed_weights
@@ -266,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         body = (
             f"{args.dtype}, {args.threads} cores: vLLM {args.threads} threads, kvrelay 1P+1D "
-            f"{max(1, args.threads // 2)} thread(s) per worker, kvrelay colocated "
+            f"{p1d_threads(args)} thread(s) per worker, kvrelay colocated "
             f"{args.threads}. `vllm bench serve`: {args.num_prompts} random prompts of "
             f"{args.input_len} tokens, {args.output_len} out (ignore_eos), rate inf = "
             f"{args.max_concurrency} at once; goodput under TTFT <= {args.slo_ttft_ms:.0f} ms "

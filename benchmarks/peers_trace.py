@@ -8,10 +8,11 @@ times, prompts capped at ``--max-prompt-tokens`` and outputs at ``--max-output-t
 requests, lengths and arrival times); goodput counts requests with TTFT and TPOT (a request's
 mean inter-token time) within the SLOs, TTFT <= 2 s and TPOT <= 150 ms as MEASURED.md used.
 
-The servers are ``peers_serve.py``'s: ``vllm serve``, ``kvrelay up`` 1P+1D (the cores split)
-and ``kvrelay up --colocated 1``, all started first and kept up, runs interleaved (A, B, C,
-C, B, A ...), each repeat with its own prompt tokens (``--seed``) so that no server serves a
-prompt from its prefix cache; the tokens each did serve from it are read and reported.
+The servers are ``peers_serve.py``'s: ``vllm serve``, ``kvrelay up`` 1P+1D (each worker
+``--p1d-threads``, default every core) and ``kvrelay up --colocated 1``, all started first and
+kept up, runs interleaved (A, B, C, C, B, A ...), each repeat with its own prompt tokens
+(``--seed``) so that no server serves a prompt from its prefix cache; the tokens each did
+serve from it are read and reported.
 
     python benchmarks/peers_trace.py --model DIR [--dtype float32] [--repeats 2] [--write]
 """
@@ -30,7 +31,7 @@ from typing import Any
 
 from common import command_line, markdown_table, median, update_benchmarks_md, wait_for_quiet_cpu
 from peers import ensure_vllm_venv
-from peers_serve import Server, add_server_args, start_servers
+from peers_serve import Server, add_server_args, p1d_threads, start_servers
 
 SECTION = "Peers: a production trace replayed, kvrelay vs vLLM-CPU"
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         body = (
             f"{args.dtype}, {args.threads} cores: vLLM {args.threads} threads, kvrelay 1P+1D "
-            f"{max(1, args.threads // 2)} thread(s) per worker, kvrelay colocated "
+            f"{p1d_threads(args)} thread(s) per worker, kvrelay colocated "
             f"{args.threads}. `kvrelay bench --trace {args.trace.name}` against each: the first "
             f"{args.max_requests} requests, gaps x{args.time_scale:g}, prompts capped at "
             f"{args.max_prompt_tokens} tokens and outputs at {args.max_output_tokens} (forced), "
