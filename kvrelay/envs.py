@@ -153,6 +153,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var("KVRELAY_MAX_QUEUE_TIME", float, 0.0,
          "router: seconds a request may wait for a slot before 503 (0: 429 at once)",
          "--max-queue-time"),
+    _var("KVRELAY_CACHE_WEIGHT", float, 1.0,
+         "router: placement's worth of one cached prompt token in queued prefill tokens (1: "
+         "compare in prefill time; above 1 favours cache holders; 0: ignore the cache)",
+         "--cache-weight"),
     _var("KVRELAY_HEADER_TIMEOUT", float, 10.0,
          "router: seconds to receive a request's headers before 408", "--header-timeout"),
     _var("KVRELAY_BODY_TIMEOUT", float, 30.0,

@@ -167,3 +167,23 @@ def test_up_passes_the_l2_options_on_to_its_workers() -> None:
                  "KVRELAY_REDIS_PASSWORD_FILE": "/s/pw"},
     )  # fmt: skip
     assert (serve.l2_encrypt, serve.redis_password_file) == (True, "/s/pw")
+
+
+def test_cache_weight_reaches_the_routers_placement(tiny_model_dir: Path) -> None:
+    from kvrelay.router.server import RouterConfig, build_app
+
+    router = ["serve", "--role", "router"]
+    assert parse_args(router, environ=REQUIRED).cache_weight == 1.0
+    assert (
+        parse_args(router, environ={**REQUIRED, "KVRELAY_CACHE_WEIGHT": "0.5"}).cache_weight == 0.5
+    )
+    args = parse_args([*router, "--cache-weight", "2.5"], environ=REQUIRED)
+    assert args.cache_weight == 2.5
+    config = RouterConfig(
+        model=str(tiny_model_dir), control_addr="tcp://127.0.0.1:1", cache_weight=0
+    )
+    _, dispatcher = build_app(config)
+    assert dispatcher.registry.cache_weight == 0
+    for bad in ("nan", "inf"):
+        with pytest.raises(ValueError, match="--cache-weight must be >= 0 and finite"):
+            RouterConfig(model="/m", control_addr="tcp://127.0.0.1:1", cache_weight=float(bad))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -125,6 +126,9 @@ def test_cache_weight_is_queued_tokens_per_cached_token() -> None:
     assert _chosen(_registry(*long_queue, cache_weight=2.0), matched) == "holder"  # 1024
     with pytest.raises(ValueError, match="cache_weight must be >= 0"):
         DispatcherSettings("tcp://127.0.0.1:1", cache_weight=-1.0)
+    for bad in (math.inf, math.nan):  # inf x 0 saved tokens would be NaN in every cost
+        with pytest.raises(ValueError, match="cache_weight must be >= 0 and finite"):
+            DispatcherSettings("tcp://127.0.0.1:1", cache_weight=bad)
 
 
 def test_a_load_report_from_an_older_worker_decodes_with_no_queued_tokens() -> None:

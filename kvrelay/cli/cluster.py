@@ -116,7 +116,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "KVRELAY_ADMIN_TOKEN", "KVRELAY_DRAIN_TIMEOUT", "KVRELAY_API_KEY", "KVRELAY_API_KEY_FILE",
         "KVRELAY_SSL_CERTFILE",
         "KVRELAY_SSL_KEYFILE", "KVRELAY_MAX_INFLIGHT", "KVRELAY_MAX_QUEUE_TIME",
-        "KVRELAY_HEADER_TIMEOUT", "KVRELAY_BODY_TIMEOUT",
+        "KVRELAY_CACHE_WEIGHT", "KVRELAY_HEADER_TIMEOUT", "KVRELAY_BODY_TIMEOUT",
     ):  # fmt: skip
         envs.add_option(p, name)
     p.add_argument(
@@ -329,6 +329,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 drain_timeout=args.drain_timeout,
                 max_inflight=args.max_inflight,
                 max_queue_time=args.max_queue_time,
+                cache_weight=args.cache_weight,
                 api_keys=read_api_keys(args.api_key, args.api_key_file),
                 ssl_certfile=args.ssl_certfile,
                 ssl_keyfile=args.ssl_keyfile,

@@ -34,6 +34,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -101,8 +102,8 @@ class DispatcherSettings:
     cache_weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if not self.cache_weight >= 0:
-            raise ValueError(f"cache_weight must be >= 0, got {self.cache_weight!r}")
+        if not 0 <= self.cache_weight < math.inf:
+            raise ValueError(f"cache_weight must be >= 0 and finite, got {self.cache_weight!r}")
 
 
 @dataclasses.dataclass(slots=True)

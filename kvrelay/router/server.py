@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -52,6 +53,7 @@ class RouterConfig:
     drain_timeout: float = 30.0  # on SIGTERM: seconds for the streams in flight to finish
     max_inflight: int = 1024  # requests on the workers at once; more wait or get 429
     max_queue_time: float = 0.0  # seconds a request may wait for a slot before 503
+    cache_weight: float = 1.0  # DispatcherSettings.cache_weight (placement)
     max_body_bytes: int = 4 << 20  # larger bodies get 413
     api_keys: tuple[str, ...] = ()  # bearer keys required on /v1/*; () = open
     ssl_certfile: str | None = None  # TLS certificate of the HTTP API (PEM); None = plain HTTP
@@ -70,6 +72,8 @@ class RouterConfig:
             raise ValueError("--ssl-certfile and --ssl-keyfile go together")
         if not self.header_timeout > 0:
             raise ValueError(f"header_timeout must be > 0, got {self.header_timeout}")
+        if not 0 <= self.cache_weight < math.inf:
+            raise ValueError(f"--cache-weight must be >= 0 and finite, got {self.cache_weight}")
 
     tool_call_parser: str | None = "auto"  # ApiSettings.tool_call_parser
     trust_request_chat_template: bool = False  # apply a request's chat_template (else 400)
@@ -108,6 +112,7 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
             config.dead_after,
             config.max_inflight,
             max_queue_time=config.max_queue_time,
+            cache_weight=config.cache_weight,
         ),
         SocketSecurity(config.credential),
     )
