@@ -34,7 +34,6 @@ import torch
 import zmq
 
 from kvrelay.cachetier.param_pool import ParamPool
-from kvrelay.engine import background
 from kvrelay.engine.engine import (
     LLMEngine,
     RequestError,
@@ -99,7 +98,8 @@ class Worker:
         self.metrics = WorkerMetrics(config.instance_id, config.role.value)
         self._kv_segment: str | None = None
         self._shared_pool: Any = None
-        self._populating: Any = None  # stops the KV pool's background populate (threading.Event)
+        # the KV segment's pages are backed while the loop is idle (SharedKvPool.back_next)
+        self._backing = False
         self.tiers = create_tiers(config, engine_config)
         self.param_pool = self._open_param_pool(engine_config.dtype)
         self.engine = LLMEngine(
@@ -252,21 +252,19 @@ class Worker:
         # the grammar compiler's tables (about 1 s) build while the worker already serves;
         # after the log line, which its import (holding the GIL) would otherwise delay
         self.engine.grammars.warm_up_in_background()
-        if self._shared_pool is not None:  # back its pages now, not in the first steps' writes
-            pool = self._shared_pool.tensor
-            what = f"{self.instance_id}: KV pool {self._kv_segment}"
-            self._populating = background.populate_in_background(
-                pool, pool.data_ptr(), pool.nbytes, what
-            )
         self.routers.snapshot = self.load_report()
         self.routers.start_heartbeat(lambda: self._running)
         try:
+            self._backing = self._shared_pool is not None
             while self._running:
                 busy = self.engine.has_unfinished_requests() or self.has_role_work()
-                self._poll(0 if busy else _IDLE_POLL_MS)
+                self._poll(0 if busy or self._backing else _IDLE_POLL_MS)
                 self._abort_orphans()
                 if self.engine.has_unfinished_requests():
                     self._step()
+                elif self._backing and not self.has_role_work():
+                    # idle: back a few MiB of the KV segment ahead of the steps that write it
+                    self._backing = self._shared_pool.back_next()
                 self.housekeeping()
                 self._check_exit()
         finally:
@@ -531,8 +529,6 @@ class Worker:
         self.routers.close()
         self.peers.close()
         self.close_role()
-        if self._populating is not None:
-            self._populating.set()
         if self._shared_pool is not None:
             self._shared_pool.close(unlink=True)
         if self.tiers is not None:
