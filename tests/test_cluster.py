@@ -113,26 +113,6 @@ def test_same_greedy_outputs_in_every_topology(tiny_model_dir, tmp_path, offline
             assert len(decodes) == CONFIGS[config]["num_decode"]
 
 
-def test_workers_back_their_kv_segments_once_ready(tiny_model_dir, tmp_path):
-    """Each worker's shared-memory KV pool is backed page by page in the background after
-    it registers, not by the first steps' writes (engine/background.py)."""
-    from kvrelay.cachetier.segments import SHM_DIR
-    from kvrelay.transport.shm_pool import list_segments
-
-    with running_cluster(tiny_model_dir, tmp_path) as launcher:
-        names = [n for n in list_segments(f"kvrelay-{launcher.cluster_id}-") if n.endswith("-kv")]
-        assert len(names) == 2  # the prefill and the decode worker's pools
-        deadline = time.monotonic() + 60
-        backed: dict[str, tuple[int, int]] = {}
-        while time.monotonic() < deadline:
-            stats = {n: (SHM_DIR / n).stat() for n in names}
-            backed = {n: (st.st_blocks * 512, st.st_size) for n, st in stats.items()}
-            if all(used >= size for used, size in backed.values()):
-                break
-            time.sleep(0.05)
-        assert all(used >= size for used, size in backed.values()), backed
-
-
 def test_client_disconnect_frees_blocks(tiny_model_dir, tmp_path):
     with running_cluster(tiny_model_dir, tmp_path) as launcher:
         c = client(launcher)

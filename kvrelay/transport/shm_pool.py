@@ -18,20 +18,10 @@ that dies without unlinking still has its segment unlinked by its tracker.
 
 The tensor is built over the ``mmap`` with ``torch.frombuffer``; the mapping is released when
 the last tensor viewing it is freed, so ``close()`` never fails on views still held elsewhere.
-
-The kernel backs a segment page by page on first touch: written the first time, 256 MiB took
-375 ms here against 27 ms after, a cost the first requests' steps and KV pulls would pay.
-``back_next`` backs the pages ahead of use a few MiB at a time (``MADV_POPULATE_WRITE``, Linux
-5.14: backed for writing without being written, so safe beside writes to the same pages); the
-worker calls it while it has nothing else to do. A background thread backing the whole pool at
-once competed with the first requests on a 2-vCPU host (TTFT p50 1.53 s against 1.37 s,
-BENCHMARKS.md "First requests after a start: the KV pool's first touch").
 """
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import mmap
 import os
@@ -69,33 +59,6 @@ def segment_name(cluster_id: str, instance_id: str, kind: str) -> str:
     if len(name) > _MAX_NAME_LEN:
         raise ValueError(f"segment name longer than {_MAX_NAME_LEN}: {name!r}")
     return name
-
-
-MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14
-BACK_CHUNK = 4 << 20  # bytes ``back_next`` backs per call (~2.5 ms on the 2-vCPU VM)
-
-
-def populate(address: int, nbytes: int, what: str) -> bool:
-    """Backs the pages of ``[address, address + nbytes)`` for writing without changing them.
-    False (logged) where the kernel cannot (before 5.14, not Linux) or the memory is not
-    there: a segment larger than ``/dev/shm`` has room for, whose writes would raise SIGBUS."""
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (AttributeError, OSError):
-        return False
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = address - address % mmap.PAGESIZE
-    if madvise(start, address + nbytes - start, MADV_POPULATE_WRITE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS):  # an older kernel: pages are backed on first use
-        logger.debug("%s: MADV_POPULATE_WRITE unsupported (%s)", what, os.strerror(err))
-    else:
-        logger.warning(
-            "%s: could not back %.0f MB of memory (%s); is /dev/shm large enough? A write "
-            "there would kill the process (SIGBUS)", what, nbytes / 1e6, os.strerror(err),
-        )  # fmt: skip
-    return False
 
 
 def list_segments(prefix: str) -> list[str]:
@@ -139,7 +102,6 @@ class SharedKvPool:
         self.layout = layout
         self.is_owner = is_owner
         self._is_unlinked = False
-        self._backed = 0  # bytes from the start backed by back_next; -1: stopped
 
     @classmethod
     def create(cls, name: str, layout: KvLayout) -> SharedKvPool:
@@ -186,20 +148,6 @@ class SharedKvPool:
         if self._tensor is None:
             raise ValueError(f"segment {self.name} is closed")
         return self._tensor
-
-    def back_next(self, nbytes: int = BACK_CHUNK) -> bool:
-        """Backs the next ``nbytes`` of the segment's pages (``populate``); True while some
-        are left to back. Stops for good at the first failure (logged) or once closed."""
-        if self._tensor is None or self._backed < 0:
-            return False
-        total = self._tensor.nbytes
-        n = min(nbytes, total - self._backed)
-        address = self._tensor.data_ptr() + self._backed
-        if n > 0 and not populate(address, n, f"segment {self.name}"):
-            self._backed = -1
-            return False
-        self._backed += n
-        return self._backed < total
 
     @property
     def is_closed(self) -> bool:

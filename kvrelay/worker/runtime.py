@@ -98,8 +98,6 @@ class Worker:
         self.metrics = WorkerMetrics(config.instance_id, config.role.value)
         self._kv_segment: str | None = None
         self._shared_pool: Any = None
-        # the KV segment's pages are backed while the loop is idle (SharedKvPool.back_next)
-        self._backing = False
         self.tiers = create_tiers(config, engine_config)
         self.param_pool = self._open_param_pool(engine_config.dtype)
         self.engine = LLMEngine(
@@ -255,16 +253,12 @@ class Worker:
         self.routers.snapshot = self.load_report()
         self.routers.start_heartbeat(lambda: self._running)
         try:
-            self._backing = self._shared_pool is not None
             while self._running:
                 busy = self.engine.has_unfinished_requests() or self.has_role_work()
-                self._poll(0 if busy or self._backing else _IDLE_POLL_MS)
+                self._poll(0 if busy else _IDLE_POLL_MS)
                 self._abort_orphans()
                 if self.engine.has_unfinished_requests():
                     self._step()
-                elif self._backing and not self.has_role_work():
-                    # idle: back a few MiB of the KV segment ahead of the steps that write it
-                    self._backing = self._shared_pool.back_next()
                 self.housekeeping()
                 self._check_exit()
         finally:
