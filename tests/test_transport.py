@@ -608,6 +608,30 @@ pool.close()
 """
 
 
+@needs_shm
+def test_a_pool_larger_than_dev_shm_has_room_for_is_refused(prefix: str, monkeypatch) -> None:
+    """The segment is sparse: made anyway, the first write past /dev/shm's room would kill
+    the worker with SIGBUS mid-serving (a container's 64 MiB default against a 1 GiB pool)."""
+    from kvrelay.transport import shm_pool
+
+    layout = KvLayout(2, 4, 4, 2, 8, "float32")  # 4 KiB
+    monkeypatch.setattr(shm_pool, "shm_room", lambda: 4095)
+    with pytest.raises(ValueError, match=r"needs 0 MiB of shared memory .* --transport tcp"):
+        SharedKvPool.create(segment_name(prefix, "p0", "kv"), layout)
+    assert list_segments(f"kvrelay-{prefix}-") == []  # refused before the segment is made
+    monkeypatch.setattr(shm_pool, "shm_room", lambda: 4096)
+    with SharedKvPool.create(segment_name(prefix, "p0", "kv"), layout) as pool:
+        assert pool.tensor.nbytes == 4096  # exactly the room: taken
+
+
+def test_dev_shm_room_is_what_statvfs_says(monkeypatch) -> None:
+    from kvrelay.transport import shm_pool
+
+    assert (shm_pool.shm_room() or 0) >= 0
+    monkeypatch.setattr(shm_pool.os, "statvfs", lambda _: (_ for _ in ()).throw(OSError(2, "x")))
+    assert shm_pool.shm_room() is None  # no /dev/shm to ask: no check
+
+
 @pytest.mark.timeout(60)
 @needs_shm
 def test_attaching_process_exit_does_not_unlink(prefix: str) -> None:

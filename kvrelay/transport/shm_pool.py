@@ -61,6 +61,17 @@ def segment_name(cluster_id: str, instance_id: str, kind: str) -> str:
     return name
 
 
+def shm_room() -> int | None:
+    """Bytes free in /dev/shm now (None where there is none to ask). Segments created but not
+    yet written count as free: a check against it catches a pool larger than /dev/shm (a
+    container's 64 MiB default), not several pools that only together exceed it."""
+    try:
+        vfs = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return vfs.f_bavail * vfs.f_frsize
+
+
 def list_segments(prefix: str) -> list[str]:
     """Names of the segments under /dev/shm starting with ``prefix`` (Linux), sorted."""
     _check_prefix(prefix)
@@ -109,6 +120,16 @@ class SharedKvPool:
         size = pool_bytes(layout)
         if size <= 0:
             raise ValueError(f"empty layout {layout}")
+        room = shm_room()
+        if room is not None and size > room:
+            # the segment is sparse: creating it would succeed, and the first write past the
+            # room /dev/shm has would kill the worker with SIGBUS in the middle of serving
+            raise ValueError(
+                f"the KV pool needs {size / 2**20:.0f} MiB of shared memory and {SHM_DIR} has "
+                f"{room / 2**20:.0f} MiB free: give it more (docker run --shm-size, compose "
+                "shm_size, a Kubernetes emptyDir of medium Memory at /dev/shm), or lower "
+                "--kv-cache-memory / --num-blocks, or use --transport tcp (a private pool)"
+            )
         fd = _shm().shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
         try:
             os.ftruncate(fd, size)
