@@ -23,6 +23,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,8 +164,11 @@ def make_requests(n: int, vocab: int = 49152, seed: int = 0) -> list[list[Any]]:
     return out
 
 
-def interleaved(engines: list[Engine], repeats: int, **cmd: Any) -> dict[str, list[dict]]:
-    """A, B, A, B...: each answer carries the 1-minute load average seen after it."""
+def interleaved(
+    engines: list[Engine], repeats: int, after: Callable[[], None] | None = None, **cmd: Any
+) -> dict[str, list[dict]]:
+    """A, B, A, B...: each answer carries the 1-minute load average seen after it; ``after``
+    runs after each answer (the bandwidth probe beside each decode run)."""
     runs: dict[str, list[dict]] = {e.name: [] for e in engines}
     for i in range(repeats):
         order = engines if i % 2 == 0 else engines[::-1]
@@ -175,6 +179,8 @@ def interleaved(engines: list[Engine], repeats: int, **cmd: Any) -> dict[str, li
             answer["others_cpu_before"] = round(others, 3)
             runs[engine.name].append(answer)
             print(f"{cmd['op']} {engine.name}: {json.dumps(answer)}", file=sys.stderr, flush=True)
+            if after is not None:
+                after()
     return runs
 
 
@@ -233,8 +239,15 @@ def measure(engines: list[Engine], args: argparse.Namespace) -> dict[str, Any]:
         engine.call(op="offline", requests=requests)
     offline = interleaved(engines, args.repeats, op="offline", requests=requests)
     decode_prompt = requests[0][0][:16]
-    decode = interleaved(engines, args.repeats, op="decode", prompt=decode_prompt, steps=32)
-    bandwidth = memory_bandwidth(args.threads)
+    # this VM's bandwidth moved 31-49 GB/s within minutes: the bound comes from a probe
+    # beside each decode run (their median), not from one probe at the end
+    probes: list[dict[str, float]] = []
+    decode = interleaved(
+        engines, args.repeats, after=lambda: probes.append(memory_bandwidth(args.threads)),
+        op="decode", prompt=decode_prompt, steps=32,
+    )  # fmt: skip
+    bandwidth = {k: median([p[k] for p in probes]) for k in ("copy", "read")}
+    spread = {k: (min(p[k] for p in probes), max(p[k] for p in probes)) for k in bandwidth}
     bound_s = {
         k: weight_bytes(args.model, args.dtype_now) / (v * 1e9) for k, v in bandwidth.items()
     }
@@ -244,6 +257,7 @@ def measure(engines: list[Engine], args: argparse.Namespace) -> dict[str, Any]:
         "offline": offline,
         "decode": decode,
         "bandwidth_gbs": bandwidth,
+        "bandwidth_spread_gbs": spread,
         "bound_s": bound_s,
     }
 
@@ -274,13 +288,16 @@ def summarize(dtype: str, result: dict[str, Any]) -> list[list[str]]:
         [dtype, "kvrelay / vLLM", f"{ratio_tok:.2f}x", f"{ratio_step:.2f}x", "", "", "", ""]
     )
     bw, bound = result["bandwidth_gbs"], result["bound_s"]
+    lo = {k: v[0] for k, v in result["bandwidth_spread_gbs"].items()}
+    hi = {k: v[1] for k, v in result["bandwidth_spread_gbs"].items()}
     rows.append(
         [
             dtype,
             "memory bound",
             "",
-            f"{bound['copy'] * 1e3:.1f} (copy {bw['copy']:.1f} GB/s) / "
-            f"{bound['read'] * 1e3:.1f} (read {bw['read']:.1f} GB/s)",
+            f"{bound['copy'] * 1e3:.1f} (copy {bw['copy']:.1f} GB/s, probes "
+            f"{lo['copy']:.1f}-{hi['copy']:.1f}) / {bound['read'] * 1e3:.1f} (read "
+            f"{bw['read']:.1f} GB/s)",
             "1.00x",
             "1.00x",
             "",
