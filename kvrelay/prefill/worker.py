@@ -63,6 +63,14 @@ class PrefillWorker(Worker):
         self._origin_ids[msg.request_id] = msg.origin
         super().on_generate(msg)
 
+    def _lease(self, lease: Lease) -> None:
+        """Records ``lease``, first releasing an older attempt's lease of the same request: a
+        router that re-ran the request after its decode died need not have aborted it here,
+        and overwriting it lost its block references for good (a block leaked once in
+        ``test_decode_killed_mid_stream_finishes_on_the_other``)."""
+        self._release(lease.request_id)
+        self.leases[lease.request_id] = lease
+
     def on_abort(self, request_id: str) -> None:
         self._targets.pop(request_id, None)
         self._origin_ids.pop(request_id, None)
@@ -84,7 +92,7 @@ class PrefillWorker(Worker):
         # the first token goes out before the lease checksum, which reads every KV byte
         self.send_event(token_event(self.instance_id, out, handed_off_to=target.instance_id))
         deadline = time.time() + self.config.lease_ttl
-        self.leases[seq.seq_id] = Lease(seq.seq_id, seq.block_ids, deadline, target.instance_id)
+        self._lease(Lease(seq.seq_id, seq.block_ids, deadline, target.instance_id))
         ready = KvReady(
             request_id=seq.seq_id,
             prompt_token_ids=seq.prompt_token_ids,
