@@ -45,7 +45,7 @@ from typing import Any
 
 from kvrelay.cachetier.base import DTYPE_CODES, BlockFormat
 from kvrelay.cachetier.block_hash import HASH_BYTES
-from kvrelay.cachetier.segments import SHM_DIR
+from kvrelay.cachetier.segments import SHM_DIR, shm_room
 
 logger = logging.getLogger(__name__)
 
@@ -167,9 +167,9 @@ def _map_segment(name: str, geo: _Geometry, create: bool) -> mmap.mmap:
 
 def _initialise(fd: int, name: str, geo: _Geometry) -> None:
     """Sizes a new (or abandoned) segment and writes its header, the magic last."""
-    vfs = os.statvfs(SHM_DIR)
-    free = vfs.f_bavail * vfs.f_frsize + os.fstat(fd).st_size
-    if geo.total_bytes > free:
+    room = shm_room()
+    free = None if room is None else room + os.fstat(fd).st_size  # its own pages count too
+    if free is not None and geo.total_bytes > free:
         raise ValueError(f"pool {name} needs {geo.total_bytes} bytes; {SHM_DIR} has {free} free")
     os.ftruncate(fd, 0)  # zero every table: all ways EMPTY
     os.ftruncate(fd, geo.total_bytes)

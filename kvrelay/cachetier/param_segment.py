@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import xxhash
 
-from kvrelay.cachetier.segments import SHM_DIR
+from kvrelay.cachetier.segments import SHM_DIR, shm_room
 
 if TYPE_CHECKING:
     import torch
@@ -245,9 +245,8 @@ def _create_segment(name: str, manifest: Manifest) -> tuple[int, _Header]:
         BUILDING, manifest.fingerprint, manifest.dtype, data_off, manifest.total_bytes,
         manifest.chunk_bytes, len(blob), os.getpid(), now, now,
     )  # fmt: skip
-    vfs = os.statvfs(SHM_DIR)
-    if header.size > vfs.f_bavail * vfs.f_frsize:
-        free = vfs.f_bavail * vfs.f_frsize
+    free = shm_room()
+    if free is not None and header.size > free:
         raise OSError(errno.ENOSPC, f"pool {name} needs {header.size} bytes; {SHM_DIR} has {free}")
     flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
     fd = os.open(SHM_DIR / name, flags, 0o600)

@@ -1,4 +1,5 @@
-"""Which live processes map a ``/dev/shm`` segment, as the kernel sees it (``/proc/*/maps``).
+"""``/dev/shm``: its room (``shm_room``), and which live processes map a segment, as the
+kernel sees it (``/proc/*/maps``).
 
 Used where a segment's own bookkeeping cannot answer: an L1 pool keeps no user table, and a
 parameter pool written by another kvrelay version has a table this version cannot trust.
@@ -8,9 +9,21 @@ lower bound.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
+
+
+def shm_room() -> int | None:
+    """Bytes free in /dev/shm now (None where there is none to ask). Segments created but not
+    yet written count as free: a check against it catches a segment larger than /dev/shm (a
+    container's 64 MiB default), not several that only together exceed it."""
+    try:
+        vfs = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return vfs.f_bavail * vfs.f_frsize
 
 
 def segment_mappers() -> dict[str, tuple[int, ...]]:

@@ -29,7 +29,7 @@ import re
 from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any
 
-from kvrelay.cachetier.segments import SHM_DIR
+from kvrelay.cachetier.segments import SHM_DIR, shm_room
 from kvrelay.protocol.errors import LayoutMismatch
 from kvrelay.transport.blocks import pool_bytes, pool_shape, torch_dtype
 
@@ -59,17 +59,6 @@ def segment_name(cluster_id: str, instance_id: str, kind: str) -> str:
     if len(name) > _MAX_NAME_LEN:
         raise ValueError(f"segment name longer than {_MAX_NAME_LEN}: {name!r}")
     return name
-
-
-def shm_room() -> int | None:
-    """Bytes free in /dev/shm now (None where there is none to ask). Segments created but not
-    yet written count as free: a check against it catches a pool larger than /dev/shm (a
-    container's 64 MiB default), not several pools that only together exceed it."""
-    try:
-        vfs = os.statvfs(SHM_DIR)
-    except OSError:
-        return None
-    return vfs.f_bavail * vfs.f_frsize
 
 
 def list_segments(prefix: str) -> list[str]:
