@@ -13,6 +13,7 @@ error without CUDA) and the gather / scatter helpers the GPU paths use run every
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -130,6 +131,65 @@ def test_decode_steps_replay_cuda_graphs_and_follow_the_reference(
     assert eager.graphs is None and eager.native_attention
     torch_path = run(KVRELAY_NATIVE_ATTENTION="0").engine.runner
     assert torch_path.graphs is None and not torch_path.native_attention
+
+
+@needs_cuda
+def test_warm_up_captures_every_decode_size_and_serving_only_replays(tiny_model_dir, reference):
+    """The engine's warm-up (``capture_all``) leaves a graph for every padded batch size;
+    serving afterwards replays them, captures nothing new, and follows the reference."""
+    llm = LLM(tiny_model_dir, device="cuda", num_blocks=256)  # warm_up=True: a worker's start
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None
+    assert set(graphs.graphs) == set(graphs.sizes)
+    captured, replays = dict(graphs.graphs), graphs.replays
+    for out in llm.generate(PROMPTS, GREEDY):
+        assert_greedy_under_reference(reference, out.prompt_token_ids, out.outputs[0].token_ids)
+    assert all(graphs.graphs[size] is graph for size, graph in captured.items())
+    assert len(graphs.graphs) == len(captured)
+    assert graphs.replays >= replays + MAX_TOKENS - 1
+    llm.engine.block_manager.check_integrity()
+
+
+@needs_cuda
+def test_graph_capture_tolerates_another_thread_copying(tiny_model_dir, reference):
+    """A worker's transport threads copy KV (host <-> device, on their own streams) while the
+    warm-up captures: ``thread_local`` capture leaves them alone and the graphs still hold."""
+    llm = LLM(tiny_model_dir, device="cuda", num_blocks=256, warm_up=False)
+    graphs = llm.engine.runner.graphs
+    assert graphs is not None and not graphs.graphs
+    host = torch.randn(1 << 18)
+    device_buf = torch.empty(1 << 18, device="cuda")
+    stop, errors, copies = threading.Event(), [], [0]
+
+    def copier() -> None:
+        stream = torch.cuda.Stream()
+        try:
+            with torch.cuda.stream(stream):
+                while not stop.is_set():
+                    device_buf.copy_(host)  # pageable: a synchronous copy, unsafe in a capture
+                    host.copy_(device_buf)
+                    stream.synchronize()
+                    copies[0] += 1
+        except Exception as exc:  # reported by the test below
+            errors.append(exc)
+
+    thread = threading.Thread(target=copier, daemon=True)
+    thread.start()
+    try:
+        while copies[0] == 0 and not errors:  # the copier is running before the first capture
+            stop.wait(0.01)
+        before = copies[0]
+        graphs.capture_all()
+        during = copies[0] - before
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not errors, errors
+    assert during > 0  # copies went on while the graphs were captured
+    assert set(graphs.graphs) == set(graphs.sizes)
+    for out in llm.generate(PROMPTS, GREEDY):
+        assert_greedy_under_reference(reference, out.prompt_token_ids, out.outputs[0].token_ids)
+    assert graphs.replays >= MAX_TOKENS - 1
 
 
 @needs_cuda
