@@ -17,6 +17,11 @@ tokens of a request with the cluster's own metrics, read before and after each r
 Means over every gap of every request; no timing is asserted anywhere.
 
     python benchmarks/token_path.py --model DIR [--dtype float32] [--write]
+    python benchmarks/token_path.py --like DIR --device cuda --dtype bfloat16 --json t.json
+    python benchmarks/token_path.py --render t.json   # BENCHMARKS.md from a run elsewhere
+
+``--like DIR`` serves DIR's config and tokenizer with random weights (a GPU machine that cannot
+hold the real checkpoint); on a GPU the table goes to its own section.
 """
 
 from __future__ import annotations
@@ -35,16 +40,23 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import torch
 from common import command_line, cpu_model, markdown_table, update_benchmarks_md
 from peers_serve import Server
 
 SECTION = "Token path: engine step to the client's socket"
+SECTION_GPU = "Token path on a GPU: engine step to the client's socket"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", required=True)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="a checkpoint directory")
+    model.add_argument("--like", type=Path, help="DIR's config and tokenizer, random weights")
+    model.add_argument("--render", type=Path, help="only write BENCHMARKS.md from this --json")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu", help="the workers' --device (cpu, cuda)")
+    parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -167,12 +179,23 @@ def run_level(
 
 def main() -> int:
     args = parse_args()
+    if args.render:
+        write_section(json.loads(args.render.read_text()))
+        return 0
     systems = {
         "kvrelay colocated": ["--colocated", "1", "--threads", str(args.threads)],
         "kvrelay 1P+1D": ["--threads", str(max(1, args.threads // 2))],
     }
     results: dict[str, dict[int, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.like:
+            from gpu_decode import random_checkpoint
+
+            dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+                args.dtype, torch.float32
+            )
+            (Path(tmp) / "model").mkdir()
+            args.model = str(random_checkpoint(args.like, Path(tmp) / "model", dtype))
         for i, (name, extra) in enumerate(systems.items()):
             argv = [
                 sys.executable,
@@ -183,6 +206,8 @@ def main() -> int:
                 args.model,
                 "--dtype",
                 args.dtype,
+                "--device",
+                args.device,
             ]
             argv += ["--port", str(args.port + i), "--seed", "0", *extra]
             server = Server(name, argv, dict(os.environ), args.port + i, Path(tmp) / f"{i}.log")
@@ -200,28 +225,48 @@ def main() -> int:
                     )
             finally:
                 server.stop()
+    if args.device.startswith("cuda"):
+        machine = f"GPU: {torch.cuda.get_device_name(args.device)} (torch {torch.__version__})"
+    else:
+        machine = f"CPU: {cpu_model()}"
+    what = f"{args.like.name} shapes, random weights" if args.like else args.model
+    run = {
+        "results": results,
+        "intro": (
+            f"{what} ({args.dtype}), {args.requests} requests per row of {args.prompt_len} "
+            f"random prompt tokens and {args.max_tokens} forced output tokens, streamed through "
+            f"the `openai` client over /v1/completions; {machine}; colocated: one worker with "
+            f"{args.threads} threads; 1P+1D: {max(1, args.threads // 2)} thread(s) each. See "
+            "the script's docstring for how each column is taken."
+        ),
+        "section": SECTION_GPU if args.device.startswith("cuda") else SECTION,
+        "command": command_line(),
+    }
+    if args.json:
+        args.json.write_text(json.dumps(run, indent=1))
+    print(table_of(results))
+    if args.write:
+        write_section(run)
+    return 0
+
+
+def table_of(results: dict[str, Any]) -> str:
     headers = ["system", "streams", "client gap ms (mean / p50)", "router to client ms",
                "router gap ms", "decode step ms", "steps with a prompt chunk (mean ms)",
                "rest: loop, ZMQ, router, other work ms"]  # fmt: skip
     rows = [
         [name, c, f"{r['client_ms']:.1f} / {r['client_p50_ms']:.1f}",
-         f"{r['router_to_client_ms']:.2f}", f"{r['router_ms']:.1f}", f"{r['engine_ms']:.1f}",
-         f"{r['mixed_share']:.0%} ({r['mixed_step_ms']:.0f})", f"{r['worker_to_router_ms']:.1f}"]
+         f"{r['router_to_client_ms']:.2f}", f"{r['router_ms']:.1f}", f"{r['engine_ms']:.2f}",
+         f"{r['mixed_share']:.0%} ({r['mixed_step_ms']:.0f})", f"{r['worker_to_router_ms']:.2f}"]
         for name, by_c in results.items()
         for c, r in by_c.items()
     ]  # fmt: skip
-    table = markdown_table(headers, rows)
-    print(table)
-    if args.write:
-        body = (
-            f"{args.model} ({args.dtype}), {args.requests} requests per row of {args.prompt_len} "
-            f"random prompt tokens and {args.max_tokens} forced output tokens, streamed through "
-            f"the `openai` client over /v1/completions; CPU: {cpu_model()}; colocated: one "
-            f"worker with {args.threads} threads; 1P+1D: {max(1, args.threads // 2)} thread(s) "
-            f"each. See the script's docstring for how each column is taken.\n\n{table}"
-        )
-        update_benchmarks_md(SECTION, body, command_line())
-    return 0
+    return markdown_table(headers, rows)
+
+
+def write_section(run: dict[str, Any]) -> None:
+    body = f"{run['intro']}\n\n{table_of(run['results'])}"
+    update_benchmarks_md(run["section"], body, run["command"])
 
 
 if __name__ == "__main__":

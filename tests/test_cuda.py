@@ -13,6 +13,7 @@ error without CUDA) and the gather / scatter helpers the GPU paths use run every
 
 from __future__ import annotations
 
+import random
 import threading
 import uuid
 from collections.abc import Callable
@@ -190,6 +191,38 @@ def test_graph_capture_tolerates_another_thread_copying(tiny_model_dir, referenc
     for out in llm.generate(PROMPTS, GREEDY):
         assert_greedy_under_reference(reference, out.prompt_token_ids, out.outputs[0].token_ids)
     assert graphs.replays >= MAX_TOKENS - 1
+
+
+def compiled_triton_variants() -> int:
+    """Variants of kvrelay's Triton kernels compiled in this process so far, every device."""
+    from kvrelay.kernels import triton_attention as ta
+
+    kernels = (ta._decode_kernel, ta._combine_kernel, ta._store_kernel)
+    return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+@needs_cuda
+def test_serving_after_the_warm_up_compiles_no_kernel(tiny_model_dir):
+    """Prompts of 5-400 tokens join running requests one by one (mixed steps of 1-80 decode
+    rows, block tables of every width) after the warm-up: Triton compiles nothing more (a
+    compile mid-serving stalled every running sequence for 0.5-1.4 s on an H100)."""
+    llm = LLM(tiny_model_dir, device="cuda", num_blocks=2048, max_num_seqs=96)
+    engine, before = llm.engine, compiled_triton_variants()
+    assert before > 0
+    rng, kinds, added = random.Random(0), [], 0
+    while added < 80 or engine.has_unfinished_requests():
+        if added < 80 and len(kinds) % 2 == 0:
+            prompt = [rng.randrange(1, 2000) for _ in range(rng.randrange(5, 400))]
+            params = SamplingParams(
+                temperature=0.0, max_tokens=rng.randrange(8, 90), ignore_eos=True
+            )
+            engine.add_request(f"r{added}", prompt, params)
+            added += 1
+        engine.step()
+        kinds.append(engine.last_step_kind)
+    assert kinds.count("mixed") >= 20 and kinds.count("decode") >= 20
+    assert compiled_triton_variants() == before
+    engine.block_manager.check_integrity()
 
 
 @needs_cuda

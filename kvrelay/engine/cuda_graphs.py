@@ -32,7 +32,7 @@ import torch
 
 from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.kernels.attention import AttentionMetadata
-from kvrelay.kernels.cpu_attention import NativeDecode
+from kvrelay.kernels.cpu_attention import NativeDecode, table_width
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class DecodeGraphs:
         self.window = window
         self.sizes = batch_sizes(max_num_seqs)
         size, device = self.sizes[-1], kv_cache.device
-        self.max_blocks = max_blocks_per_seq
+        self.max_blocks = max_blocks_per_seq = table_width(max_blocks_per_seq)  # as eager's
         self.input_ids = torch.zeros(size, dtype=torch.long, device=device)
         self.positions = torch.zeros(size, dtype=torch.long, device=device)
         self.slots = torch.full((size,), -1, dtype=torch.long, device=device)

@@ -362,11 +362,13 @@ class LLMEngine:
 
         The first steps of a fresh process pay one-time costs: Triton compiles its kernels,
         cuBLAS and torch's allocator set up, MKL / oneDNN build kernels for each new shape.
-        On a GPU it then captures the CUDA graph of every decode batch size
-        (``DecodeGraphs.capture_all``). Serving workers run it on GPUs only: on CPUs, with
-        packed weights and the native kernels, a fresh 1P+1D ``kvrelay up`` served its first
-        requests as fast without it and was ready 1.1 s sooner (it once made a fresh
-        kvrelay's first benchmark run 3x faster: TTFT p50 446 ms against 130 ms). One prompt
+        On a GPU it then compiles every variant of the Triton kernels an eager step may
+        launch (``ModelRunner.compile_kernels``) and captures the CUDA graph of every decode
+        batch size (``DecodeGraphs.capture_all``). Serving workers run it on GPUs only: on
+        CPUs, with packed weights and the native kernels, a fresh 1P+1D ``kvrelay up``
+        served its first requests as fast without it and was ready 1.1 s sooner (it once
+        made a fresh kvrelay's first benchmark run 3x faster: TTFT p50 446 ms against 130
+        ms). One prompt
         of ``prompt_len`` tokens (capped by the context and the step budget) and ``batch - 1``
         short ones, a few greedy tokens each: a long prefill, a batched prefill, batched
         decode steps and then, the long one alone, lone decode steps. Nothing remains: the
@@ -402,6 +404,7 @@ class LLMEngine:
             bm.reset_prefix_cache()
             bm.pop_events()  # the stores and the evictions the reset made: never sent
             bm.num_query_tokens, bm.num_hit_tokens, scheduler.num_preemptions = counters
+        self.runner.compile_kernels()  # GPU: the eager steps' kernel variants
         if self.runner.graphs is not None:  # every decode batch size, before anything is served
             self.runner.graphs.capture_all()
         return time.perf_counter() - started

@@ -74,6 +74,13 @@ class ModelRunner:
             max_blocks = min(kv_cache.shape[2], -(-max_len // block_size))
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, self.window)
 
+    def compile_kernels(self) -> None:
+        """On a GPU, every variant of the Triton kernels an eager step may launch, compiled
+        now rather than mid-serving (``triton_attention.compile_variants``)."""
+        if self.device.type == "cuda" and self.native_attention:
+            heads = self.model.config.num_heads
+            triton_attention.compile_variants(self.kv_cache[0], heads, self.window)
+
     def run(self, plan: StepPlan) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
         narrow = self.narrow_decode and input_ids.numel() <= gemv.MAX_ROWS

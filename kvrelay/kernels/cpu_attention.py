@@ -22,6 +22,7 @@ from kvrelay.kernels import gemv
 MAX_HEAD_DIM = 256  # csrc/attention.c
 MAX_Q_PER_KV = 16
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+TABLE_COLUMNS = 16  # block tables are padded to a multiple of this many columns
 
 
 @dataclass(slots=True)
@@ -47,9 +48,21 @@ def supports(kv: torch.Tensor, q_heads: int) -> bool:
     )
 
 
+def table_width(blocks: int) -> int:
+    """Columns of a padded block table that holds ``blocks`` entries: a multiple of
+    ``TABLE_COLUMNS``.
+
+    On a GPU the table's row stride is an integer argument of the Triton kernel, and Triton
+    compiles one variant per class of an integer argument (1, a multiple of 16, any other): a
+    width that followed the step's longest sequence compiled new variants while serving (0.5
+    to 1.4 s each, every running sequence stalled, on an H100). One class keeps the variants
+    the warm-up compiled."""
+    return max(1, -(-blocks // TABLE_COLUMNS)) * TABLE_COLUMNS
+
+
 def make_decode(rows: list[int], ctx_lens: list[int], tables: list[list[int]]) -> NativeDecode:
     """The kernel's inputs from each decode token's row, context length and block table."""
-    width = max(len(t) for t in tables)
+    width = table_width(max(len(t) for t in tables))
     padded = torch.zeros(len(tables), width, dtype=torch.int32)
     for i, table in enumerate(tables):
         padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)

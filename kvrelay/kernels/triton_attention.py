@@ -33,7 +33,7 @@ import functools
 
 import torch
 
-from kvrelay.kernels.cpu_attention import NativeDecode
+from kvrelay.kernels.cpu_attention import NativeDecode, table_width
 
 try:
     import triton
@@ -154,6 +154,30 @@ def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
         kv[0], kv[1], k, v, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HEAD_DIM=head_dim, ROW=row, ROW_PAD=_pow2(row, 16),
     )  # fmt: skip
+
+
+def compile_variants(kv: torch.Tensor, q_heads: int, window: int | None) -> None:
+    """Compiles the decode kernel for every split count and the store, before serving.
+
+    The split count is a compile-time constant that an eager step (a mixed step's decode
+    rows, a batch larger than the largest CUDA graph) picks from its batch size; a variant
+    first met while serving compiles then, stalling every running sequence (0.5-1.4 s a
+    variant on an H100). One row of context 0 and slot -1: nothing is read or stored."""
+    kv_heads, head_dim = kv.shape[-2], kv.shape[-1]
+    device = kv.device
+    q = torch.zeros(1, q_heads, head_dim, dtype=kv.dtype, device=device)
+    out = torch.empty_like(q)
+    batch = NativeDecode(
+        torch.zeros(1, dtype=torch.long, device=device),
+        torch.zeros(1, table_width(1), dtype=torch.int32, device=device),
+        torch.zeros(1, dtype=torch.int32, device=device),
+    )
+    splits = 1
+    while splits <= MAX_SPLITS:
+        decode(q, kv, batch, window, head_dim**-0.5, out, splits=splits)
+        splits *= 2
+    k = torch.zeros(1, kv_heads, head_dim, dtype=kv.dtype, device=device)
+    store_kv(kv, k, k, torch.full((1,), -1, dtype=torch.long, device=device))
 
 
 def interpreted() -> bool:

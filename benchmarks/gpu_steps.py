@@ -1,0 +1,102 @@
+"""A GPU engine's steps timed one by one, with Triton's compiles counted beside each.
+
+Serves random-token prompts through ``LLMEngine`` directly, a fixed number in flight, outputs
+of varied length so that new prompts join running batches (mixed steps); each step is timed
+(its tokens reach the host, so the time is the GPU's too) and the ``.cubin`` files in
+Triton's cache are counted before and after it: a step that compiled a kernel shows it.
+Passes repeat the workload in the same process (the second has nothing left to compile).
+``--profile`` runs torch's profiler over one mixed step of the last pass.
+
+    python benchmarks/gpu_steps.py --like SMOLLM2_DIR [--requests 64] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvrelay import SamplingParams
+from kvrelay.engine.llm import LLM
+
+
+def compiled() -> int:
+    """``.cubin`` files in Triton's cache: one per compiled kernel variant."""
+    cache = Path(os.environ.get("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache")))
+    return len(list(cache.glob("*/*.cubin"))) if cache.is_dir() else 0
+
+
+def run_pass(llm: LLM, tag: str, args: argparse.Namespace, rng: random.Random, profile: bool):
+    engine, sched = llm.engine, llm.engine.scheduler
+    added = done = 0
+    rows: list[tuple[str, float, int]] = []
+    profiled = False
+    while done < args.requests:
+        while added < args.requests and sched.num_running + sched.num_waiting < args.concurrency:
+            prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]
+            params = SamplingParams(
+                temperature=0.0, max_tokens=rng.randrange(32, 160), ignore_eos=True
+            )
+            engine.add_request(f"{tag}-{added}", prompt, params)
+            added += 1
+        before, started = compiled(), time.perf_counter()
+        if profile and not profiled and sched.num_waiting and sched.num_running:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+                outputs = engine.step()
+            print(p.key_averages().table(sort_by="cpu_time_total", row_limit=18))
+            profiled = True
+        else:
+            outputs = engine.step()
+        rows.append(
+            (engine.last_step_kind, 1e3 * (time.perf_counter() - started), compiled() - before)
+        )
+        done += sum(1 for out in outputs if out.finished)
+    for kind in ("decode", "mixed", "prefill"):
+        times = [t for k, t, _ in rows if k == kind]
+        if times:
+            print(f"{tag} {kind}: n={len(times)} median {statistics.median(times):.2f} ms "
+                  f"max {max(times):.1f} ms")  # fmt: skip
+    slow = [(k, round(t), c) for k, t, c in rows if t > args.slow_ms]
+    print(f"{tag} steps over {args.slow_ms} ms (kind, ms, kernels compiled): {slow[:20]}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument(
+        "--like", type=Path, required=True, help="config + tokenizer dir; random weights"
+    )
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--slow-ms", type=float, default=50.0)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_decode import random_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = random_checkpoint(args.like, Path(tmp), torch.bfloat16)
+        started = time.perf_counter()
+        llm = LLM(model, dtype="bfloat16", device=args.device)
+        print(f"engine + warm-up {time.perf_counter() - started:.1f} s; kernels {compiled()}")
+        rng = random.Random(0)
+        for n in range(args.passes):
+            run_pass(llm, f"pass{n + 1}", args, rng, args.profile and n == args.passes - 1)
+        print(f"kernels at the end {compiled()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
