@@ -1,13 +1,19 @@
-"""A worker's router links judge a router silent only for time the worker itself listened."""
+"""A worker's router links: a router is judged silent only for time the worker itself
+listened; a step's token events go to each router as one message."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
+import msgpack
 import pytest
 import zmq
 
+from kvrelay.protocol import messages
+from kvrelay.protocol.errors import ProtocolError
+from kvrelay.protocol.messages import WIRE_TYPES, TokenEvent, TokenEvents, decode, encode
 from kvrelay.transport.curve import SocketSecurity
 from kvrelay.worker.router_links import RouterLinks
 
@@ -42,3 +48,57 @@ def test_a_held_loop_excuses_the_routers(links: RouterLinks) -> None:
     assert links.silent_links(0.1) == set()
     links.heard(links.links[0])  # a message read after the pause restarts the count as usual
     assert links.silent_links(0.1) == set()
+
+
+def test_a_batch_sends_one_message_per_router_in_order() -> None:
+    """A step's events: one TokenEvents per router with that router's events in order, an
+    event of unknown origin to every router, a lone event as itself; outside a batch each
+    event goes at once."""
+    ctx = zmq.Context()
+    routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
+    ports = [r.bind_to_random_port("tcp://127.0.0.1") for r in routers]
+    links = RouterLinks(
+        ctx, "w0", ",".join(f"tcp://127.0.0.1:{p}" for p in ports), 0.05, SocketSecurity(None)
+    )
+    try:
+        first, second = links.links
+        links.origin.update(r1=first, r2=second)
+        links.attempts["r1"] = 2
+
+        def event(request_id: str, offset: int, finished: bool = False) -> TokenEvent:
+            return TokenEvent(request_id, "w0", [offset + 7], offset, finished=finished)
+
+        with links.batch():
+            links.send_event(event("r1", 0))
+            links.send_event(event("r2", 0))
+            links.send_event(event("r1", 1, finished=True))
+            links.send_event(event("r3", 0))
+            for router in routers:  # nothing leaves before the batch ends
+                assert not router.poll(50)
+
+        def received(router: zmq.Socket) -> list[object]:
+            out = []
+            while router.poll(2000 if not out else 200):
+                out.append(decode(router.recv_multipart()[1]))
+            return out
+
+        stamped = [dataclasses.replace(event("r1", i, finished=i == 1), attempt=2) for i in (0, 1)]
+        assert received(routers[0]) == [TokenEvents(stamped), event("r3", 0)]
+        assert received(routers[1]) == [event("r2", 0), event("r3", 0)]
+        assert "r1" not in links.origin and "r1" not in links.attempts  # finished: forgotten
+        links.send_event(event("r2", 1))  # no batch: at once
+        assert received(routers[1]) == [event("r2", 1)]
+    finally:
+        links.close()
+        for router in routers:
+            router.close(0)
+        ctx.term()
+
+
+def test_token_events_round_trip_and_refuse_anything_else() -> None:
+    batch = TokenEvents([TokenEvent("r1", "w0", [5], 0), TokenEvent("r2", "w0", [6], 3)])
+    assert decode(encode(batch)) == batch
+    tag = WIRE_TYPES.index(TokenEvents)
+    bad = msgpack.ExtType(1, msgpack.packb([tag, [1, 2]], default=messages._default))
+    with pytest.raises(ProtocolError, match="invalid TokenEvents"):
+        decode(msgpack.packb(bad))

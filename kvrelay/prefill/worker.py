@@ -42,6 +42,8 @@ class Lease:
 
 class PrefillWorker(Worker):
     role_name = "prefill"
+    # each first token goes out at once: a hand-off checksums the request's KV after it
+    batch_events = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -16,6 +16,9 @@ Request path (disaggregated)::
     D --KvAck(ok)--> P                              (P releases; a NACK too)
     D --TokenEvent(...)--> router                   (every later token, then finished)
 
+A worker sends one engine step's events for a router as one ``TokenEvents`` (a lone event as
+a plain ``TokenEvent``).
+
 With several routers every worker registers with each. ``RegisterAck.router_id`` tells a
 worker which link leads to which router; a request carries its router's id (``origin``)
 from ``GenerateRequest`` through ``KvReady``, and each worker sends the request's events
@@ -177,6 +180,20 @@ class TokenEvent:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class TokenEvents:
+    """One engine step's token events for one router, as one message (a step of n sequences
+    was n messages: each its own send, receive and event-loop wake-up at the router)."""
+
+    events: list[TokenEvent]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.events, list) or not all(
+            isinstance(e, TokenEvent) for e in self.events
+        ):
+            raise TypeError("events must be a list of TokenEvent")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class KvReady:
     request_id: str
     prompt_token_ids: list[int]
@@ -265,6 +282,7 @@ WIRE_TYPES: tuple[type, ...] = (
     SamplingParams,
     Undrain,  # new types go last: the tags of the others stay what older processes send
     StructuredOutput,
+    TokenEvents,
 )
 _TAG = {cls: i for i, cls in enumerate(WIRE_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in WIRE_TYPES}

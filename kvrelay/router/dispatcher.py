@@ -53,6 +53,7 @@ from kvrelay.protocol.messages import (
     Register,
     RegisterAck,
     TokenEvent,
+    TokenEvents,
     Undrain,
     decode,
     encode,
@@ -357,6 +358,9 @@ class Dispatcher(Backend):
         speak only on the connection it registered from)."""
         if isinstance(msg, TokenEvent):
             self._on_tokens(identity, msg)
+        elif isinstance(msg, TokenEvents):
+            for event in msg.events:
+                self._on_tokens(identity, event)
         elif isinstance(msg, Register):
             self._on_register(identity, msg)
         elif isinstance(msg, LoadReport | CacheEvent):

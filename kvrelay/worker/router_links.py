@@ -14,18 +14,19 @@ the heartbeat thread while it sends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import zmq
 
 from kvrelay.engine.engine import RequestOutput
-from kvrelay.protocol.messages import LoadReport, TokenEvent, encode
+from kvrelay.protocol.messages import LoadReport, TokenEvent, TokenEvents, encode
 from kvrelay.transport.curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class RouterLinks:
         self._last_heard = {link: time.monotonic() for link in self.links}  # loop thread only
         self.snapshot: LoadReport | None = None  # what the heartbeat thread sends
         self._heartbeat_interval = heartbeat_interval
+        self._pending: list[TokenEvent] | None = None  # events of an open ``batch``
         self._is_running: Callable[[], bool] = lambda: False
         self._heartbeat = threading.Thread(
             target=self._heartbeat_loop, name="heartbeat", daemon=True
@@ -113,7 +115,37 @@ class RouterLinks:
         return attempt is None or self.attempts.get(request_id, 0) <= attempt
 
     def send_event(self, event: TokenEvent) -> None:
-        """Sends to the router that sent the request (every router if it is unknown)."""
+        """Sends to the router that sent the request (every router if it is unknown); while
+        ``batch`` is open the event waits for the batch's end."""
+        if self._pending is not None:
+            self._pending.append(event)
+            return
+        link, event = self._route(event)
+        self.send(event, None if link is None else [link])
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Events sent inside go out at its end, one ``TokenEvents`` per router (a lone
+        event as itself), each router's in the order they were sent (loop thread)."""
+        self._pending = []
+        try:
+            yield
+        finally:
+            pending, self._pending = self._pending, None
+            self.send_events(pending)
+
+    def send_events(self, events: list[TokenEvent]) -> None:
+        by_link: dict[zmq.Socket | None, list[TokenEvent]] = {}
+        for event in events:
+            link, event = self._route(event)
+            by_link.setdefault(link, []).append(event)
+        for link, group in by_link.items():
+            msg = group[0] if len(group) == 1 else TokenEvents(group)
+            self.send(msg, None if link is None else [link])
+
+    def _route(self, event: TokenEvent) -> tuple[zmq.Socket | None, TokenEvent]:
+        """The event's router link (None: every router) and the event stamped with the
+        request's attempt; a finished or handed-off request is forgotten."""
         origin = self.origin.get(event.request_id)
         attempt = self.attempts.get(event.request_id, 0)
         if event.finished or event.handed_off_to is not None:
@@ -121,7 +153,7 @@ class RouterLinks:
             self.attempts.pop(event.request_id, None)
         if attempt != event.attempt:
             event = dataclasses.replace(event, attempt=attempt)
-        self.send(event, [origin] if origin is not None else None)
+        return origin, event
 
     def forget(self, request_id: str) -> None:
         self.origin.pop(request_id, None)

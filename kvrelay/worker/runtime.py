@@ -7,7 +7,8 @@ One thread runs everything that touches the engine::
                                 KvReady / KvAck / KvPull from peers (role hooks)
            orphans              abort the requests of a router silent for router_timeout
                                 (checked after the poll, so a long step never looks like it)
-           engine.step()        -> TokenEvents to the router (role hook: prefill hands off)
+           engine.step()        -> the step's TokenEvents, one message per router (role hook:
+                                prefill sends each at once and hands off)
            housekeeping         heartbeat LoadReport, lease expiry, pending imports (roles)
 
 SIGTERM drains (``begin_exit``): the instance reports ``draining`` at once, so the routers
@@ -22,6 +23,7 @@ heartbeat thread) and ``peer_links`` (messages between workers).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -84,6 +86,8 @@ _IDLE_POLL_MS = 20
 
 class Worker:
     role_name = "colocated"
+    # a step's token events go to each router as one message (RouterLinks.batch)
+    batch_events = True
 
     def __init__(self, config: WorkerConfig) -> None:
         config = resolve_identity(config, socket.gethostname(), os.getpid())
@@ -450,8 +454,9 @@ class Worker:
         started = time.perf_counter()
         outputs = self.engine.step()
         self.metrics.observe_step(time.perf_counter() - started, self.engine.last_step_kind)
-        for out in outputs:
-            self.on_output(out)
+        with self.routers.batch() if self.batch_events else contextlib.nullcontext():
+            for out in outputs:
+                self.on_output(out)
         self._collect_cache_changes()  # after the tokens went out
 
     def _collect_cache_changes(self) -> None:
