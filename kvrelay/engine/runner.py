@@ -130,9 +130,15 @@ class ModelRunner:
     def _prepare(
         self, scheduled: tuple[ScheduledSeq, ...]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's flat inputs and attention metadata, on the device.
+
+        Built in Python lists and turned into tensors once each: per-sequence tensor ops
+        (a position range, a block table, the slot arithmetic) cost ~25 us a sequence in
+        dispatch alone, 0.9 ms of a 32-sequence decode step (a GPU step is ~3.5 ms)."""
+        bs = self.block_size
         tokens: list[int] = []
-        pos_list: list[torch.Tensor] = []
-        slot_list: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
         prefills: list[PrefillSegment] = []
         decode_rows: list[int] = []
         decode_items: list[ScheduledSeq] = []
@@ -140,20 +146,22 @@ class ModelRunner:
         for item in scheduled:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             row = len(tokens)
-            tokens.extend(seq.token_ids[start : start + n])
-            positions = torch.arange(start, start + n)
-            table = torch.tensor(seq.block_ids, dtype=torch.long)
-            pos_list.append(positions)
-            slot_list.append(self._slots(table, positions))
+            block_ids = seq.block_ids
             if n == 1:
+                tokens.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(block_ids[start // bs] * bs + start % bs)
                 decode_rows.append(row)
                 decode_items.append(item)
             else:
-                prefills.append(self._prefill_segment(row, start, n, table))
+                tokens.extend(seq.token_ids[start : start + n])
+                positions.extend(range(start, start + n))
+                _extend_slots(slots, block_ids, start, n, bs)
+                prefills.append(self._prefill_segment(row, start, n, block_ids))
             if item.needs_sample:
                 sample_rows.append(row + n - 1)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slot_list),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
             prefills=prefills,
             workspace=self.workspace,
             window=self.window,
@@ -175,17 +183,18 @@ class ModelRunner:
         device = self.device
         return (
             torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True),
-            torch.cat(pos_list).to(device, non_blocking=True),
+            torch.tensor(positions, dtype=torch.long).to(device, non_blocking=True),
             meta.to(device),
             torch.tensor(sample_rows, dtype=torch.long).to(device, non_blocking=True),
         )
 
-    def _slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
-
-    def _prefill_segment(self, row: int, start: int, n: int, table: torch.Tensor) -> PrefillSegment:
+    def _prefill_segment(
+        self, row: int, start: int, n: int, block_ids: list[int]
+    ) -> PrefillSegment:
         ctx_len = start + n
-        blocks = None if start == 0 else table[: -(-ctx_len // self.block_size)]
+        blocks = None
+        if start:
+            blocks = torch.tensor(block_ids[: -(-ctx_len // self.block_size)], dtype=torch.long)
         mask = causal_mask(start, n, ctx_len, self.window)
         return PrefillSegment(row, n, blocks, ctx_len, mask)
 
@@ -202,3 +211,14 @@ def _advance_grammar(seq: Sequence, token_id: int) -> None:
     """Moves the sequence's matcher past the token the sampler chose under its mask."""
     if seq.matcher is not None and not seq.matcher.accept_token(token_id):
         raise AssertionError(f"{seq.seq_id}: token {token_id} was sampled outside its grammar")
+
+
+def _extend_slots(slots: list[int], block_ids: list[int], start: int, n: int, bs: int) -> None:
+    """Appends the pool slots of positions ``start .. start + n - 1``: a run per block."""
+    pos, end = start, start + n
+    while pos < end:
+        block, offset = divmod(pos, bs)
+        take = min(bs - offset, end - pos)
+        first = block_ids[block] * bs + offset
+        slots.extend(range(first, first + take))
+        pos += take

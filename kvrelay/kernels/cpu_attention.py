@@ -63,12 +63,10 @@ def table_width(blocks: int) -> int:
 def make_decode(rows: list[int], ctx_lens: list[int], tables: list[list[int]]) -> NativeDecode:
     """The kernel's inputs from each decode token's row, context length and block table."""
     width = table_width(max(len(t) for t in tables))
-    padded = torch.zeros(len(tables), width, dtype=torch.int32)
-    for i, table in enumerate(tables):
-        padded[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    padded = [t + [0] * (width - len(t)) for t in tables]  # one tensor made, not one a row
     return NativeDecode(
         torch.tensor(rows, dtype=torch.long),
-        padded,
+        torch.tensor(padded, dtype=torch.int32),
         torch.tensor(ctx_lens, dtype=torch.int32),
     )
 
