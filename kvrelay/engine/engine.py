@@ -368,13 +368,12 @@ class LLMEngine:
         CPUs, with packed weights and the native kernels, a fresh 1P+1D ``kvrelay up``
         served its first requests as fast without it and was ready 1.1 s sooner (it once
         made a fresh kvrelay's first benchmark run 3x faster: TTFT p50 446 ms against 130
-        ms). One prompt
-        of ``prompt_len`` tokens (capped by the context and the step budget) and ``batch - 1``
-        short ones, a few greedy tokens each: a long prefill, a batched prefill, batched
-        decode steps and then, the long one alone, lone decode steps. Nothing remains: the
-        blocks are freed and dropped from the prefix cache (call it before serving: the whole
-        cache is emptied) before any cache event leaves, the cache tiers are not consulted,
-        and the prefix-cache counters are restored.
+        ms). One prompt of ``prompt_len`` tokens (capped by the context and the step budget)
+        and ``batch - 1`` short ones, a few greedy tokens each: a long prefill, a batched
+        prefill, batched decode steps and then, the long one alone, lone decode steps.
+        Nothing remains: the blocks are freed and dropped from the prefix cache (call it
+        before serving: the whole cache is emptied) before any cache event leaves, the cache
+        tiers are not consulted, and the prefix-cache counters are restored.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up needs an idle engine")
