@@ -3,8 +3,10 @@ listened; a step's token events go to each router as one message."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
+import types
 from collections.abc import Iterator
 
 import msgpack
@@ -12,10 +14,25 @@ import pytest
 import zmq
 
 from kvrelay.protocol import messages
+from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.errors import ProtocolError
-from kvrelay.protocol.messages import WIRE_TYPES, TokenEvent, TokenEvents, decode, encode
+from kvrelay.protocol.messages import (
+    WIRE_TYPES,
+    KvLayout,
+    PeerInfo,
+    Register,
+    RegisterAck,
+    Role,
+    TokenEvent,
+    TokenEvents,
+    decode,
+    encode,
+)
+from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
+from kvrelay.text.tokenizer import Tokenizer
 from kvrelay.transport.curve import SocketSecurity
 from kvrelay.worker.router_links import RouterLinks
+from kvrelay.worker.runtime import Worker
 
 
 @pytest.fixture
@@ -51,9 +68,10 @@ def test_a_held_loop_excuses_the_routers(links: RouterLinks) -> None:
 
 
 def test_a_batch_sends_one_message_per_router_in_order() -> None:
-    """A step's events: one TokenEvents per router with that router's events in order, an
-    event of unknown origin to every router, a lone event as itself; outside a batch each
-    event goes at once."""
+    """A step's events: one TokenEvents per router that takes them (its RegisterAck said so)
+    with that router's events in order, one message an event to a router that does not (an
+    older one), an event of unknown origin to every router, a lone event as itself; outside
+    a batch each event goes at once."""
     ctx = zmq.Context()
     routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
     ports = [r.bind_to_random_port("tcp://127.0.0.1") for r in routers]
@@ -62,6 +80,8 @@ def test_a_batch_sends_one_message_per_router_in_order() -> None:
     )
     try:
         first, second = links.links
+        links.set_takes_batches(first, True)
+        links.set_takes_batches(second, False)  # an older router: no TokenEvents for it
         links.origin.update(r1=first, r2=second)
         links.attempts["r1"] = 2
 
@@ -73,6 +93,7 @@ def test_a_batch_sends_one_message_per_router_in_order() -> None:
             links.send_event(event("r2", 0))
             links.send_event(event("r1", 1, finished=True))
             links.send_event(event("r3", 0))
+            links.send_event(event("r2", 1))
             for router in routers:  # nothing leaves before the batch ends
                 assert not router.poll(50)
 
@@ -83,11 +104,15 @@ def test_a_batch_sends_one_message_per_router_in_order() -> None:
             return out
 
         stamped = [dataclasses.replace(event("r1", i, finished=i == 1), attempt=2) for i in (0, 1)]
-        assert received(routers[0]) == [TokenEvents(stamped), event("r3", 0)]
-        assert received(routers[1]) == [event("r2", 0), event("r3", 0)]
+        assert received(routers[0]) == [TokenEvents([*stamped, event("r3", 0)])]
+        assert received(routers[1]) == [event("r2", 0), event("r3", 0), event("r2", 1)]
         assert "r1" not in links.origin and "r1" not in links.attempts  # finished: forgotten
-        links.send_event(event("r2", 1))  # no batch: at once
-        assert received(routers[1]) == [event("r2", 1)]
+        links.send_event(event("r2", 2))  # no batch: at once
+        assert received(routers[1]) == [event("r2", 2)]
+        with links.batch():  # a lone event as itself, also to a router that takes batches
+            links.send_event(event("r4", 0))
+        assert received(routers[0]) == [event("r4", 0)]
+        assert received(routers[1]) == [event("r4", 0)]
     finally:
         links.close()
         for router in routers:
@@ -102,3 +127,43 @@ def test_token_events_round_trip_and_refuse_anything_else() -> None:
     bad = msgpack.ExtType(1, msgpack.packb([tag, [1, 2]], default=messages._default))
     with pytest.raises(ProtocolError, match="invalid TokenEvents"):
         decode(msgpack.packb(bad))
+
+
+def test_routers_announce_batches_and_workers_follow_each_ack(tiny_model_dir) -> None:
+    """The router's RegisterAck says it takes TokenEvents; a worker records it per link from
+    every ack, and an older router's ack (without the field) decodes as not taking them."""
+
+    async def router_ack() -> RegisterAck:
+        tokenizer = Tokenizer.from_pretrained(tiny_model_dir)
+        security = SocketSecurity(ClusterCredential.generate())
+        backend = Dispatcher(
+            tokenizer, "tiny", 128, DispatcherSettings("tcp://127.0.0.1:1"), security
+        )
+        sent: list[RegisterAck] = []
+        backend._reply = lambda identity, msg: sent.append(msg)  # type: ignore[method-assign]
+        try:
+            layout = KvLayout(2, 100, 16, 2, 8, "float32")
+            info = PeerInfo("d0", Role.DECODE, "host", "tcp://127.0.0.1:1", "", None, layout, b"f")
+            backend._on_register(b"conn-d0", Register(info, "tiny", 128, 1))
+        finally:
+            await backend.close()
+        return sent[0]
+
+    ack = asyncio.run(router_ack())
+    assert ack.known and ack.token_batches
+    fields = [getattr(ack, f.name) for f in dataclasses.fields(RegisterAck)][:3]
+    old = msgpack.packb(msgpack.ExtType(1, msgpack.packb([WIRE_TYPES.index(RegisterAck), *fields])))
+    assert decode(old) == dataclasses.replace(ack, token_batches=False)
+
+    ctx = zmq.Context()
+    links = RouterLinks(ctx, "d0", "tcp://127.0.0.1:9", 0.05, SocketSecurity(None))
+    worker = types.SimpleNamespace(routers=links, registered=False, instance_id="d0")
+    try:
+        (link,) = links.links
+        Worker._on_register_ack(worker, ack, link)  # type: ignore[arg-type]
+        assert worker.registered and link in links._batching
+        Worker._on_register_ack(worker, decode(old), link)  # the router was replaced by an older
+        assert link not in links._batching
+    finally:
+        links.close()
+        ctx.term()

@@ -17,7 +17,8 @@ Request path (disaggregated)::
     D --TokenEvent(...)--> router                   (every later token, then finished)
 
 A worker sends one engine step's events for a router as one ``TokenEvents`` (a lone event as
-a plain ``TokenEvent``).
+a plain ``TokenEvent``) once that router's ``RegisterAck`` said it takes them; an older router
+(whose acks lack the field) gets every event alone, as before.
 
 With several routers every worker registers with each. ``RegisterAck.router_id`` tells a
 worker which link leads to which router; a request carries its router's id (``origin``)
@@ -109,6 +110,7 @@ class RegisterAck:
     instance_id: str
     known: bool
     router_id: str = ""  # the router's id, as requests carry it in ``origin``
+    token_batches: bool = False  # it takes ``TokenEvents`` (an older router drops them)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

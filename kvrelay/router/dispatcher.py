@@ -369,18 +369,21 @@ class Dispatcher(Backend):
                     logger.info(
                         "heartbeat from unregistered %s; asking it to register", msg.instance_id
                     )
-                    ack = RegisterAck(msg.instance_id, known=False, router_id=self.router_id)
+                    ack = self._ack(msg.instance_id, known=False)
                     self._reply(identity, ack)
             elif self.registry.get_from(msg.instance_id, identity) is None:
                 self.metrics.refused_control.labels("foreign_connection").inc()
             elif isinstance(msg, LoadReport):
                 self.registry.report(msg)
                 # the answer also tells the worker this router is alive (router_timeout)
-                self._reply(identity, RegisterAck(msg.instance_id, True, self.router_id))
+                self._reply(identity, self._ack(msg.instance_id, known=True))
             else:
                 self.cache_index.apply(msg)
         else:
             logger.warning("unexpected %s from %r", type(msg).__name__, identity)
+
+    def _ack(self, instance_id: str, known: bool) -> RegisterAck:
+        return RegisterAck(instance_id, known, self.router_id, token_batches=True)
 
     def _on_register(self, identity: bytes, msg: Register) -> None:
         inst = self.registry.register(msg, identity)
@@ -394,7 +397,7 @@ class Dispatcher(Backend):
             return
         self.cache_index.add_instance(inst.instance_id, inst.info.host_id)
         self._connections[inst.instance_id] = identity  # kept after death: late Aborts
-        ack = RegisterAck(inst.instance_id, known=True, router_id=self.router_id)
+        ack = self._ack(inst.instance_id, known=True)
         self._reply(identity, ack)
         logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
 

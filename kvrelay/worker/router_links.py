@@ -58,6 +58,7 @@ class RouterLinks:
         self.snapshot: LoadReport | None = None  # what the heartbeat thread sends
         self._heartbeat_interval = heartbeat_interval
         self._pending: list[TokenEvent] | None = None  # events of an open ``batch``
+        self._batching: set[zmq.Socket] = set()  # links whose router takes TokenEvents
         self._is_running: Callable[[], bool] = lambda: False
         self._heartbeat = threading.Thread(
             target=self._heartbeat_loop, name="heartbeat", daemon=True
@@ -134,14 +135,26 @@ class RouterLinks:
             pending, self._pending = self._pending, None
             self.send_events(pending)
 
+    def set_takes_batches(self, link: zmq.Socket, takes: bool) -> None:
+        """Records what the router on ``link`` said in its last ``RegisterAck``."""
+        if takes:
+            self._batching.add(link)
+        else:
+            self._batching.discard(link)
+
     def send_events(self, events: list[TokenEvent]) -> None:
-        by_link: dict[zmq.Socket | None, list[TokenEvent]] = {}
+        """Each router's events as one ``TokenEvents`` where it takes them, else one by one."""
+        by_link: dict[zmq.Socket, list[TokenEvent]] = {link: [] for link in self.links}
         for event in events:
             link, event = self._route(event)
-            by_link.setdefault(link, []).append(event)
+            for target in self.links if link is None else [link]:
+                by_link[target].append(event)
         for link, group in by_link.items():
-            msg = group[0] if len(group) == 1 else TokenEvents(group)
-            self.send(msg, None if link is None else [link])
+            if len(group) > 1 and link in self._batching:
+                self.send(TokenEvents(group), [link])
+            else:
+                for event in group:
+                    self.send(event, [link])
 
     def _route(self, event: TokenEvent) -> tuple[zmq.Socket | None, TokenEvent]:
         """The event's router link (None: every router) and the event stamped with the

@@ -373,6 +373,7 @@ class Worker:
     def _on_register_ack(self, msg: RegisterAck, link: zmq.Socket) -> None:
         if msg.router_id:
             self.routers.by_router_id[msg.router_id] = link
+        self.routers.set_takes_batches(link, msg.token_batches)
         if msg.known:
             self.registered = True
         else:
