@@ -35,12 +35,13 @@ def compiled() -> int:
 
 def run_pass(llm: LLM, tag: str, args: argparse.Namespace, rng: random.Random, profile: bool):
     engine, sched = llm.engine, llm.engine.scheduler
+    vocab = engine.config.model_config.vocab_size
     added = done = 0
     rows: list[tuple[str, float, int]] = []
     profiled = False
     while done < args.requests:
         while added < args.requests and sched.num_running + sched.num_waiting < args.concurrency:
-            prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_len)]
+            prompt = [rng.randrange(vocab // 50, vocab) for _ in range(args.prompt_len)]
             params = SamplingParams(
                 temperature=0.0, max_tokens=rng.randrange(32, 160), ignore_eos=True
             )

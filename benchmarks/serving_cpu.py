@@ -13,6 +13,7 @@ make-tiny``) keeps the engine step short, as on a GPU, so the path's share shows
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -48,9 +49,10 @@ def serving_processes(up_pid: int) -> dict[str, int]:
 def measure(tree: Path, port: int, args: argparse.Namespace, out: Path) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     up_argv = [sys.executable, "-m", "kvrelay", "up", "--model", args.model, "--colocated", "1"]
+    log = (out.parent / f"up-{port}.log").open("w")
     up = subprocess.Popen(
-        [*up_argv, "--port", str(port)], env=env, cwd=tree, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True,
+        [*up_argv, "--port", str(port)], env=env, cwd=tree, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
@@ -61,11 +63,16 @@ def measure(tree: Path, port: int, args: argparse.Namespace, out: Path) -> dict[
                 break
             except OSError:
                 if up.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"kvrelay up from {tree} did not get ready") from None
+                    tail = Path(log.name).read_text()[-2000:]
+                    raise RuntimeError(
+                        f"kvrelay up from {tree} did not get ready:\n{tail}"
+                    ) from None
                 time.sleep(0.5)
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+            model_id = json.load(resp)["data"][0]["id"]
         procs = serving_processes(up.pid)
         before = {name: cpu_seconds(pid) for name, pid in procs.items()}
-        bench = [sys.executable, "-m", "kvrelay", "bench", "--url", url, "--model", "tiny",
+        bench = [sys.executable, "-m", "kvrelay", "bench", "--url", url, "--model", model_id,
                  "--rate", "inf", "--num-requests", str(args.requests), "--concurrency-limit",
                  str(args.concurrency), "--prompt-len", str(args.prompt_len), "--output-len",
                  str(args.output_len), "--no-progress", "--num-warmup", "2",
@@ -73,8 +80,10 @@ def measure(tree: Path, port: int, args: argparse.Namespace, out: Path) -> dict[
         subprocess.run(bench, env=env, check=True, capture_output=True)
         after = {name: cpu_seconds(pid) for name, pid in procs.items()}
     finally:
-        os.killpg(up.pid, signal.SIGINT)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(up.pid, signal.SIGINT)
         up.wait(60)
+        log.close()
     result = json.loads(out.read_text())
     tokens = args.requests * args.output_len
     return {

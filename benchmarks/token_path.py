@@ -131,8 +131,10 @@ def run_level(
 
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     rng = random.Random(seed)
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     prompts = [
-        [rng.randrange(1000, 40000) for _ in range(args.prompt_len)] for _ in range(args.requests)
+        [rng.randrange(vocab // 50, vocab) for _ in range(args.prompt_len)]
+        for _ in range(args.requests)
     ]
     worker_url = decode_status_url(server)
     steps0, itl0 = steps(worker_url), router_itl(f"{server.url}/metrics")

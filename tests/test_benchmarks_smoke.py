@@ -201,3 +201,65 @@ def test_start_time_benchmark_starts_a_cluster_and_answers(tiny_model_dir, tmp_p
     row = re.search(pattern, proc.stdout, re.M)
     assert row is not None and float(row.group(1)) > 0, proc.stdout
     assert float(row.group(4)) > 0 and float(row.group(6)) > 0  # first TTFT, TPOT p50
+
+
+@pytest.mark.timeout(240)
+def test_gpu_steps_times_each_step_on_cpu(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/gpu_steps.py on CPU with the tiny model's shapes (a smoke test, not a
+    timing): staggered requests make decode and mixed steps, two passes, no Triton kernel."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_steps.py"), "--like",
+        str(tiny_model_dir), "--device", "cpu", "--requests", "6", "--concurrency", "3",
+        "--prompt-len", "24", "--passes", "2", "--profile",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for kind in ("pass1 decode", "pass2 decode", "pass1 mixed", "pass2 mixed"):
+        assert re.search(rf"^{kind}: n=\d+ median [\d.]+ ms", proc.stdout, re.M), proc.stdout
+    assert "kernels at the end 0" in proc.stdout
+    assert "Self CPU time total" in proc.stdout  # --profile: the profiler's table
+
+
+def test_token_path_tables_its_json() -> None:
+    """benchmarks/token_path.py renders a kept run (the H100's) as its table."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_token_path", REPO_ROOT / "benchmarks" / "token_path.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    run = json.loads((REPO_ROOT / "benchmarks" / "token_path_h100.json").read_text())
+    assert run["section"] == module.SECTION_GPU
+    table = module.table_of(run["results"]).splitlines()
+    assert len(table) == 2 + 6  # header, rule, two systems x three stream counts
+    assert table[2].startswith("| kvrelay colocated | 1 | 2.8 / 2.6 |")
+    assert table[-1].startswith("| kvrelay 1P+1D | 32 | 5.7 / 0.2 |")
+
+
+@pytest.mark.timeout(600)
+def test_serving_cpu_measures_a_commit_against_the_tree(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/serving_cpu.py, HEAD against the working tree, one round (a smoke test,
+    not a timing): both clusters serve the bench, the CPU per token is read, the worktree
+    goes."""
+    inside = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True)
+    if inside.returncode != 0:
+        pytest.skip("the checkout is not a git repository: serving_cpu needs one for its worktree")
+    worktree = tmp_path / "base"
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "serving_cpu.py"), "--base", "HEAD",
+        "--model", str(tiny_model_dir), "--rounds", "1", "--requests", "6", "--concurrency",
+        "3", "--prompt-len", "8", "--output-len", "8", "--worktree", str(worktree),
+        "--port", "18960",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=580, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for label in (r"base \(HEAD\)", "tree"):
+        # CPU columns can round to 0 over so short a run (10 ms clock ticks); tok/s cannot
+        row = rf"^\| {label} \| \d+ \| \d+ \| (\d+) \| [\d.]+ \|$"
+        match = re.search(row, proc.stdout, re.M)
+        assert match, proc.stdout
+        assert int(match.group(1)) > 0
+    assert not worktree.exists()

@@ -58,3 +58,25 @@ def test_a_bad_flag_shows_the_usage_of_the_command_typed(argv: list[str], usage:
     assert out.returncode == 2
     assert usage in out.stderr
     assert "unrecognized arguments: --no-such-flag" in out.stderr
+
+
+def test_port_check_refuses_a_listener_but_not_closing_connections() -> None:
+    """A live server on the port is refused; the connections a stopped cluster leaves in
+    TIME_WAIT (up to a minute) are not: the router binds with SO_REUSEADDR, as uvicorn does,
+    so a `kvrelay up` restarted right after a stop must start."""
+    from kvrelay.cli.launcher import LaunchError, check_port_free
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    with pytest.raises(LaunchError, match=f"port {port} on 127.0.0.1 is in use"):
+        check_port_free("127.0.0.1", port)
+    accepted.close()  # the server's side closes first: its end of the port waits in TIME_WAIT
+    client.recv(1)
+    client.close()
+    server.close()
+    check_port_free("127.0.0.1", port)

@@ -45,8 +45,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def check_port_free(host: str, port: int) -> None:
     """Raises LaunchError when ``host:port`` is taken: a readiness probe would otherwise
-    reach whatever already listens there (another cluster) and report it as ours."""
+    reach whatever already listens there (another cluster) and report it as ours.
+
+    Bound with SO_REUSEADDR, as the router's server binds: connections of a cluster stopped a
+    moment ago wait in TIME_WAIT for up to a minute and must not refuse its restart, while
+    a socket listening on the port still does (Linux refuses a second listener)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
