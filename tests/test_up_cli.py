@@ -80,3 +80,73 @@ def test_port_check_refuses_a_listener_but_not_closing_connections() -> None:
     client.close()
     server.close()
     check_port_free("127.0.0.1", port)
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_during_a_stream_leaves_no_process_and_no_shared_memory(
+    tiny_model_dir, tmp_path
+) -> None:
+    """Ctrl-C in a terminal sends SIGINT to `kvrelay up`'s whole process group, workers and
+    router included, here while a request streams: everything exits and none of the
+    cluster's shared-memory segments (KV pools, the host pool and its lock) remains."""
+    import json
+    import os
+    import signal
+    import threading
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from kvrelay.cli.launcher import free_port
+
+    port = free_port()
+    log = (tmp_path / "up.log").open("w")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvrelay", "up", "--model", str(tiny_model_dir), "--port",
+         str(port)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    streamed, model = threading.Event(), []
+
+    def stream() -> None:
+        body = {"model": model[0], "prompt": "hello " * 40, "max_tokens": 500, "stream": True}
+        body["ignore_eos"] = True
+        request = urllib.request.Request(
+            url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as resp:
+                for line in resp:
+                    if line.startswith(b"data: {"):
+                        streamed.set()
+        except OSError:
+            pass  # the cluster went away mid-stream, as intended
+
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert up.poll() is None, (tmp_path / "up.log").read_text()[-2000:]
+            try:
+                urllib.request.urlopen(url + "/ready", timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "kvrelay up did not get ready"
+                time.sleep(0.3)
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+            model.append(json.load(resp)["data"][0]["id"])
+        reader = threading.Thread(target=stream, daemon=True)
+        reader.start()
+        assert streamed.wait(60), "no token streamed"
+        os.killpg(up.pid, signal.SIGINT)  # what Ctrl-C does
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+        log.close()
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # nothing of the group is left
+        os.killpg(up.pid, 0)
+    left = [p.name for p in Path("/dev/shm").iterdir() if f"up{up.pid}-" in p.name]
+    assert left == [], left
