@@ -86,9 +86,10 @@ def test_port_check_refuses_a_listener_but_not_closing_connections() -> None:
 def test_ctrl_c_during_a_stream_leaves_no_process_and_no_shared_memory(
     tiny_model_dir, tmp_path
 ) -> None:
-    """Ctrl-C in a terminal sends SIGINT to `kvrelay up`'s whole process group, workers and
-    router included, here while a request streams: everything exits and none of the
-    cluster's shared-memory segments (KV pools, the host pool and its lock) remains."""
+    """Ctrl-C in a terminal sends SIGINT to `kvrelay up`'s process group (the router and the
+    workers run in sessions of their own: the launcher stops them), here while a request
+    streams: everything exits and none of the cluster's shared-memory segments (KV pools,
+    the host pool and its lock) remains."""
     import json
     import os
     import signal
@@ -138,15 +139,37 @@ def test_ctrl_c_during_a_stream_leaves_no_process_and_no_shared_memory(
         reader = threading.Thread(target=stream, daemon=True)
         reader.start()
         assert streamed.wait(60), "no token streamed"
+        children = _children(up.pid)
+        assert len(children) >= 3  # the router, a prefill and a decode worker
         os.killpg(up.pid, signal.SIGINT)  # what Ctrl-C does
         assert up.wait(60) == 0
     finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
+        if up.poll() is None:  # a failed check: the launcher stops its cluster on SIGINT
+            os.kill(up.pid, signal.SIGINT)  # (its processes run in sessions of their own:
+            try:  # a SIGKILL here would leave them running)
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                up.kill()
+                up.wait()
         log.close()
     time.sleep(0.5)
-    with pytest.raises(ProcessLookupError):  # nothing of the group is left
-        os.killpg(up.pid, 0)
+    for pid in children:  # the launcher waited for each: none is left
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     left = [p.name for p in Path("/dev/shm").iterdir() if f"up{up.pid}-" in p.name]
     assert left == [], left
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
