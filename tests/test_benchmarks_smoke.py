@@ -131,11 +131,12 @@ def test_decode_attention_benchmark_times_the_tree_kernel(tmp_path: Path) -> Non
     assert re.search(r"f32:2:40 tree: checksum -?[\d.]+", proc.stderr), proc.stderr
 
 
-def _load_gpu_decode():
+def _load_benchmark(name: str):
+    """``benchmarks/NAME.py`` as a module (its sibling imports resolved)."""
     sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
     try:
         spec = importlib.util.spec_from_file_location(
-            "bench_gpu_decode", REPO_ROOT / "benchmarks" / "gpu_decode.py"
+            f"bench_{name}", REPO_ROOT / "benchmarks" / f"{name}.py"
         )
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -151,7 +152,7 @@ def test_gpu_decode_random_checkpoint_loads_and_generates(tiny_model_dir, tmp_pa
 
     from kvrelay import LLM, SamplingParams
 
-    gpu_decode = _load_gpu_decode()
+    gpu_decode = _load_benchmark("gpu_decode")
     out = gpu_decode.random_checkpoint(tiny_model_dir, tmp_path, torch.float32)
     llm = LLM(out, num_blocks=32, warm_up=False)
     original = LLM(tiny_model_dir, num_blocks=32, warm_up=False)
@@ -163,7 +164,7 @@ def test_gpu_decode_random_checkpoint_loads_and_generates(tiny_model_dir, tmp_pa
 
 
 def test_gpu_decode_renders_its_tables() -> None:
-    gpu_decode = _load_gpu_decode()
+    gpu_decode = _load_benchmark("gpu_decode")
     attention = [
         {"heads": "SmolLM2-135M", "batch": 1, "ctx": 512, "torch_us": 50.0, "triton_us": 20.0,
          "triton_gbps": 10.0, "splits": 16, "max_abs_diff": 1e-3},
@@ -222,15 +223,7 @@ def test_gpu_steps_times_each_step_on_cpu(tiny_model_dir, tmp_path: Path) -> Non
 
 def test_token_path_tables_its_json() -> None:
     """benchmarks/token_path.py renders a kept run (the H100's) as its table."""
-    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_token_path", REPO_ROOT / "benchmarks" / "token_path.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    module = _load_benchmark("token_path")
     run = json.loads((REPO_ROOT / "benchmarks" / "token_path_h100.json").read_text())
     assert run["section"] == module.SECTION_GPU
     table = module.table_of(run["results"]).splitlines()
