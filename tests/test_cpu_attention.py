@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,10 +119,11 @@ def test_engine_decode_tokens_use_the_native_kernel(
     tiny_model_dir, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch of more decoding sequences than the fused step takes attends through the kernel
-    once per layer per decode step, and greedy tokens equal the torch path's."""
+    once per layer per step, prompt tokens (short segments: a row each) and decode tokens
+    alike, and greedy tokens equal the torch path's."""
     from kvrelay import LLM, SamplingParams
 
-    calls: list[int] = []  # decode tokens per call
+    calls: list[int] = []  # query rows per call
     real = cpu_attention.decode
 
     def spy(q, kv, batch, window, scale, out):
@@ -141,10 +144,154 @@ def test_engine_decode_tokens_use_the_native_kernel(
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     layers = llm.engine.runner.model.config.num_layers
     assert calls and len(calls) % layers == 0
-    assert sum(calls) == len(lens) * 3 * layers  # each sequence's 3 decode tokens, per layer
+    # each sequence's prompt tokens and its 3 decode tokens, per layer
+    assert sum(calls) == (sum(lens) + len(lens) * 3) * layers
     # 10 rows a step: torch runs on all threads, so the kernels join its OpenMP team
     assert modes and all(modes)
     llm.engine.runner.native_attention = False
     calls.clear()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == native
+    assert not calls
+
+
+def _reference(q, kv, rows, ctx_lens, tables, row_table, window, scale):
+    """Each query row's attention over its keys (the last ``window`` of them), in float64 from
+    keys and values gathered out of the pool one token at a time."""
+    block_size, kv_heads, head_dim = kv.shape[2], kv.shape[3], kv.shape[4]
+    q_per_kv = q.shape[1] // kv_heads
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for i, (row, n) in enumerate(zip(rows, ctx_lens)):
+        table = tables[row_table[i] if row_table is not None else i]
+        first = max(0, n - window) if window else 0
+        slots = [table[t // block_size] * block_size + t % block_size for t in range(first, n)]
+        keys = kv[0].reshape(-1, kv_heads, head_dim)[slots].double()  # [L, Hkv, D]
+        values = kv[1].reshape(-1, kv_heads, head_dim)[slots].double()
+        for h in range(q.shape[1]):
+            scores = keys[:, h // q_per_kv] @ q[row, h].double() * scale
+            out[row, h] = torch.softmax(scores, 0) @ values[:, h // q_per_kv]
+    return out
+
+
+def _isas() -> list[int]:
+    """The kernel's paths this CPU has: 0 portable C, 1 AVX2, 2 AVX-512."""
+    library = gemv.load_library()
+    widest = library.attention_isa(0, 64)
+    return list(range(widest + 1))
+
+
+@pytest.fixture
+def isa_cap():
+    """Sets the widest path the kernel may take for one test, restored after."""
+    library = gemv.load_library()
+    old = library.attention_set_isa(-1)
+    yield library.attention_set_isa
+    library.attention_set_isa(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "block_size,kv_heads,q_per_kv,head_dim",
+    [(16, 3, 3, 64), (5, 2, 1, 24), (16, 1, 8, 128), (8, 4, 2, 48), (16, 2, 2, 32)],
+)
+@pytest.mark.parametrize("window", [None, 7, 600])
+def test_prefill_rows_attend_causally_over_their_sequence(
+    dtype, block_size, kv_heads, q_per_kv, head_dim, window, isa_cap
+) -> None:
+    """A step's rows: prefill segments (one from position 0, one after 37 cached tokens, one
+    across more than a chunk of 512 keys), each token a row over the keys up to its own
+    position through its sequence's shared table, beside decode tokens with tables of their
+    own; on every vector path this CPU has, equal to the reference."""
+    segments = [(0, 23), (37, 20), (500, 30)]  # (cached tokens, new tokens) per sequence
+    decode_lens = [1, 70, 600]
+    num_blocks = sum(-(-(s + n) // block_size) for s, n in segments)
+    num_blocks += sum(-(-n // block_size) for n in decode_lens) + 2
+    kv = _pool(num_blocks, block_size, kv_heads, head_dim, dtype)
+    seq_tables = _batch([s + n for s, n in segments] + decode_lens, block_size, num_blocks, 3)
+    rows, ctx_lens, row_table = [], [], []
+    for seq, (start, n) in enumerate(segments):
+        rows.extend(range(len(rows), len(rows) + n))
+        ctx_lens.extend(range(start + 1, start + n + 1))
+        row_table.extend([seq] * n)
+    for j, n in enumerate(decode_lens):
+        rows.append(len(rows))
+        ctx_lens.append(n)
+        row_table.append(len(segments) + j)
+    gen = torch.Generator().manual_seed(head_dim)
+    q = torch.randn(len(rows), kv_heads * q_per_kv, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+    want = _reference(q, kv, rows, ctx_lens, seq_tables, row_table, window, scale)
+    batch = cpu_attention.make_decode(rows, ctx_lens, seq_tables, row_table)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for isa in _isas():
+        isa_cap(isa)
+        out = torch.empty_like(q)
+        cpu_attention.decode(q, kv, batch, window, scale, out)
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol, msg=f"path {isa}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_vector_path_equals_the_portable_one(dtype, isa_cap) -> None:
+    """Decode rows of 1-1,100 keys: AVX-512 (where the CPU has it; bfloat16 scores as BF16 dot
+    products), AVX2 and portable C agree with the reference and with each other."""
+    lens = [1, 15, 16, 17, 200, 513, 1100]
+    block_size, kv_heads, q_per_kv, head_dim = 16, 3, 3, 64
+    num_blocks = sum(-(-n // block_size) for n in lens) + 2
+    kv = _pool(num_blocks, block_size, kv_heads, head_dim, dtype)
+    tables = _batch(lens, block_size, num_blocks, seed=5)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(len(lens), kv_heads * q_per_kv, head_dim, generator=gen).to(dtype)
+    rows = list(range(len(lens)))
+    want = _reference(q, kv, rows, lens, tables, None, None, 0.125)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    outs = []
+    for isa in _isas():
+        isa_cap(isa)
+        out = torch.empty_like(q)
+        cpu_attention.decode(q, kv, cpu_attention.make_decode(rows, lens, tables), None, 0.125, out)
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol, msg=f"path {isa}")
+        outs.append(out)
+    for other in outs[1:]:
+        torch.testing.assert_close(other, outs[0], rtol=tol, atol=tol)
+
+
+def test_avx512_path_taken_where_the_cpu_has_it() -> None:
+    """On a CPU with AVX-512 (BF16 for a bfloat16 pool) the kernel takes the 16-lane path for
+    head sizes it divides, and the 8-lane one for others."""
+    flags = Path("/proc/cpuinfo").read_text() if sys.platform == "linux" else ""
+    if " avx512f " not in flags or " avx512bw " not in flags or " avx512vl " not in flags:
+        pytest.skip("no AVX-512 on this CPU")
+    library = gemv.load_library()
+    assert library.attention_isa(0, 64) == 2  # float32
+    assert library.attention_isa(0, 24) == 1  # 24 columns: not a multiple of 16
+    if " avx512_bf16 " in flags:
+        assert library.attention_isa(1, 64) == 2
+        assert library.attention_isa(1, 48) == 1  # bfloat16 dot products take 32 at a time
+
+
+def test_long_prefill_segments_stay_on_sdpa(tiny_model_dir, monkeypatch) -> None:
+    """Segments longer than the runner's limit attend in SDPA, shorter ones in the kernel (the
+    two decode tokens of a step take the fused native step, kernels.cpu_decode, which calls
+    the library directly); greedy tokens are the same either way."""
+    from kvrelay import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2)
+    runner = llm.engine.runner
+    assert runner.native_prefill_tokens == cpu_attention.MAX_PREFILL_TOKENS
+    calls: list[int] = []
+    real = cpu_attention.decode
+
+    def spy(q, kv, batch, *args):
+        calls.append(batch.rows.numel())
+        return real(q, kv, batch, *args)
+
+    monkeypatch.setattr(cpu_attention, "decode", spy)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (40, 9)]
+    runner.native_prefill_tokens = 16  # the 40-token prompt is over it, the 9-token one not
+    split = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    layers = runner.model.config.num_layers
+    assert calls == [9] * layers  # the short prompt's tokens, in the prompts' one step
+    runner.native_prefill_tokens = 0  # every prompt in SDPA
+    calls.clear()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == split
     assert not calls

@@ -1,6 +1,9 @@
 /*
- * Paged decode attention for CPU: one query token per sequence against its cached keys and
- * values, read in place from the block pool (no gather into a padded copy).
+ * Paged attention for CPU: query rows against their sequences' cached keys and values, read in
+ * place from the block pool (no gather into a padded copy). A decode token is one row; a
+ * prefill segment is one row per token, each attending over the keys up to its own position
+ * (causal), its sequence's table shared through row_table (the step's K/V are in the pool
+ * already). One call covers a whole step's rows.
  *
  * Pool layout (one layer, kernels/attention.py): k and v are each [num_blocks, block_size,
  * kv_heads, head_dim]; token t of sequence i lives in block tables[i, t / block_size] at
@@ -9,6 +12,10 @@
  * K/V), with a running maximum and sum (online softmax) over tiles of TILE keys, so each key
  * and value row is read once. Sums are float32; a bfloat16 pool and queries are widened in
  * registers and the output rounded to nearest even. The pieces run on gemv.c's pool.
+ *
+ * Three paths, the widest the CPU has: AVX-512 (16 lanes; a bfloat16 pool's scores as BF16 dot
+ * products, VDPBF16PS, on the stored bfloat16 queries and keys, products exact and summed in
+ * float32, the scale applied to the sum), AVX2 (8 lanes, bfloat16 widened), portable C.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,9 +38,10 @@
 #define TILE 16 /* keys scored before the running maximum is updated */
 #define PREFETCH_TILES 2 /* how far ahead of the tile being computed its keys are fetched */
 #define CHUNK 512        /* keys whose scores the SIMD path keeps before it updates the maximum */
-#define CHUNK_STRIDE (CHUNK + 8) /* a query head's score row: a last tile's padding fits */
+#define CHUNK_STRIDE (CHUNK + 16) /* a query head's score row: a last tile's padding fits */
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
+enum { ISA_C = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 typedef struct {
     int dtype, q_heads, kv_heads, head_dim, block_size, max_blocks, window;
@@ -45,8 +53,15 @@ typedef struct {
     const int64_t *rows;     /* [n] row of each sequence's query in q and out */
     const int32_t *tables;   /* [n, max_blocks] */
     const int32_t *ctx_lens; /* [n] keys each query attends over, its own included */
+    const int32_t *row_table; /* [n] the table row of each query, NULL: its own (row i) */
     void *out;               /* [T, q_heads, head_dim], q's dtype */
 } AttnJob;
+
+/* Query i's block table. */
+static inline const int32_t *table_of(const AttnJob *j, int i) {
+    const int r = j->row_table != NULL ? j->row_table[i] : i;
+    return j->tables + (size_t)r * j->max_blocks;
+}
 
 /* Row `index` (head_dim elements) of a float32 or bfloat16 array: a float32 row in place,
  * a bfloat16 one widened into buf. */
@@ -78,7 +93,7 @@ static float exp_shift(float *s, float max, int count) {
 /* Pool rows (of [num_blocks * block_size * kv_heads]) of keys t0..t0+nt-1 of sequence i, head h:
  * one division per tile, then a walk through the blocks. */
 static void key_rows(const AttnJob *j, int i, int t0, int nt, int h, size_t *rows) {
-    const int32_t *table = j->tables + (size_t)i * j->max_blocks;
+    const int32_t *table = table_of(j, i);
     int b = t0 / j->block_size, off = t0 % j->block_size;
     for (int t = 0; t < nt; t++) {
         rows[t] = ((size_t)table[b] * j->block_size + off) * j->kv_heads + h;
@@ -97,10 +112,11 @@ typedef struct {
     float buf[MAX_HEAD_DIM]; /* a widened bfloat16 row */
     size_t rows[TILE];
     float *tile; /* [TILE, head_dim]: a tile's widened bfloat16 rows (the SIMD path) */
+    const uint16_t *q_bf16; /* a bfloat16 job's query rows of the group, unscaled, in place */
 } Piece;
 
 /* One tile of keys t0..t0+nt-1: scores, the running maximum and sum, then the values
- * (portable C; the SIMD path keeps a chunk's scores instead: attend_chunks_avx2). */
+ * (portable C; the SIMD paths keep a chunk's scores instead: attend_chunks). */
 static void attend_tile_c(const AttnJob *j, Piece *p, int i, int h, int t0, int nt, int qpk) {
     const int hd = j->head_dim;
     key_rows(j, i, t0, nt, h, p->rows);
@@ -160,6 +176,7 @@ __attribute__((target("avx2,fma"))) static inline __m256 hsum8_avx2(const __m256
 static void start_head(const AttnJob *j, Piece *p, int i, int h) {
     const int qpk = j->q_heads / j->kv_heads;
     const size_t q_row0 = (size_t)j->rows[i] * j->q_heads + (size_t)h * qpk;
+    p->q_bf16 = j->dtype == DT_BF16 ? (const uint16_t *)j->q + q_row0 * j->head_dim : NULL;
     for (int g = 0; g < qpk; g++) {
         const float *q = row_f32(j, j->q, q_row0 + g, p->buf);
         for (int d = 0; d < j->head_dim; d++) {
@@ -198,7 +215,7 @@ static void finish_head(const AttnJob *j, const Piece *p, int i, int h) {
 static void prefetch_span(const AttnJob *j, const void *base, int i, int t0, int nt) {
     const size_t esize = j->dtype == DT_F32 ? 4 : 2;
     const size_t token_bytes = (size_t)j->kv_heads * j->head_dim * esize; /* a token's heads */
-    const int32_t *table = j->tables + (size_t)i * j->max_blocks;
+    const int32_t *table = table_of(j, i);
     for (int t = t0; t < t0 + nt;) {
         const int b = t / j->block_size, off = t % j->block_size;
         const int run = j->block_size - off < t0 + nt - t ? j->block_size - off : t0 + nt - t;
@@ -295,13 +312,174 @@ __attribute__((target("avx2,fma"))) static void value_tile_avx2(const AttnJob *j
     }
 }
 
-/* Sequence i's keys start..len-1 for the heads hs..hs+heads-1 (p[0..heads-1]), a chunk of
+#define KV_AVX512 "avx512f,avx512bw,avx512vl,avx2,fma"
+#define KV_AVX512_BF16 "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"
+
+/* The sums of a[0..15]'s lanes, as one vector (lane t = the sum of a[t]): pairs of vectors
+ * folded within 128-bit lanes, then across them. */
+__attribute__((target(KV_AVX512))) static inline __m512 hsum16_avx512(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int k = 0; k < 8; k++) /* per 128-bit lane: [A0+A2, B0+B2, A1+A3, B1+B3] */
+        b[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]), _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 4; k++) { /* per 128-bit lane: keys 4k..4k+3, that lane's part of each */
+        const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+        const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * k]), _mm512_castps_pd(b[2 * k + 1]));
+        c[k] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    /* the four 128-bit lanes' parts: lanes 0+1 and 2+3, then the two halves */
+    const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+}
+
+/* e^x for x <= 0, 16 at a time: exp_avx2's method (vexp.h) on 512-bit vectors. */
+__attribute__((target(KV_AVX512))) static inline __m512 exp_avx512(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(bits));
+}
+
+/* Scores of a tile's keys against the head's query group, sixteen keys in sixteen
+ * accumulators reduced together: float32 rows by fused multiply-adds on the scaled queries. */
+__attribute__((target(KV_AVX512))) static void score_tile_f32_avx512(const AttnJob *j, Piece *p, const size_t *rows, int nt, float *s) {
+    const int hd = j->head_dim, qpk = j->q_heads / j->kv_heads;
+    const float *kr[TILE];
+    for (int t = 0; t < TILE; t++) kr[t] = (const float *)j->k + rows[t < nt ? t : 0] * (size_t)hd;
+    for (int g = 0; g < qpk; g++) {
+        __m512 acc[TILE];
+        for (int u = 0; u < TILE; u++) acc[u] = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d += 16) {
+            const __m512 qv = _mm512_loadu_ps(p->q[g] + d);
+            for (int u = 0; u < TILE; u++) acc[u] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[u] + d), acc[u]);
+        }
+        _mm512_storeu_ps(s + (size_t)g * CHUNK_STRIDE, hsum16_avx512(acc));
+    }
+}
+
+/* The same for a bfloat16 pool: VDPBF16PS multiplies 32 stored bfloat16 query and key
+ * elements exactly and adds the products in float32; the scale multiplies the sum. */
+__attribute__((target(KV_AVX512_BF16))) static void score_tile_bf16_avx512(const AttnJob *j, Piece *p, const size_t *rows, int nt, float *s) {
+    const int hd = j->head_dim, qpk = j->q_heads / j->kv_heads;
+    const uint16_t *kr[TILE];
+    for (int t = 0; t < TILE; t++) kr[t] = (const uint16_t *)j->k + rows[t < nt ? t : 0] * (size_t)hd;
+    const __m512 scale = _mm512_set1_ps(j->scale);
+    for (int g = 0; g < qpk; g++) {
+        const uint16_t *q = p->q_bf16 + (size_t)g * hd;
+        __m512 acc[TILE];
+        for (int u = 0; u < TILE; u++) acc[u] = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d += 32) {
+            const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + d);
+            for (int u = 0; u < TILE; u++)
+                acc[u] = _mm512_dpbf16_ps(acc[u], qv, (__m512bh)_mm512_loadu_si512(kr[u] + d));
+        }
+        _mm512_storeu_ps(s + (size_t)g * CHUNK_STRIDE, _mm512_mul_ps(hsum16_avx512(acc), scale));
+    }
+}
+
+/* softmax_chunk_avx2 on 16 lanes. */
+__attribute__((target(KV_AVX512))) static void softmax_chunk_avx512(const AttnJob *j, Piece *p, float *s, int cn) {
+    const int qpk = j->q_heads / j->kv_heads, padded = (cn + 15) & ~15;
+    for (int g = 0; g < qpk; g++) {
+        float *sg = s + (size_t)g * CHUNK_STRIDE;
+        for (int t = cn; t < padded; t++) sg[t] = -INFINITY;
+        __m512 mv = _mm512_set1_ps(p->run_max[g]);
+        for (int t = 0; t < padded; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
+        const float max = _mm512_reduce_max_ps(mv);
+        const __m512 m = _mm512_set1_ps(max);
+        __m512 sv = _mm512_setzero_ps();
+        for (int t = 0; t < padded; t += 16) {
+            const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(sg + t), m));
+            _mm512_storeu_ps(sg + t, e);
+            sv = _mm512_add_ps(sv, e);
+        }
+        const float correction = expf(p->run_max[g] - max); /* 0 on the first chunk */
+        const __m512 c = _mm512_set1_ps(correction);
+        for (int d = 0; d < j->head_dim; d += 16)
+            _mm512_storeu_ps(p->acc[g] + d, _mm512_mul_ps(c, _mm512_loadu_ps(p->acc[g] + d)));
+        p->run_sum[g] = p->run_sum[g] * correction + _mm512_reduce_add_ps(sv);
+        p->run_max[g] = max;
+    }
+}
+
+/* value_tile_avx2 on 16 lanes: a bfloat16 tile widened once, then each query head's output
+ * slice (up to 128 columns, eight registers) kept in registers over the tile's keys. */
+__attribute__((target(KV_AVX512))) static void value_tile_avx512(const AttnJob *j, Piece *p, const size_t *rows, int nt, const float *s) {
+    const int hd = j->head_dim, qpk = j->q_heads / j->kv_heads;
+    const float *vr[TILE];
+    for (int t = 0; t < nt; t++) {
+        const size_t off = rows[t] * (size_t)hd;
+        if (j->dtype == DT_F32) {
+            vr[t] = (const float *)j->v + off;
+            continue;
+        }
+        const uint16_t *src = (const uint16_t *)j->v + off;
+        float *dst = p->tile + (size_t)t * hd;
+        for (int d = 0; d < hd; d += 16) {
+            const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
+            _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        }
+        vr[t] = dst;
+    }
+    for (int g = 0; g < qpk; g++) {
+        const float *sg = s + (size_t)g * CHUNK_STRIDE;
+        int d = 0;
+        for (; d + 128 <= hd; d += 128) {
+            __m512 acc[8];
+            for (int u = 0; u < 8; u++) acc[u] = _mm512_loadu_ps(p->acc[g] + d + 16 * u);
+            for (int t = 0; t < nt; t++) {
+                const __m512 w = _mm512_set1_ps(sg[t]);
+                for (int u = 0; u < 8; u++) acc[u] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr[t] + d + 16 * u), acc[u]);
+            }
+            for (int u = 0; u < 8; u++) _mm512_storeu_ps(p->acc[g] + d + 16 * u, acc[u]);
+        }
+        for (; d + 64 <= hd; d += 64) {
+            __m512 acc[4];
+            for (int u = 0; u < 4; u++) acc[u] = _mm512_loadu_ps(p->acc[g] + d + 16 * u);
+            for (int t = 0; t < nt; t++) {
+                const __m512 w = _mm512_set1_ps(sg[t]);
+                for (int u = 0; u < 4; u++) acc[u] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr[t] + d + 16 * u), acc[u]);
+            }
+            for (int u = 0; u < 4; u++) _mm512_storeu_ps(p->acc[g] + d + 16 * u, acc[u]);
+        }
+        for (; d < hd; d += 16) {
+            __m512 acc = _mm512_loadu_ps(p->acc[g] + d);
+            for (int t = 0; t < nt; t++) acc = _mm512_fmadd_ps(_mm512_set1_ps(sg[t]), _mm512_loadu_ps(vr[t] + d), acc);
+            _mm512_storeu_ps(p->acc[g] + d, acc);
+        }
+    }
+}
+
+/* The per-tile steps of one vector path. */
+typedef struct {
+    void (*score)(const AttnJob *j, Piece *p, const size_t *rows, int nt, float *s);
+    void (*softmax)(const AttnJob *j, Piece *p, float *s, int cn);
+    void (*value)(const AttnJob *j, Piece *p, const size_t *rows, int nt, const float *s);
+} TileOps;
+
+static const TileOps OPS_AVX2 = {score_tile_avx2, softmax_chunk_avx2, value_tile_avx2};
+static const TileOps OPS_AVX512_F32 = {score_tile_f32_avx512, softmax_chunk_avx512, value_tile_avx512};
+static const TileOps OPS_AVX512_BF16 = {score_tile_bf16_avx512, softmax_chunk_avx512, value_tile_avx512};
+
+/* Query i's keys start..len-1 for the heads hs..hs+heads-1 (p[0..heads-1]), a chunk of
  * CHUNK keys at a time: every key's scores first (reading K), one softmax over the chunk, then
  * the values (reading V). An online softmax per tile of 16 keys spent more on its maximum,
  * rescaling and sum than on the tile's products; per chunk it is once per 512 keys. Each
  * pass fetches its array PREFETCH_TILES tiles ahead, and at its end the other pass's first
  * tiles. `scores` holds heads * q_per_kv rows of CHUNK_STRIDE. */
-static void attend_chunks_avx2(const AttnJob *j, Piece *p, int heads, int i, int hs, int start, int len, float *scores) {
+static void attend_chunks(const AttnJob *j, Piece *p, int heads, int i, int hs, int start, int len, float *scores,
+                          const TileOps *ops) {
     const int qpk = j->q_heads / j->kv_heads, ahead_keys = PREFETCH_TILES * TILE;
     const size_t head_scores = (size_t)qpk * CHUNK_STRIDE;
     size_t rows0[CHUNK], rows[TILE]; /* the chunk's head-0 pool rows, for both passes */
@@ -316,27 +494,90 @@ static void attend_chunks_avx2(const AttnJob *j, Piece *p, int heads, int i, int
             else if (c0 + ahead - end < end) prefetch_span(j, j->v, i, c0 + ahead - end, min_int(TILE, end - (c0 + ahead - end)));
             for (int h = 0; h < heads; h++) {
                 for (int t = 0; t < nt; t++) rows[t] = rows0[t0 - c0 + t] + hs + h;
-                score_tile_avx2(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
+                ops->score(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
             }
         }
-        for (int h = 0; h < heads; h++) softmax_chunk_avx2(j, &p[h], scores + h * head_scores, end - c0);
+        for (int h = 0; h < heads; h++) ops->softmax(j, &p[h], scores + h * head_scores, end - c0);
         for (int t0 = c0; t0 < end; t0 += TILE) {
             const int nt = min_int(TILE, end - t0), ahead = t0 + ahead_keys;
             if (ahead < end) prefetch_span(j, j->v, i, ahead, min_int(TILE, end - ahead));
             else if (ahead < len) prefetch_span(j, j->k, i, ahead, min_int(TILE, len - ahead)); /* the next chunk's */
             for (int h = 0; h < heads; h++) {
                 for (int t = 0; t < nt; t++) rows[t] = rows0[t0 - c0 + t] + hs + h;
-                value_tile_avx2(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
+                ops->value(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
             }
         }
     }
 }
 #endif
 
-/* A piece is sequence i's kv heads h0..h0+heads_per_piece-1, walked together, so a token's
- * row of all heads (contiguous in the pool) is read from memory once and then from cache:
- * in chunks with vectors (attend_chunks_avx2), else a tile at a time in portable C with an
- * online softmax per tile. */
+/* The widest path the kernel may take (tests lower it to check the narrower ones). */
+static int isa_cap = ISA_AVX512;
+static int have_avx512 = -1, have_avx512_bf16 = -1;
+
+static int cpu_avx512(int dtype) {
+#if KV_X86
+    if (have_avx512 < 0) {
+        __builtin_cpu_init();
+        have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && kv_use_avx2();
+        have_avx512_bf16 = have_avx512 && __builtin_cpu_supports("avx512bf16");
+    }
+    return dtype == DT_BF16 ? have_avx512_bf16 : have_avx512;
+#else
+    (void)dtype;
+    return 0;
+#endif
+}
+
+/* The path a job of this dtype and head size takes: ISA_C, ISA_AVX2 or ISA_AVX512. */
+static int job_isa(int dtype, int head_dim) {
+    if (isa_cap >= ISA_AVX512 && head_dim % (dtype == DT_BF16 ? 32 : 16) == 0 && cpu_avx512(dtype)) return ISA_AVX512;
+    if (isa_cap >= ISA_AVX2 && head_dim % 8 == 0 && kv_use_avx2()) return ISA_AVX2;
+    return ISA_C;
+}
+
+/* Sets the widest path the kernel may take (cap < 0: leaves it); returns the previous cap. */
+int attention_set_isa(int cap) {
+    const int old = isa_cap;
+    if (cap >= 0) isa_cap = cap;
+    return old;
+}
+
+/* The path a job of this dtype and head size would take now. */
+int attention_isa(int dtype, int head_dim) { return job_isa(dtype, head_dim); }
+
+/* A thread's working memory, kept between calls: Piece is ~34 KB a kv head, and a malloc per
+ * piece of work cost as much as a short sequence's keys. */
+static __thread Piece *piece_buf;
+static __thread int piece_cap;
+static __thread float *score_buf;
+static __thread size_t score_cap;
+
+static Piece *pieces(int heads) {
+    if (heads > piece_cap) {
+        Piece *grown = (Piece *)realloc(piece_buf, sizeof(Piece) * heads);
+        if (grown == NULL) return NULL;
+        piece_buf = grown;
+        piece_cap = heads;
+    }
+    return piece_buf;
+}
+
+static float *score_rows(size_t floats) {
+    if (floats > score_cap) {
+        float *grown = (float *)realloc(score_buf, sizeof(float) * floats);
+        if (grown == NULL) return NULL;
+        score_buf = grown;
+        score_cap = floats;
+    }
+    return score_buf;
+}
+
+/* A piece is query i's kv heads h0..h0+heads_per_piece-1, walked together, so a token's row of
+ * all heads (contiguous in the pool) is read from memory once and then from cache: in chunks
+ * with vectors (attend_chunks), else a tile at a time in portable C with an online softmax
+ * per tile. */
 static void attend(void *ctx, int piece) {
     const AttnJob *j = (const AttnJob *)ctx;
     const int per_seq = j->kv_heads / j->heads_per_piece;
@@ -344,20 +585,24 @@ static void attend(void *ctx, int piece) {
     const int qpk = j->q_heads / j->kv_heads;
     const int len = j->ctx_lens[i];
     const int start = j->window > 0 && len > j->window ? len - j->window : 0;
-    Piece one, *p = j->heads_per_piece == 1 ? &one : (Piece *)malloc(sizeof(Piece) * j->heads_per_piece);
+    Piece one, *p = j->heads_per_piece == 1 ? &one : pieces(j->heads_per_piece);
     if (p == NULL) p = &one; /* out of memory: one head at a time */
     const int heads = p == &one ? 1 : j->heads_per_piece;
     float tile[TILE * MAX_HEAD_DIM]; /* a tile's widened bfloat16 rows, used within one call */
     for (int h = 0; h < heads; h++) p[h].tile = tile;
     float *scores = NULL;
 #if KV_X86
-    if (kv_use_avx2() && j->head_dim % 8 == 0) scores = (float *)malloc(sizeof(float) * heads * qpk * CHUNK_STRIDE);
+    const TileOps *ops = NULL;
+    const int isa = job_isa(j->dtype, j->head_dim);
+    if (isa == ISA_AVX512) ops = j->dtype == DT_BF16 ? &OPS_AVX512_BF16 : &OPS_AVX512_F32;
+    else if (isa == ISA_AVX2) ops = &OPS_AVX2;
+    if (ops != NULL) scores = score_rows((size_t)heads * qpk * CHUNK_STRIDE);
 #endif
     for (int hs = h0; hs < h0 + j->heads_per_piece; hs += heads) {
         for (int h = 0; h < heads; h++) start_head(j, &p[h], i, hs + h);
 #if KV_X86
         if (scores != NULL) {
-            attend_chunks_avx2(j, p, heads, i, hs, start, len, scores);
+            attend_chunks(j, p, heads, i, hs, start, len, scores, ops);
             for (int h = 0; h < heads; h++) finish_head(j, &p[h], i, hs + h);
             continue;
         }
@@ -371,24 +616,32 @@ static void attend(void *ctx, int piece) {
         }
         for (int h = 0; h < heads; h++) finish_head(j, &p[h], i, hs + h);
     }
-    free(scores);
-    if (p != &one) free(p);
 }
 
-/* Decode attention for n sequences (see the file comment); window 0 = none. Returns 0, or -1
- * for a shape this kernel does not take (the caller then uses the torch path). */
+/* Attention for n query rows (see the file comment); row_table NULL: row i uses table row i;
+ * window 0 = none. Returns 0, or -1 for a shape this kernel does not take (the caller then
+ * uses the torch path). */
+int paged_attention_rows(int dtype, int n, int q_heads, int kv_heads, int head_dim, int block_size,
+                         int max_blocks, int window, float scale, const void *q, const void *k,
+                         const void *v, const int64_t *rows, const int32_t *tables,
+                         const int32_t *ctx_lens, const int32_t *row_table, void *out) {
+    if (dtype != DT_F32 && dtype != DT_BF16) return -1;
+    if (n < 1 || kv_heads < 1 || q_heads % kv_heads != 0 || q_heads / kv_heads > MAX_Q_PER_KV) return -1;
+    if (head_dim < 1 || head_dim > MAX_HEAD_DIM || block_size < 1 || max_blocks < 1) return -1;
+    /* a batch splits by query (a token's heads read together); a few queries by kv head, so
+     * that every thread of the pool has work */
+    const int per_piece = n >= 4 ? kv_heads : 1;
+    AttnJob job = {dtype, q_heads, kv_heads, head_dim, block_size, max_blocks, window, per_piece,
+                   scale, q, k, v, rows, tables, ctx_lens, row_table, out};
+    pool_run(attend, &job, n * (kv_heads / per_piece));
+    return 0;
+}
+
+/* Decode attention: one query row per table row. */
 int decode_attention(int dtype, int n, int q_heads, int kv_heads, int head_dim, int block_size,
                      int max_blocks, int window, float scale, const void *q, const void *k,
                      const void *v, const int64_t *rows, const int32_t *tables,
                      const int32_t *ctx_lens, void *out) {
-    if (dtype != DT_F32 && dtype != DT_BF16) return -1;
-    if (n < 1 || kv_heads < 1 || q_heads % kv_heads != 0 || q_heads / kv_heads > MAX_Q_PER_KV) return -1;
-    if (head_dim < 1 || head_dim > MAX_HEAD_DIM || block_size < 1 || max_blocks < 1) return -1;
-    /* a batch splits by sequence (a token's heads read together); a few sequences by kv head,
-     * so that every thread of the pool has work */
-    const int per_piece = n >= 4 ? kv_heads : 1;
-    AttnJob job = {dtype, q_heads, kv_heads, head_dim, block_size, max_blocks, window, per_piece,
-                   scale, q, k, v, rows, tables, ctx_lens, out};
-    pool_run(attend, &job, n * (kv_heads / per_piece));
-    return 0;
+    return paged_attention_rows(dtype, n, q_heads, kv_heads, head_dim, block_size, max_blocks, window, scale, q,
+                                k, v, rows, tables, ctx_lens, NULL, out);
 }

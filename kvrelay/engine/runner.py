@@ -62,6 +62,11 @@ class ModelRunner:
             triton_attention.supports(kv_cache, heads)
             and bool(envs.get("KVRELAY_NATIVE_ATTENTION"))
         )
+        # CPU: prefill segments of up to this many tokens attend in the native kernel too, one
+        # row a token (cpu_attention.MAX_PREFILL_TOKENS says why the limit); 0 elsewhere
+        self.native_prefill_tokens = 0
+        if self.native_attention and self.device.type == "cpu":
+            self.native_prefill_tokens = cpu_attention.MAX_PREFILL_TOKENS
         self.threads = torch.get_num_threads()
         # decode steps: torch on one thread, the native matmuls on all (module docstring)
         self.narrow_decode = self.device.type == "cpu" and self.threads > 1 and gemv.available()
@@ -140,9 +145,15 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillSegment] = []
-        decode_rows: list[int] = []
-        decode_items: list[ScheduledSeq] = []
         sample_rows: list[int] = []
+        # rows attending in the native kernel: decode tokens, and on CPU the tokens of
+        # prefill segments short enough for it; each row's table is its sequence's
+        rows: list[int] = []
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        row_table: list[int] = []
+        prefill_rows = self.native_prefill_tokens if self.native_attention else 0
+        decode_items = 0
         for item in scheduled:
             seq, start, n = item.seq, item.start, item.num_new_tokens
             row = len(tokens)
@@ -151,13 +162,22 @@ class ModelRunner:
                 tokens.append(seq.token_ids[start])
                 positions.append(start)
                 slots.append(block_ids[start // bs] * bs + start % bs)
-                decode_rows.append(row)
-                decode_items.append(item)
+                row_table.append(len(tables))
+                rows.append(row)
+                ctx_lens.append(start + 1)
+                tables.append(block_ids)
+                decode_items += 1
             else:
                 tokens.extend(seq.token_ids[start : start + n])
                 positions.extend(range(start, start + n))
                 _extend_slots(slots, block_ids, start, n, bs)
-                prefills.append(self._prefill_segment(row, start, n, block_ids))
+                if n <= prefill_rows:
+                    row_table.extend([len(tables)] * n)
+                    rows.extend(range(row, row + n))
+                    ctx_lens.extend(range(start + 1, start + n + 1))
+                    tables.append(block_ids[: -(-(start + n) // bs)])
+                else:
+                    prefills.append(self._prefill_segment(row, start, n, block_ids))
             if item.needs_sample:
                 sample_rows.append(row + n - 1)
         meta = AttentionMetadata(
@@ -166,20 +186,13 @@ class ModelRunner:
             workspace=self.workspace,
             window=self.window,
         )
-        if decode_items and self.native_attention:
+        if rows and self.native_attention:
+            shared = len(rows) != decode_items  # prefill rows share their sequence's table
             meta.native_decode = cpu_attention.make_decode(
-                decode_rows,
-                [item.start + 1 for item in decode_items],
-                [item.seq.block_ids for item in decode_items],
+                rows, ctx_lens, tables, row_table if shared else None
             )
-        elif decode_items:
-            meta.decode = decode_groups(
-                decode_rows,
-                [item.start + 1 for item in decode_items],
-                [item.seq.block_ids for item in decode_items],
-                self.block_size,
-                self.window,
-            )
+        elif rows:
+            meta.decode = decode_groups(rows, ctx_lens, tables, self.block_size, self.window)
         device = self.device
         return (
             torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True),

@@ -1,13 +1,16 @@
-"""Paged decode attention on CPU in kvrelay's native library (``csrc/attention.c``).
+"""Paged attention on CPU in kvrelay's native library (``csrc/attention.c``).
 
 The torch path (``attention.paged_attention``) gathers each decode group's context blocks
 into a padded copy and runs one masked SDPA per group: on a batched CPU decode step the copy
 and the padding were most of attention's time (BENCHMARKS.md, engine step profile). The
-native kernel reads keys and values in place from the block pool, one query token per
-sequence, split by (sequence, kv head) over the engine's thread pool (the one the native
-matmuls use), with an online softmax in float32. The runner builds a ``NativeDecode`` instead
-of decode groups when ``supports`` is true; results equal the torch path's up to float32
-summation order.
+native kernel reads keys and values in place from the block pool, one query row per token,
+split by (row, kv head) over the engine's thread pool (the one the native matmuls use), with
+an online softmax in float32. Decode tokens are a row each; so are the tokens of a prefill
+segment of up to ``MAX_PREFILL_TOKENS``, each attending over the keys up to its own position
+through its sequence's table (``NativeDecode.row_table``). The runner builds a
+``NativeDecode`` instead of decode groups when ``supports`` is true; results equal the torch
+path's up to float32 summation order (bfloat16 scores: BF16 dot products, exact products
+summed in float32, on CPUs with AVX512-BF16).
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ MAX_HEAD_DIM = 256  # csrc/attention.c
 MAX_Q_PER_KV = 16
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 TABLE_COLUMNS = 16  # block tables are padded to a multiple of this many columns
+# CPU prefill segments of up to this many tokens attend in the kernel (a row per token, each
+# over the keys up to its position) rather than in SDPA: 0.3-0.9x SDPA's time for segments of
+# 16-512 tokens, one call for the step instead of one SDPA (~0.3 ms of overhead) per segment;
+# at 1,024 tokens SDPA's blocked products win (1.3x). BENCHMARKS.md, "Prefill attention".
+MAX_PREFILL_TOKENS = 512
 
 
 @dataclass(slots=True)
@@ -30,8 +38,11 @@ class NativeDecode:
     """A step's decode tokens for the native kernel: one row of each per sequence."""
 
     rows: torch.Tensor  # [n] int64: the token's row in the flat batch
-    tables: torch.Tensor  # [n, max_blocks] int32 block tables, padded with block 0
+    tables: torch.Tensor  # [s, max_blocks] int32 block tables, padded with block 0
     ctx_lens: torch.Tensor  # [n] int32: keys each token attends over, its own included
+    # [n] int32: each token's row of ``tables`` (a prefill segment's tokens share their
+    # sequence's); None: token i's is row i (decode tokens only; the GPU kernel's case)
+    row_table: torch.Tensor | None = None
 
 
 def supports(kv: torch.Tensor, q_heads: int) -> bool:
@@ -60,14 +71,21 @@ def table_width(blocks: int) -> int:
     return max(1, -(-blocks // TABLE_COLUMNS)) * TABLE_COLUMNS
 
 
-def make_decode(rows: list[int], ctx_lens: list[int], tables: list[list[int]]) -> NativeDecode:
-    """The kernel's inputs from each decode token's row, context length and block table."""
+def make_decode(
+    rows: list[int],
+    ctx_lens: list[int],
+    tables: list[list[int]],
+    row_table: list[int] | None = None,
+) -> NativeDecode:
+    """The kernel's inputs from each token's row, context length and block table (``tables[i]``,
+    or ``tables[row_table[i]]`` when given: the tokens of a prefill segment share one)."""
     width = table_width(max(len(t) for t in tables))
     padded = [t + [0] * (width - len(t)) for t in tables]  # one tensor made, not one a row
     return NativeDecode(
         torch.tensor(rows, dtype=torch.long),
         torch.tensor(padded, dtype=torch.int32),
         torch.tensor(ctx_lens, dtype=torch.int32),
+        None if row_table is None else torch.tensor(row_table, dtype=torch.int32),
     )
 
 
@@ -86,7 +104,8 @@ def decode(
     if library is None:
         raise RuntimeError("native attention called without the compiled library")
     _, _, block_size, kv_heads, head_dim = kv.shape
-    code = library.decode_attention(
+    row_table = batch.row_table
+    code = library.paged_attention_rows(
         _DTYPES[kv.dtype],
         batch.rows.numel(),
         q.shape[1],
@@ -102,6 +121,7 @@ def decode(
         batch.rows.data_ptr(),
         batch.tables.data_ptr(),
         batch.ctx_lens.data_ptr(),
+        None if row_table is None else row_table.data_ptr(),
         out.data_ptr(),
     )
     if code != 0:

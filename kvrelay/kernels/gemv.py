@@ -55,6 +55,14 @@ def load_library() -> ctypes.CDLL | None:
                 [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_void_p] * 7
             )
             library.decode_attention.restype = ctypes.c_int
+            library.paged_attention_rows.argtypes = (
+                [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_void_p] * 8
+            )
+            library.paged_attention_rows.restype = ctypes.c_int
+            library.attention_set_isa.argtypes = [ctypes.c_int]
+            library.attention_set_isa.restype = ctypes.c_int
+            library.attention_isa.argtypes = [ctypes.c_int, ctypes.c_int]
+            library.attention_isa.restype = ctypes.c_int
             ptr, c_int = ctypes.c_void_p, ctypes.c_int  # decode.c, for kernels/cpu_decode.py
             library.decode_forward.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, ptr, ptr, c_int, ptr]
             library.decode_forward.restype = ctypes.c_int

@@ -222,6 +222,8 @@ class LlamaModel:
         batch = meta.native_decode
         if batch is None or meta.prefills or meta.decode or rows > gemv.MAX_ROWS:
             return None
+        if batch.row_table is not None:  # prefill tokens among the rows
+            return None
         if kv_cache.device.type != "cpu":
             return None
         if batch.rows.numel() != rows:
