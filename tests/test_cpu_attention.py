@@ -276,7 +276,11 @@ def test_long_prefill_segments_stay_on_sdpa(tiny_model_dir, monkeypatch) -> None
 
     llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2)
     runner = llm.engine.runner
-    assert runner.native_prefill_tokens == cpu_attention.MAX_PREFILL_TOKENS
+    assert runner.native_prefill_tokens == cpu_attention.prefill_limit(runner.kv_cache)
+    assert runner.native_prefill_tokens in (
+        cpu_attention.MAX_PREFILL_TOKENS,
+        cpu_attention.MAX_PREFILL_TOKENS_BF16_DOT,
+    )
     calls: list[int] = []
     real = cpu_attention.decode
 

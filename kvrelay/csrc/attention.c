@@ -113,6 +113,7 @@ typedef struct {
     size_t rows[TILE];
     float *tile; /* [TILE, head_dim]: a tile's widened bfloat16 rows (the SIMD path) */
     const uint16_t *q_bf16; /* a bfloat16 job's query rows of the group, unscaled, in place */
+    int acc_pairs; /* acc in the BF16 value path's order (value_tile_bf16_avx512), not d's */
 } Piece;
 
 /* One tile of keys t0..t0+nt-1: scores, the running maximum and sum, then the values
@@ -173,20 +174,33 @@ __attribute__((target("avx2,fma"))) static inline __m256 hsum8_avx2(const __m256
 
 #endif
 
-static void start_head(const AttnJob *j, Piece *p, int i, int h) {
+/* Starts query i's head group h: running maxima and sums, zero outputs, and the queries
+ * (scaled, float32) unless the path reads them in place (`raw_q`: BF16 dot products). */
+static void start_head(const AttnJob *j, Piece *p, int i, int h, int raw_q) {
     const int qpk = j->q_heads / j->kv_heads;
     const size_t q_row0 = (size_t)j->rows[i] * j->q_heads + (size_t)h * qpk;
     p->q_bf16 = j->dtype == DT_BF16 ? (const uint16_t *)j->q + q_row0 * j->head_dim : NULL;
+    p->acc_pairs = 0;
     for (int g = 0; g < qpk; g++) {
-        const float *q = row_f32(j, j->q, q_row0 + g, p->buf);
-        for (int d = 0; d < j->head_dim; d++) {
-            p->q[g][d] = q[d] * j->scale;
-            p->acc[g][d] = 0.0f;
+        if (!raw_q) {
+            const float *q = row_f32(j, j->q, q_row0 + g, p->buf);
+            for (int d = 0; d < j->head_dim; d++) p->q[g][d] = q[d] * j->scale;
         }
+        memset(p->acc[g], 0, sizeof(float) * j->head_dim);
         p->run_max[g] = -INFINITY;
         p->run_sum[g] = 0.0f;
     }
 }
+
+#if KV_X86
+/* o[0..n-1] = bfloat16(x * inv), n a multiple of 16: VCVTNEPS2BF16 rounds to nearest even and
+ * keeps a NaN a NaN, as f32_to_bf16. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void scale_to_bf16_avx512(const float *x, float inv, int n, uint16_t *o) {
+    const __m512 s = _mm512_set1_ps(inv);
+    for (int d = 0; d < n; d += 16)
+        _mm256_storeu_si256((__m256i *)(o + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + d), s)));
+}
+#endif
 
 static void finish_head(const AttnJob *j, const Piece *p, int i, int h) {
     const int qpk = j->q_heads / j->kv_heads, hd = j->head_dim;
@@ -197,10 +211,22 @@ static void finish_head(const AttnJob *j, const Piece *p, int i, int h) {
         if (j->dtype == DT_F32) {
             float *o = (float *)j->out + off;
             for (int d = 0; d < hd; d++) o[d] = p->acc[g][d] * inv;
-        } else {
-            uint16_t *o = (uint16_t *)j->out + off;
-            for (int d = 0; d < hd; d++) o[d] = f32_to_bf16(p->acc[g][d] * inv);
+            continue;
         }
+        uint16_t *o = (uint16_t *)j->out + off;
+#if KV_X86
+        if (p->acc_pairs) { /* only the BF16 path sets it: hd is a multiple of 32 */
+            /* acc[32c + 16 half + i] holds column 32c + 8 (i / 4) + 4 half + i % 4 */
+            float cols[MAX_HEAD_DIM];
+            for (int x = 0; x < hd; x++) {
+                const int c = x / 32, half = x % 32 / 16, k = x % 16;
+                cols[32 * c + 8 * (k / 4) + 4 * half + k % 4] = p->acc[g][x];
+            }
+            scale_to_bf16_avx512(cols, inv, hd, o);
+            continue;
+        }
+#endif
+        for (int d = 0; d < hd; d++) o[d] = f32_to_bf16(p->acc[g][d] * inv);
     }
 }
 
@@ -461,6 +487,55 @@ __attribute__((target(KV_AVX512))) static void value_tile_avx512(const AttnJob *
     }
 }
 
+/* A bfloat16 tile's values as BF16 dot products too: each pair of keys' value rows interleaved
+ * column by column (a, b -> a0 b0 a1 b1 ..., within 128-bit lanes, so the columns come out in
+ * the order finish_head undoes), each query head's pair of probabilities rounded to bfloat16
+ * and broadcast, and VDPBF16PS adds a0 p_t + b0 p_t+1 into a float32 accumulator: a key's row
+ * is read and widened once per tile instead of once per head, and half the multiply-adds. The
+ * probabilities' rounding (relative 2^-9) is what torch's bfloat16 SDPA does on CPU too. */
+__attribute__((target(KV_AVX512_BF16))) static void value_tile_bf16_avx512(const AttnJob *j, Piece *p, const size_t *rows, int nt, const float *s) {
+    const int hd = j->head_dim, qpk = j->q_heads / j->kv_heads, chunks = hd / 32, pairs = (nt + 1) / 2;
+    const uint16_t *v = (const uint16_t *)j->v;
+    __m512i *vp = (__m512i *)(void *)p->tile; /* [pairs][chunks][lo, hi] */
+    for (int t2 = 0; t2 < pairs; t2++) {
+        const uint16_t *a = v + rows[2 * t2] * (size_t)hd;
+        const uint16_t *b = 2 * t2 + 1 < nt ? v + rows[2 * t2 + 1] * (size_t)hd : NULL;
+        for (int c = 0; c < chunks; c++) {
+            const __m512i av = _mm512_loadu_si512(a + 32 * c);
+            const __m512i bv = b != NULL ? _mm512_loadu_si512(b + 32 * c) : _mm512_setzero_si512();
+            _mm512_storeu_si512(vp + (t2 * chunks + c) * 2, _mm512_unpacklo_epi16(av, bv));
+            _mm512_storeu_si512(vp + (t2 * chunks + c) * 2 + 1, _mm512_unpackhi_epi16(av, bv));
+        }
+    }
+    p->acc_pairs = 1;
+    for (int g = 0; g < qpk; g++) {
+        uint32_t w[TILE / 2]; /* pairs of probabilities: a tile's positions past nt hold 0 */
+        _mm256_storeu_si256((__m256i *)w, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + (size_t)g * CHUNK_STRIDE)));
+        float *acc_g = p->acc[g];
+        int c = 0;
+        for (; c + 2 <= chunks; c += 2) {
+            __m512 acc[4];
+            for (int u = 0; u < 4; u++) acc[u] = _mm512_loadu_ps(acc_g + 32 * c + 16 * u);
+            for (int t2 = 0; t2 < pairs; t2++) {
+                const __m512bh wv = (__m512bh)_mm512_set1_epi32((int)w[t2]);
+                const __m512i *row = vp + (t2 * chunks + c) * 2;
+                for (int u = 0; u < 4; u++) acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(row + u), wv);
+            }
+            for (int u = 0; u < 4; u++) _mm512_storeu_ps(acc_g + 32 * c + 16 * u, acc[u]);
+        }
+        for (; c < chunks; c++) {
+            __m512 acc[2];
+            for (int u = 0; u < 2; u++) acc[u] = _mm512_loadu_ps(acc_g + 32 * c + 16 * u);
+            for (int t2 = 0; t2 < pairs; t2++) {
+                const __m512bh wv = (__m512bh)_mm512_set1_epi32((int)w[t2]);
+                const __m512i *row = vp + (t2 * chunks + c) * 2;
+                for (int u = 0; u < 2; u++) acc[u] = _mm512_dpbf16_ps(acc[u], (__m512bh)_mm512_loadu_si512(row + u), wv);
+            }
+            for (int u = 0; u < 2; u++) _mm512_storeu_ps(acc_g + 32 * c + 16 * u, acc[u]);
+        }
+    }
+}
+
 /* The per-tile steps of one vector path. */
 typedef struct {
     void (*score)(const AttnJob *j, Piece *p, const size_t *rows, int nt, float *s);
@@ -470,27 +545,29 @@ typedef struct {
 
 static const TileOps OPS_AVX2 = {score_tile_avx2, softmax_chunk_avx2, value_tile_avx2};
 static const TileOps OPS_AVX512_F32 = {score_tile_f32_avx512, softmax_chunk_avx512, value_tile_avx512};
-static const TileOps OPS_AVX512_BF16 = {score_tile_bf16_avx512, softmax_chunk_avx512, value_tile_avx512};
+static const TileOps OPS_AVX512_BF16 = {score_tile_bf16_avx512, softmax_chunk_avx512, value_tile_bf16_avx512};
 
 /* Query i's keys start..len-1 for the heads hs..hs+heads-1 (p[0..heads-1]), a chunk of
  * CHUNK keys at a time: every key's scores first (reading K), one softmax over the chunk, then
  * the values (reading V). An online softmax per tile of 16 keys spent more on its maximum,
  * rescaling and sum than on the tile's products; per chunk it is once per 512 keys. Each
  * pass fetches its array PREFETCH_TILES tiles ahead, and at its end the other pass's first
- * tiles. `scores` holds heads * q_per_kv rows of CHUNK_STRIDE. */
+ * tiles (`fetch` 0: none, the keys are in cache). `scores` holds heads * q_per_kv rows of
+ * CHUNK_STRIDE. */
 static void attend_chunks(const AttnJob *j, Piece *p, int heads, int i, int hs, int start, int len, float *scores,
-                          const TileOps *ops) {
+                          const TileOps *ops, int fetch) {
     const int qpk = j->q_heads / j->kv_heads, ahead_keys = PREFETCH_TILES * TILE;
     const size_t head_scores = (size_t)qpk * CHUNK_STRIDE;
     size_t rows0[CHUNK], rows[TILE]; /* the chunk's head-0 pool rows, for both passes */
-    for (int t = start; t < min_int(len, start + ahead_keys); t += TILE) /* later chunks' first */
-        prefetch_span(j, j->k, i, t, min_int(TILE, len - t));          /* tiles: the pass before */
+    for (int t = start; fetch && t < min_int(len, start + ahead_keys); t += TILE) /* later chunks' */
+        prefetch_span(j, j->k, i, t, min_int(TILE, len - t)); /* first tiles: the pass before */
     for (int c0 = start; c0 < len; c0 += CHUNK) {
         const int end = min_int(len, c0 + CHUNK);
         key_rows(j, i, c0, end - c0, 0, rows0);
         for (int t0 = c0; t0 < end; t0 += TILE) {
             const int nt = min_int(TILE, end - t0), ahead = t0 + ahead_keys;
-            if (ahead < end) prefetch_span(j, j->k, i, ahead, min_int(TILE, end - ahead));
+            if (!fetch) {
+            } else if (ahead < end) prefetch_span(j, j->k, i, ahead, min_int(TILE, end - ahead));
             else if (c0 + ahead - end < end) prefetch_span(j, j->v, i, c0 + ahead - end, min_int(TILE, end - (c0 + ahead - end)));
             for (int h = 0; h < heads; h++) {
                 for (int t = 0; t < nt; t++) rows[t] = rows0[t0 - c0 + t] + hs + h;
@@ -500,7 +577,8 @@ static void attend_chunks(const AttnJob *j, Piece *p, int heads, int i, int hs, 
         for (int h = 0; h < heads; h++) ops->softmax(j, &p[h], scores + h * head_scores, end - c0);
         for (int t0 = c0; t0 < end; t0 += TILE) {
             const int nt = min_int(TILE, end - t0), ahead = t0 + ahead_keys;
-            if (ahead < end) prefetch_span(j, j->v, i, ahead, min_int(TILE, end - ahead));
+            if (!fetch) {
+            } else if (ahead < end) prefetch_span(j, j->v, i, ahead, min_int(TILE, end - ahead));
             else if (ahead < len) prefetch_span(j, j->k, i, ahead, min_int(TILE, len - ahead)); /* the next chunk's */
             for (int h = 0; h < heads; h++) {
                 for (int t = 0; t < nt; t++) rows[t] = rows0[t0 - c0 + t] + hs + h;
@@ -597,12 +675,18 @@ static void attend(void *ctx, int piece) {
     if (isa == ISA_AVX512) ops = j->dtype == DT_BF16 ? &OPS_AVX512_BF16 : &OPS_AVX512_F32;
     else if (isa == ISA_AVX2) ops = &OPS_AVX2;
     if (ops != NULL) scores = score_rows((size_t)heads * qpk * CHUNK_STRIDE);
+    const int raw_q = ops == &OPS_AVX512_BF16;
+    /* a prefill token's keys are its segment's, which the token before it just read: they
+     * are in cache, and prefetching them again cost more than it saved */
+    const int fetch = j->row_table == NULL || i == 0 || j->row_table[i - 1] != j->row_table[i];
+#else
+    const int raw_q = 0;
 #endif
     for (int hs = h0; hs < h0 + j->heads_per_piece; hs += heads) {
-        for (int h = 0; h < heads; h++) start_head(j, &p[h], i, hs + h);
+        for (int h = 0; h < heads; h++) start_head(j, &p[h], i, hs + h, raw_q);
 #if KV_X86
         if (scores != NULL) {
-            attend_chunks(j, p, heads, i, hs, start, len, scores, ops);
+            attend_chunks(j, p, heads, i, hs, start, len, scores, ops, fetch);
             for (int h = 0; h < heads; h++) finish_head(j, &p[h], i, hs + h);
             continue;
         }

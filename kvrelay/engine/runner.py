@@ -63,10 +63,10 @@ class ModelRunner:
             and bool(envs.get("KVRELAY_NATIVE_ATTENTION"))
         )
         # CPU: prefill segments of up to this many tokens attend in the native kernel too, one
-        # row a token (cpu_attention.MAX_PREFILL_TOKENS says why the limit); 0 elsewhere
+        # row a token (cpu_attention.prefill_limit says why the limit); 0 elsewhere
         self.native_prefill_tokens = 0
         if self.native_attention and self.device.type == "cpu":
-            self.native_prefill_tokens = cpu_attention.MAX_PREFILL_TOKENS
+            self.native_prefill_tokens = cpu_attention.prefill_limit(kv_cache)
         self.threads = torch.get_num_threads()
         # decode steps: torch on one thread, the native matmuls on all (module docstring)
         self.narrow_decode = self.device.type == "cpu" and self.threads > 1 and gemv.available()

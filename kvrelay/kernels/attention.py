@@ -21,7 +21,7 @@ layers. Decode tokens go to kvrelay's own kernel instead when the runner built
 ``native_decode`` (keys and values read in place, no gather, no padding): the C library's on
 CPU (``cpu_attention``), Triton's on a GPU (``triton_attention``, which also stores a step's
 K/V there). On CPU the runner puts the tokens of short prefill segments there too (a row per
-token, causal per row; ``cpu_attention.MAX_PREFILL_TOKENS``), so ``prefills`` then holds only
+token, causal per row; ``cpu_attention.prefill_limit``), so ``prefills`` then holds only
 the longer segments.
 """
 

@@ -25,12 +25,26 @@ from kvrelay.kernels import gemv
 MAX_HEAD_DIM = 256  # csrc/attention.c
 MAX_Q_PER_KV = 16
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+ISA_AVX512 = 2  # csrc/attention.c: the 16-lane path (bfloat16: BF16 dot products)
 TABLE_COLUMNS = 16  # block tables are padded to a multiple of this many columns
 # CPU prefill segments of up to this many tokens attend in the kernel (a row per token, each
-# over the keys up to its position) rather than in SDPA: 0.3-0.9x SDPA's time for segments of
-# 16-512 tokens, one call for the step instead of one SDPA (~0.3 ms of overhead) per segment;
-# at 1,024 tokens SDPA's blocked products win (1.3x). BENCHMARKS.md, "Prefill attention".
+# over the keys up to its position) rather than in SDPA, one call for the step instead of one
+# SDPA (~0.3 ms of overhead) per segment. Measured against SDPA (BENCHMARKS.md, "Prefill
+# attention"): float32 0.3-0.8x its time at 16-512 tokens, 1.07x at 1,024; a bfloat16 pool
+# on AVX512-BF16 (dot products in bfloat16) 0.3-0.8x up to 1,024 and 0.94x at 2,048.
 MAX_PREFILL_TOKENS = 512
+MAX_PREFILL_TOKENS_BF16_DOT = 2048
+
+
+def prefill_limit(kv: torch.Tensor) -> int:
+    """Tokens of the longest prefill segment the kernel takes for the pool ``kv``."""
+    library = gemv.load_library()
+    if library is None:
+        return 0
+    dot_products = library.attention_isa(_DTYPES[kv.dtype], kv.shape[-1]) == ISA_AVX512
+    if kv.dtype == torch.bfloat16 and dot_products:
+        return MAX_PREFILL_TOKENS_BF16_DOT
+    return MAX_PREFILL_TOKENS
 
 
 @dataclass(slots=True)
