@@ -66,7 +66,7 @@ def test_an_engine_packs_and_generates_the_same_tokens(real_model_dir, monkeypat
     real = cpu_packed.linear
     monkeypatch.setattr(cpu_packed, "linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
     assert greedy_tokens(engine, prompts, 6) == want
-    assert calls and min(calls) > gemv.MAX_ROWS  # used, and only for steps of many rows
+    assert calls and min(calls) > model.native_rows  # used, and only for steps of many rows
 
 
 def test_asked_for_where_it_does_not_apply_it_warns_and_packs_nothing(
@@ -77,6 +77,29 @@ def test_asked_for_where_it_does_not_apply_it_warns_and_packs_nothing(
         engine = LLMEngine.from_args(tiny_model_dir, dtype="float16", num_threads=1, seed=0)
     assert engine.runner.model.packed == {}
     assert "KVRELAY_CPU_PACKED_WEIGHTS ignored" in caplog.text and "float16" in caplog.text
+
+
+@needs_bf16
+def test_bfloat16_steps_over_four_rows_take_the_packed_copies(tiny_model_dir, monkeypatch) -> None:
+    """With packed bfloat16 weights, decode steps of 5-8 rows run on oneDNN's copies (gemv's
+    widened float32 products are compute-bound there), steps of up to 4 stay native; the
+    greedy tokens are those of the engine without packed weights."""
+    prompts = [[(n * 37 + t * 11) % 500 + 4 for t in range(8 + n)] for n in range(6)]
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "0")
+    plain = LLMEngine.from_args(tiny_model_dir, dtype="bfloat16", num_threads=2, seed=0)
+    assert plain.runner.model.native_rows == gemv.MAX_ROWS  # nothing packed: all native
+    want = greedy_tokens(plain, prompts, 4)
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "1")
+    engine = LLMEngine.from_args(tiny_model_dir, dtype="bfloat16", num_threads=2, seed=0)
+    assert engine.runner.model.native_rows == cpu_packed.NATIVE_ROWS_BF16 < gemv.MAX_ROWS
+    rows: list[int] = []
+    real = cpu_packed.linear
+    monkeypatch.setattr(cpu_packed, "linear", lambda x, *a: rows.append(x.shape[0]) or real(x, *a))
+    assert greedy_tokens(engine, prompts, 4) == want
+    assert 6 in rows  # the six sequences' decode steps
+    rows.clear()
+    assert greedy_tokens(engine, prompts[:3], 4) == want[:3]
+    assert all(n > 3 for n in rows)  # the prompts' step only: 3-row decode steps stay native
 
 
 @needs_onednn

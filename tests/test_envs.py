@@ -187,3 +187,35 @@ def test_cache_weight_reaches_the_routers_placement(tiny_model_dir: Path) -> Non
     for bad in ("nan", "inf"):
         with pytest.raises(ValueError, match="--cache-weight must be >= 0 and finite"):
             RouterConfig(model="/m", control_addr="tcp://127.0.0.1:1", cache_weight=float(bad))
+
+
+def test_short_openmp_spin_unless_the_deployment_chose() -> None:
+    environ: dict[str, str] = {"PATH": "/bin"}
+    assert envs.use_short_openmp_spin(environ) is True
+    assert environ == {"PATH": "/bin", "GOMP_SPINCOUNT": str(envs.OPENMP_SHORT_SPIN)}
+    for name in envs.OPENMP_WAIT_VARS:
+        chosen = {name: "PASSIVE" if name == "OMP_WAIT_POLICY" else "1000"}
+        assert envs.use_short_openmp_spin(chosen) is False
+        assert chosen == {name: chosen[name]}
+
+
+def test_offline_engine_spins_briefly_and_commands_stay_passive() -> None:
+    """Importing the engine first (an offline ``LLM``) sets the short spin; a ``kvrelay``
+    command sets the passive wait before it imports the engine, which then keeps it."""
+    env = {k: v for k, v in os.environ.items() if k not in envs.OPENMP_WAIT_VARS}
+    show = "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+    offline = f"import os, kvrelay.engine, torch; {show}"
+    command = (
+        "import os\nfrom kvrelay.cli import main\n"
+        "try:\n    main(['model', '--help'])\nexcept SystemExit:\n    pass\n"
+        f"import kvrelay.engine\n{show}"
+    )
+    outs = []
+    for code in (offline, command):
+        proc = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert proc.returncode == 0, proc.stderr
+        outs.append(proc.stdout.strip().splitlines()[-1])
+    assert outs[0] == f"{envs.OPENMP_SHORT_SPIN} None"
+    assert outs[1] == "None PASSIVE"

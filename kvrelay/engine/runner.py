@@ -4,7 +4,7 @@ The runner owns the KV pool tensor ``[layers, 2, num_blocks, block_size, kv_head
 head_dim]``; block ids come from the scheduler's plan and are never chosen here. The step's
 metadata is built on the host and moved to the pool's device once per step (a no-op on CPU).
 
-Threads on CPU: a step of at most ``gemv.MAX_ROWS`` tokens (decode) runs torch's ops on one
+Threads on CPU: a step of at most ``model.native_rows`` tokens (decode) runs torch's ops on one
 thread while the native matmul kernel streams the weights on all of the engine's threads;
 larger steps (prefill) give torch all of them. The ops between a decode step's matmuls are
 too small to gain from a second thread, and each of torch's parallel regions would wake its
@@ -88,7 +88,7 @@ class ModelRunner:
 
     def run(self, plan: StepPlan) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
-        narrow = self.narrow_decode and input_ids.numel() <= gemv.MAX_ROWS
+        narrow = self.narrow_decode and input_ids.numel() <= self.model.native_rows
         if self.native_library:  # its jobs share torch's OpenMP team where torch runs wide
             gemv.use_openmp(not narrow)
         if narrow:

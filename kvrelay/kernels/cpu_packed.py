@@ -27,10 +27,24 @@ from collections.abc import Mapping
 import torch
 
 from kvrelay import envs
+from kvrelay.kernels import gemv
 
 logger = logging.getLogger(__name__)
 
 PACK_ROWS = 32  # the batch size oneDNN picks its blocking for; any row count works
+# bfloat16 steps of more rows than this run on the packed copies: gemv's float32 multiply-adds
+# on widened weights (csrc/gemv.c, AVX2) are compute-bound from ~4 rows, where oneDNN's BF16
+# products are not (SmolLM2 decode steps of 6 / 8 rows: 17.8 / 22.1 ms this way against
+# 19.9 / 24.7 in the native whole-step call; 3-4 rows faster native). float32 keeps
+# gemv.MAX_ROWS (8 rows: 30.2 native against 34.2 packed). BENCHMARKS.md, "Native rows".
+NATIVE_ROWS_BF16 = 4
+
+
+def native_rows(dtype: torch.dtype) -> int:
+    """Rows up to which a step of a model with packed ``dtype`` weights stays native."""
+    return NATIVE_ROWS_BF16 if dtype == torch.bfloat16 else gemv.MAX_ROWS
+
+
 AUTO_SHARE = 0.25  # unset: pack when the copy takes at most this share of the memory available
 
 

@@ -101,11 +101,12 @@ def linear(
     w: torch.Tensor,
     bias: torch.Tensor | None = None,
     packed: torch.Tensor | None = None,
+    native_rows: int = gemv.MAX_ROWS,
 ) -> torch.Tensor:
     """``x @ w + bias`` for a weight stored ``[in, out]`` (decode-sized batches on CPU in the
-    native kernel, ``kernels.gemv``; more rows on ``w``'s ``packed`` copy when there is one,
-    ``kernels.cpu_packed``; anything else in torch)."""
-    if packed is not None and x.shape[0] > gemv.MAX_ROWS:
+    native kernel, ``kernels.gemv``; more than ``native_rows`` rows on ``w``'s ``packed`` copy
+    when there is one, ``kernels.cpu_packed``; anything else in torch)."""
+    if packed is not None and x.shape[0] > native_rows:
         return cpu_packed.linear(x, packed, bias)
     return gemv.matmul(x, w, bias)
 
@@ -129,6 +130,9 @@ class LlamaModel:
         names.append("lm_head" if "lm_head" in weights else "embed")  # tied: the embedding
         size = sum(weights[n].numel() * weights[n].element_size() for n in names)
         how = cpu_packed.plan(weights, size)
+        # steps of up to this many rows take the native kernels (the whole step in one call
+        # when it is decode tokens only); more rows take the packed copies once they exist
+        self.native_rows = cpu_packed.native_rows(self.dtype) if how else gemv.MAX_ROWS
         self.packed: dict[str, torch.Tensor] = self._pack(names, size) if how == "now" else {}
         self._packer: threading.Thread | None = None
         if how == "background":
@@ -187,12 +191,12 @@ class LlamaModel:
         if fused is not None and meta.native_decode is not None:
             return fused.forward(x, cos, sin, meta.native_decode, meta.slot_mapping)
         native = cpu_rows.supports(x)  # the layer's small ops in the library (CPU)
-        eps, hd = cfg.rms_norm_eps, cfg.head_dim
+        eps, hd, rows = cfg.rms_norm_eps, cfg.head_dim, self.native_rows
         delta: torch.Tensor | None = None  # the last block's output, not yet added to x
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             x, h = add_rms_norm(x, delta, w[p + "in_norm"], eps, native)
-            qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"), pk.get(p + "qkv"))
+            qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"), pk.get(p + "qkv"), rows)
             qk_size = self._q_size + self._kv_size
             # q and k rotate in one call: their columns are adjacent in the fused projection
             if native:
@@ -203,24 +207,24 @@ class LlamaModel:
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
             v = qkv[:, qk_size:].view(-1, cfg.num_kv_heads, hd)
             attn = paged_attention(q, k, v, kv_cache[i], meta, self.scale)
-            delta = linear(attn.reshape(-1, self._q_size), w[p + "o"], None, pk.get(p + "o"))
+            delta = linear(attn.reshape(-1, self._q_size), w[p + "o"], None, pk.get(p + "o"), rows)
             x, h = add_rms_norm(x, delta, w[p + "post_norm"], eps, native)
-            gate_up = linear(h, w[p + "gate_up"], None, pk.get(p + "gate_up"))
+            gate_up = linear(h, w[p + "gate_up"], None, pk.get(p + "gate_up"), rows)
             if native:
                 act = cpu_rows.silu_mul(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = F.silu(gate) * up
-            delta = linear(act, w[p + "down"], None, pk.get(p + "down"))
+            delta = linear(act, w[p + "down"], None, pk.get(p + "down"), rows)
         return x if delta is None else x + delta
 
     def _fused_for(
         self, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: int
     ) -> FusedDecode | None:
         """The native whole-step path (``kernels.cpu_decode``) when this step is decode tokens
-        only, at most ``gemv.MAX_ROWS`` of them, and the model and pool allow it."""
+        only, at most ``native_rows`` of them, and the model and pool allow it."""
         batch = meta.native_decode
-        if batch is None or meta.prefills or meta.decode or rows > gemv.MAX_ROWS:
+        if batch is None or meta.prefills or meta.decode or rows > self.native_rows:
             return None
         if batch.row_table is not None:  # prefill tokens among the rows
             return None
@@ -240,7 +244,7 @@ class LlamaModel:
         h = rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
         tied = "lm_head" not in self.weights
         packed = self.packed.get("embed" if tied else "lm_head")
-        if packed is not None and h.shape[0] > gemv.MAX_ROWS:
+        if packed is not None and h.shape[0] > self.native_rows:
             return cpu_packed.linear(h, packed).float()
         if tied:
             return gemv.matmul_nt(h, self.weights["embed"]).float()  # embed [vocab, hidden]
