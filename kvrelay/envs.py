@@ -271,11 +271,30 @@ def use_passive_openmp_wait(environ: MutableMapping[str, str] | None = None) -> 
     op, and passive waiting cost the engine no measurable throughput (BENCHMARKS.md). A
     deployment that sets any of ``OPENMP_WAIT_VARS`` itself keeps its choice.
     """
+    global passive_wait_set_here
     environ = os.environ if environ is None else environ
     if any(name in environ for name in OPENMP_WAIT_VARS):
         return False
     environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    if environ is os.environ:
+        passive_wait_set_here = True
     return True
+
+
+# True once this process set the passive wait in its own environment (not the deployment):
+# a launcher may then choose the short spin for workers that have their cores to themselves
+passive_wait_set_here = False
+
+
+def short_spin_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` for a worker that has its cores to itself: the passive wait this process
+    set swapped for the short spin (``use_short_openmp_spin``); a deployment's own choice of
+    ``OPENMP_WAIT_VARS`` is kept as it is."""
+    out = dict(environ)
+    if passive_wait_set_here and out.get("OMP_WAIT_POLICY") == "PASSIVE":
+        del out["OMP_WAIT_POLICY"]
+        use_short_openmp_spin(out)
+    return out
 
 
 def use_short_openmp_spin(environ: MutableMapping[str, str] | None = None) -> bool:

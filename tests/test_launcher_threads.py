@@ -94,3 +94,32 @@ def test_up_passes_role_threads_into_the_cluster_spec(tiny_model_dir, monkeypatc
     assert main(["up", "--model", str(tiny_model_dir), "--prefill-threads", "2"]) == 0
     assert main(["up", "--model", str(tiny_model_dir), "--decode-threads", "3"]) == 0
     assert [dict(s.role_threads) for s in specs] == [{"prefill": 2}, {"decode": 3}]
+
+
+def test_workers_spin_briefly_only_when_their_threads_fit_the_cpus(monkeypatch) -> None:
+    """A worker's OpenMP wait: the short spin when the cluster's workers' threads add up to
+    at most the CPUs and nothing will add workers; the passive wait `kvrelay` set otherwise;
+    a deployment's own choice always; the router never gets the spin."""
+    import kvrelay.cli.launcher as launcher_module
+    from kvrelay import envs
+
+    monkeypatch.setattr(launcher_module, "available_cpus", lambda: 2)
+    monkeypatch.setattr(envs, "passive_wait_set_here", True)
+    for name in envs.OPENMP_WAIT_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # as `kvrelay`'s main() sets it
+    colocated = Launcher(ClusterSpec(model="m", num_prefill=0, num_decode=0, num_colocated=1))
+    assert colocated.own_cores()  # one worker of 2 threads on 2 CPUs
+    env = colocated._environ("colocated")
+    assert env["GOMP_SPINCOUNT"] == str(envs.OPENMP_SHORT_SPIN) and "OMP_WAIT_POLICY" not in env
+    assert colocated._environ("router")["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert not Launcher(ClusterSpec(model="m")).own_cores()  # 1P+1D: 2 + 2 threads on 2 CPUs
+    one_each = ClusterSpec(model="m", role_threads={"prefill": 1, "decode": 1})
+    assert Launcher(one_each).own_cores()
+    assert not Launcher(ClusterSpec(model="m", worker_args=("--threads", "2"))).own_cores()
+    grows = ClusterSpec(model="m", num_prefill=0, num_decode=0, num_colocated=1, autoscale=True)
+    assert not Launcher(grows).own_cores()
+    shared = Launcher(ClusterSpec(model="m"))._environ("decode")
+    assert shared["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in shared
+    monkeypatch.setattr(envs, "passive_wait_set_here", False)  # the deployment set PASSIVE
+    assert colocated._environ("colocated")["OMP_WAIT_POLICY"] == "PASSIVE"

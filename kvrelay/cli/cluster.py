@@ -301,6 +301,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             )
             if threads is not None
         },
+        autoscale=args.autoscale,
     )
     return run_up(spec, args.timeout)
 
