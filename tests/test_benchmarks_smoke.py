@@ -256,3 +256,43 @@ def test_serving_cpu_measures_a_commit_against_the_tree(tiny_model_dir, tmp_path
         assert match, proc.stdout
         assert int(match.group(1)) > 0
     assert not worktree.exists()
+
+
+@pytest.mark.timeout(120)
+def test_prefill_attention_times_the_kernel_beside_sdpa(tmp_path: Path) -> None:
+    """benchmarks/prefill_attention.py, one length per dtype (a smoke test, not a timing):
+    SDPA and every path of the kernel the CPU has, each with its ratio."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "prefill_attention.py"),
+        "--lengths", "64", "--iters", "1", "--paths", "2", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for dtype in ("float32", "bfloat16"):
+        line = re.search(rf"^{dtype}\s+64 x\s+32: SDPA\s+([\d.]+) ms(.*)$", proc.stdout, re.M)
+        assert line is not None and float(line.group(1)) > 0, proc.stdout
+        assert re.search(r"AVX2\s+[\d.]+ ms \([\d.]+x\)", line.group(2)), proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_step_sizes_records_every_step_of_an_offline_run(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/step_sizes.py, kvrelay only on the tiny model (a smoke test, not a
+    timing): the run's prefill and decode-only steps and the decode steps by batch size."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "step_sizes.py"), "--model",
+        str(tiny_model_dir), "--dtype", "float32", "--systems", "kvrelay", "--repeats", "1",
+        "--num-requests", "6",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run = re.search(
+        r"^kvrelay: [\d.]+ s; (\d+) steps with prefill \([\d.]+ s, (\d+) tokens\); "
+        r"(\d+) decode-only \([\d.]+ s, (\d+) rows\)$",
+        proc.stdout,
+        re.M,
+    )
+    assert run is not None, proc.stdout
+    assert int(run.group(1)) >= 1 and int(run.group(3)) >= 15  # outputs of 16-64 tokens
+    assert re.search(
+        r"^  kvrelay decode steps of 1-8 rows: \d+, median [\d.]+ ms", proc.stdout, re.M
+    )

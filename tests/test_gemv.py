@@ -5,6 +5,8 @@ The library is built by ``pip install`` (setup.py); these tests need it, as CI b
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,6 +56,37 @@ def test_matmul_equals_torch(threads: int, dtype: torch.dtype, rows: int, k: int
     got_nt = gemv.matmul_nt(x, w.t().contiguous())
     assert got_nt.shape == (rows, n)
     assert _close(got_nt, want, k)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, gemv.MAX_ROWS])
+@pytest.mark.parametrize("k,n", [(576, 960), (1001, 64), (37, 96), (8, 32)])
+def test_bfloat16_dot_product_path_equals_torch(rows: int, k: int, n: int) -> None:
+    """A bfloat16 W of a multiple of 32 columns takes the AVX512-BF16 path where the CPU has
+    it (pairs of rows, VDPBF16PS), else AVX2's; both equal torch's product, and each other up
+    to float32 summation order (one bfloat16 ulp after the outputs' roundings)."""
+    library = gemv.load_library()
+    gen = torch.Generator().manual_seed(rows * 7 + k + n)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(k, n, generator=gen).to(torch.bfloat16)
+    want = x.float() @ w.float()
+    old = library.gemv_allow_avx512(-1)
+    try:
+        outs = []
+        for allow in (1, 0):
+            library.gemv_allow_avx512(allow)
+            outs.append(gemv.matmul(x, w))
+            assert _close(outs[-1], want, k)
+    finally:
+        library.gemv_allow_avx512(old)
+    # two roundings of float32 sums that differ in order: at most one bfloat16 ulp apart
+    ulp = want.abs() * 2**-7 + 2e-4 * k**0.5
+    assert bool(((outs[0].float() - outs[1].float()).abs() <= ulp).all())
+
+
+def test_bfloat16_dot_products_where_the_cpu_has_them() -> None:
+    flags = open("/proc/cpuinfo").read() if sys.platform == "linux" else ""  # noqa: SIM115
+    has = all(f" {f} " in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+    assert bool(gemv.load_library().kv_use_avx512_bf16()) == has
 
 
 def test_bfloat16_output_rounds_like_torch() -> None:

@@ -12,4 +12,7 @@ void pool_run(pool_fn fn, void *ctx, int num_chunks);
 /* True when the CPU has AVX2 and FMA (checked once), the kernels' fast paths. */
 int kv_use_avx2(void);
 
+/* True when the CPU also has AVX-512 (F, BW, VL) with BF16 dot products (checked once). */
+int kv_use_avx512_bf16(void);
+
 #endif

@@ -76,6 +76,9 @@ def load_library() -> ctypes.CDLL | None:
             library.gemv_set_threads.restype = ctypes.c_int
             library.gemv_use_openmp.argtypes = [ctypes.c_int]
             library.gemv_use_openmp.restype = ctypes.c_int
+            library.gemv_allow_avx512.argtypes = [ctypes.c_int]
+            library.gemv_allow_avx512.restype = ctypes.c_int
+            library.kv_use_avx512_bf16.restype = ctypes.c_int
             library.gemv_set_threads(torch.get_num_threads())
             return library
     logger.warning(
