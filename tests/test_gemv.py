@@ -59,11 +59,12 @@ def test_matmul_equals_torch(threads: int, dtype: torch.dtype, rows: int, k: int
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, gemv.MAX_ROWS])
-@pytest.mark.parametrize("k,n", [(576, 960), (1001, 64), (37, 96), (8, 32)])
+@pytest.mark.parametrize("k,n", [(576, 960), (1001, 64), (37, 96), (8, 32), (64, 40)])
 def test_bfloat16_dot_product_path_equals_torch(rows: int, k: int, n: int) -> None:
-    """A bfloat16 W of a multiple of 32 columns takes the AVX512-BF16 path where the CPU has
-    it (pairs of rows, VDPBF16PS), else AVX2's; both equal torch's product, and each other up
-    to float32 summation order (one bfloat16 ulp after the outputs' roundings)."""
+    """A bfloat16 W stored ``[k, n]`` of a multiple of 32 columns, or stored ``[n, k]`` (the
+    tied LM head) with k a multiple of 32, takes the AVX512-BF16 path where the CPU has it
+    (VDPBF16PS), else AVX2's; both equal torch's product, and each other up to float32
+    summation order (one bfloat16 ulp after the outputs' roundings)."""
     library = gemv.load_library()
     gen = torch.Generator().manual_seed(rows * 7 + k + n)
     x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
@@ -74,13 +75,14 @@ def test_bfloat16_dot_product_path_equals_torch(rows: int, k: int, n: int) -> No
         outs = []
         for allow in (1, 0):
             library.gemv_allow_avx512(allow)
-            outs.append(gemv.matmul(x, w))
-            assert _close(outs[-1], want, k)
+            outs.append((gemv.matmul(x, w), gemv.matmul_nt(x, w.t().contiguous())))
+            assert _close(outs[-1][0], want, k) and _close(outs[-1][1], want, k)
     finally:
         library.gemv_allow_avx512(old)
     # two roundings of float32 sums that differ in order: at most one bfloat16 ulp apart
     ulp = want.abs() * 2**-7 + 2e-4 * k**0.5
-    assert bool(((outs[0].float() - outs[1].float()).abs() <= ulp).all())
+    for wide, narrow in zip(outs[0], outs[1]):
+        assert bool(((wide.float() - narrow.float()).abs() <= ulp).all())
 
 
 def test_bfloat16_dot_products_where_the_cpu_has_them() -> None:

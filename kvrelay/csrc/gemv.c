@@ -63,6 +63,7 @@
 
 #define MAX_THREADS 64
 #define MAX_ROWS 8
+#define MAX_NK_K 8192 /* the BF16 nk path's x copy: hidden sizes up to this */
 #define CHUNKS_PER_THREAD 4 /* enough to even out a slow thread; 1 or 2 measured the same */
 #define SPIN_POLLS 200 /* sched_yield()s a helper polls for the next job before sleeping */
 
@@ -348,6 +349,48 @@ int kv_use_avx2(void) {
 #endif
 }
 
+#if KV_X86
+/* nk_avx2 for a bfloat16 W on a CPU with AVX512-BF16, k a multiple of 32: each W row and x row
+ * are already pairs along k, so VDPBF16PS takes 32 of each as stored (x narrowed back from xf,
+ * exactly) into 16 float32 partial sums, reduced at the row's end; NK_STREAMS W rows (one from
+ * each span) against the x rows two at a time, as nk_avx2. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void nk_bf16_avx512(const Job *j, int r0, int r1, float *restrict out) {
+    const int m = j->m, kk = j->k;
+    const uint16_t *w = (const uint16_t *)j->w;
+    uint16_t xb[MAX_ROWS][MAX_NK_K]; /* x in bfloat16 (kk <= MAX_NK_K, checked by the caller) */
+    for (int r = 0; r < m; r++)
+        for (int c = 0; c < kk; c++) {
+            uint32_t bits;
+            memcpy(&bits, j->xf + (size_t)r * kk + c, 4);
+            xb[r][c] = (uint16_t)(bits >> 16);
+        }
+    const int span = (r1 - r0) / NK_STREAMS;
+    for (int i = 0; i < span + (r1 - r0 - NK_STREAMS * span); i++) {
+        /* whole spans' rows four at a time, then the rows left over one at a time */
+        const int streams = i < span ? NK_STREAMS : 1;
+        int row[NK_STREAMS];
+        for (int d = 0; d < streams; d++) row[d] = i < span ? r0 + d * span + i : r0 + NK_STREAMS * span + (i - span);
+        for (int x0 = 0; x0 < m; x0 += 2) {
+            const int pair = m - x0 >= 2;
+            __m512 acc[2][NK_STREAMS];
+            for (int r = 0; r < 2; r++)
+                for (int d = 0; d < NK_STREAMS; d++) acc[r][d] = _mm512_setzero_ps();
+            for (int c = 0; c < kk; c += 32) {
+                const __m512bh va = (__m512bh)_mm512_loadu_si512(xb[x0] + c);
+                const __m512bh vb = (__m512bh)_mm512_loadu_si512(xb[pair ? x0 + 1 : x0] + c);
+                for (int d = 0; d < streams; d++) {
+                    const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + (size_t)row[d] * kk + c);
+                    acc[0][d] = _mm512_dpbf16_ps(acc[0][d], wv, va);
+                    if (pair) acc[1][d] = _mm512_dpbf16_ps(acc[1][d], wv, vb);
+                }
+            }
+            for (int r = 0; r < 1 + pair; r++)
+                for (int d = 0; d < streams; d++) out[(size_t)(x0 + r) * j->n + row[d]] = _mm512_reduce_add_ps(acc[r][d]);
+        }
+    }
+}
+#endif
+
 /* ------------------------------------------------------------------ chunks of a job */
 
 static void run_chunk(int c) {
@@ -374,6 +417,10 @@ static void run_chunk(int c) {
         int r0 = c * j->chunk, r1 = r0 + j->chunk;
         if (r1 > j->n) r1 = j->n;
 #if KV_X86
+        if (j->dtype == DT_BF16 && j->k % 32 == 0 && j->k <= MAX_NK_K && allow_avx512 && kv_use_avx512_bf16()) {
+            nk_bf16_avx512(j, r0, r1, j->partials);
+            return;
+        }
         if (kv_use_avx2()) {
             nk_avx2(j, r0, r1, j->partials);
             return;

@@ -32,11 +32,12 @@ from kvrelay.kernels import gemv
 logger = logging.getLogger(__name__)
 
 PACK_ROWS = 32  # the batch size oneDNN picks its blocking for; any row count works
-# bfloat16 steps of more rows than this run on the packed copies: gemv's float32 multiply-adds
-# on widened weights (csrc/gemv.c, AVX2) are compute-bound from ~4 rows, where oneDNN's BF16
-# products are not (SmolLM2 decode steps of 6 / 8 rows: 17.8 / 22.1 ms this way against
-# 19.9 / 24.7 in the native whole-step call; 3-4 rows faster native). float32 keeps
-# gemv.MAX_ROWS (8 rows: 30.2 native against 34.2 packed). BENCHMARKS.md, "Native rows".
+# bfloat16 steps of more rows than this run on the packed copies: gemv's products (BF16 dot
+# products on AVX512-BF16, else float32 multiply-adds on widened weights) are compute-bound
+# from ~4 rows, where oneDNN's are not (the 30 layers' products, cold: 4 / 8 rows 13.7 / 22.8
+# ms in gemv against 11.4 / 13.3 in oneDNN; whole decode steps of 6 / 8 rows 17.8 / 22.1 ms
+# this way against 19.9 / 24.7 in the native whole-step call). float32 keeps gemv.MAX_ROWS
+# (8 rows: 30.2 native against 34.2 packed). BENCHMARKS.md, "Native rows".
 NATIVE_ROWS_BF16 = 4
 
 
