@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from decode_attention import median_ms
 
 from kvrelay.kernels import cpu_attention, gemv
 
@@ -43,16 +42,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iters", type=int, default=9)
     return parser.parse_args(argv)
-
-
-def median_ms(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
 
 
 def case(dtype: torch.dtype, length: int, iters: int, paths: list[int]) -> str:

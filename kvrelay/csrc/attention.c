@@ -572,26 +572,12 @@ static void attend_chunks(const AttnJob *j, Piece *p, int heads, int i, int hs, 
 
 /* The widest path the kernel may take (tests lower it to check the narrower ones). */
 static int isa_cap = ISA_AVX512;
-static int have_avx512 = -1, have_avx512_bf16 = -1;
-
-static int cpu_avx512(int dtype) {
-#if KV_X86
-    if (have_avx512 < 0) {
-        __builtin_cpu_init();
-        have_avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl") && kv_use_avx2();
-        have_avx512_bf16 = have_avx512 && __builtin_cpu_supports("avx512bf16");
-    }
-    return dtype == DT_BF16 ? have_avx512_bf16 : have_avx512;
-#else
-    (void)dtype;
-    return 0;
-#endif
-}
 
 /* The path a job of this dtype and head size takes: ISA_C, ISA_AVX2 or ISA_AVX512. */
 static int job_isa(int dtype, int head_dim) {
-    if (isa_cap >= ISA_AVX512 && head_dim % (dtype == DT_BF16 ? 32 : 16) == 0 && cpu_avx512(dtype)) return ISA_AVX512;
+    if (isa_cap >= ISA_AVX512 && head_dim % (dtype == DT_BF16 ? 32 : 16) == 0 &&
+        (dtype == DT_BF16 ? kv_use_avx512_bf16() : kv_use_avx512()))
+        return ISA_AVX512;
     if (isa_cap >= ISA_AVX2 && head_dim % 8 == 0 && kv_use_avx2()) return ISA_AVX2;
     return ISA_C;
 }

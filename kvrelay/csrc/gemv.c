@@ -177,13 +177,7 @@ __attribute__((target("avx2,fma"))) static void kn_avx2(const Job *j, int k0, in
                 for (int d = 0; d < KN_STREAMS; d++)
                     out[(size_t)r * n + c] += xf[(size_t)r * j->k + k0 + d * span + i] * w_at(j->w, j->dtype, base[d] + c);
     }
-    for (int k = k0 + KN_STREAMS * span; k < k1; k++) {
-        const size_t base = (size_t)k * n;
-        for (int c = 0; c < n; c++) {
-            float wv = w_at(j->w, j->dtype, base + c);
-            for (int r = 0; r < m; r++) out[(size_t)r * n + c] += xf[(size_t)r * j->k + k] * wv;
-        }
-    }
+    kn_portable(j, k0 + KN_STREAMS * span, k1, out); /* rows left over after whole spans */
 }
 
 /* kn_avx2 for a bfloat16 W on a CPU with AVX512-BF16, n a multiple of 32: the streams'
@@ -239,13 +233,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static void kn_b
             }
         }
     }
-    for (int k = k0 + KN_STREAMS * span; k < k1; k++) { /* rows left over after whole spans */
-        const size_t base = (size_t)k * n;
-        for (int c = 0; c < n; c++) {
-            const float wv = w_at(j->w, j->dtype, base + c);
-            for (int r = 0; r < m; r++) out[(size_t)r * n + c] += xf[(size_t)r * j->k + k] * wv;
-        }
-    }
+    kn_portable(j, k0 + KN_STREAMS * span, k1, out); /* rows left over after whole spans */
 }
 
 __attribute__((target("avx2,fma"))) static inline float hsum(__m256 v) {
@@ -313,20 +301,30 @@ __attribute__((target("avx2,fma"))) static void nk_avx2(const Job *j, int r0, in
 }
 #endif
 
-static int have_avx512_bf16 = -1;
+static int have_avx512 = -1, have_avx512_bf16 = -1;
 static int allow_avx512 = 1; /* gemv_allow_avx512: tests turn it off to check the AVX2 path */
 
-int kv_use_avx512_bf16(void) {
+static void check_avx512(void) {
 #if KV_X86
-    if (have_avx512_bf16 < 0) {
+    if (have_avx512 < 0) {
         __builtin_cpu_init();
-        have_avx512_bf16 = kv_use_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+        have_avx512 = kv_use_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+        have_avx512_bf16 = have_avx512 && __builtin_cpu_supports("avx512bf16");
     }
-    return have_avx512_bf16;
 #else
-    return 0;
+    have_avx512 = have_avx512_bf16 = 0;
 #endif
+}
+
+int kv_use_avx512(void) {
+    check_avx512();
+    return have_avx512;
+}
+
+int kv_use_avx512_bf16(void) {
+    check_avx512();
+    return have_avx512_bf16;
 }
 
 /* Lets (1) or stops (0) bfloat16 products taking the AVX512-BF16 path; returns the previous

@@ -12,7 +12,9 @@ void pool_run(pool_fn fn, void *ctx, int num_chunks);
 /* True when the CPU has AVX2 and FMA (checked once), the kernels' fast paths. */
 int kv_use_avx2(void);
 
-/* True when the CPU also has AVX-512 (F, BW, VL) with BF16 dot products (checked once). */
+/* True when the CPU also has AVX-512 (F, BW, VL) (checked once); _bf16: and its BF16 dot
+ * products. */
+int kv_use_avx512(void);
 int kv_use_avx512_bf16(void);
 
 #endif

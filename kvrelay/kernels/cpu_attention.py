@@ -6,7 +6,7 @@ and the padding were most of attention's time (BENCHMARKS.md, engine step profil
 native kernel reads keys and values in place from the block pool, one query row per token,
 split by (row, kv head) over the engine's thread pool (the one the native matmuls use), with
 an online softmax in float32. Decode tokens are a row each; so are the tokens of a prefill
-segment of up to ``MAX_PREFILL_TOKENS``, each attending over the keys up to its own position
+segment of up to ``prefill_limit`` tokens, each attending over the keys up to its own position
 through its sequence's table (``NativeDecode.row_table``). The runner builds a
 ``NativeDecode`` instead of decode groups when ``supports`` is true; results equal the torch
 path's up to float32 summation order (bfloat16 scores: BF16 dot products, exact products
