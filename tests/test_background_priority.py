@@ -1,4 +1,5 @@
-"""Start-up work that runs beside serving yields the CPU: its threads run at nice 10."""
+"""Start-up work that runs beside serving yields the CPU where it can: weight packing runs at
+nice 10; the grammar tables, which hold the GIL, at the caller's priority (``background``)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def test_lower_priority_lowers_only_the_calling_thread() -> None:
     assert _own_niceness() == before  # this thread (the serving one) keeps its priority
 
 
-def test_the_grammar_tables_build_at_low_priority(tiny_model_dir, monkeypatch) -> None:
+def test_the_grammar_tables_build_at_the_callers_priority(tiny_model_dir, monkeypatch) -> None:
+    """The build holds the GIL for stretches: lowered, it stalled the worker's heartbeat past
+    a test cluster's ``--dead-after`` on a busy CI host (a priority inversion)."""
     from kvrelay.engine import structured
 
     seen: list[int] = []
@@ -40,7 +43,7 @@ def test_the_grammar_tables_build_at_low_priority(tiny_model_dir, monkeypatch) -
     monkeypatch.setattr(structured, "_hf_tokenizer", recording)
     cache = structured.GrammarCache(tiny_model_dir, vocab_size=256, stop_token_ids=[0])
     cache.warm_up_in_background().join(60)
-    assert seen == [max(_own_niceness(), background.NICENESS)]
+    assert seen == [_own_niceness()]
 
 
 def test_weights_pack_at_low_priority(tiny_model_dir, monkeypatch) -> None:

@@ -296,3 +296,20 @@ def test_step_sizes_records_every_step_of_an_offline_run(tiny_model_dir, tmp_pat
     assert re.search(
         r"^  kvrelay decode steps of 1-8 rows: \d+, median [\d.]+ ms", proc.stdout, re.M
     )
+
+
+@pytest.mark.timeout(180)
+def test_gil_priority_reports_each_case(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/gil_priority.py with one busy process (a smoke test, not a timing): the
+    grammar tables and the packing, each at both priorities, with their longest gaps."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "gil_priority.py"), "--model",
+        str(tiny_model_dir), "--hogs", "1", "--repeats", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for work in ("grammar", "pack"):
+        for priority in ("normal priority", "nice 10"):
+            line = rf"^{work} at {priority}: [\d.]+ s, longest gap ([\d.]+) s \([\d., ]+\)$"
+            found = re.search(line, proc.stdout, re.M)
+            assert found is not None and float(found.group(1)) > 0, proc.stdout

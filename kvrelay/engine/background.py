@@ -1,4 +1,4 @@
-"""Start-up work that runs beside serving (weight packing, grammar tables) yields the CPU.
+"""Start-up work that runs beside serving (weight packing) yields the CPU.
 
 A worker registers before it has packed its weights for oneDNN (``models.llama``) and built
 the grammar compiler's tables (``structured``); both then run on threads of their own while the
@@ -7,6 +7,15 @@ cores: a 1P+1D ``kvrelay up`` on 2 vCPUs answered the first request sent the mom
 in 2.0-2.3 s at normal priority, 1.4-1.5 s with these threads at nice 10 (BENCHMARKS.md "1P+1D
 threads: ..."). Linux keeps a nice value per thread, and the OpenMP team a thread starts
 inherits it.
+
+Only a thread that works with the GIL released may be lowered. Packing is torch ops (the GIL
+released inside each); the grammar tables are Python, Rust and C++ that hold the GIL for up to
+~0.2 s at a time, and a low-priority thread holding it on busy cores is a priority inversion:
+every other thread of the process waits for it, the heartbeat's too. With three busy processes
+on 2 vCPUs, a 10 ms ticker thread's longest gap was 1.7-1.8 s while the tables built at nice
+10 (past a test cluster's ``--dead-after 1.5``: CI saw the worker declared dead) and 0.23 s at
+normal priority; packing at nice 10 0.035 s (``benchmarks/gil_priority.py``). So the tables
+build at normal priority.
 """
 
 from __future__ import annotations

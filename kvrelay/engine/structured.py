@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from kvrelay.engine import background
 from kvrelay.protocol.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -87,10 +86,14 @@ class GrammarCache:
         """``warm_up`` on a daemon thread: a worker serves meanwhile, and a structured
         request that comes before it is done waits for it (the lock) instead of building the
         tables a second time. A failure is logged; the first structured request then raises
-        it as its own error."""
+        it as its own error.
+
+        The thread keeps the caller's priority: the build holds the GIL for up to ~0.2 s at a
+        time (the tokenizer's JSON, xgrammar's tables), and at a lower priority on busy cores
+        those stretches grew to 1.7-1.8 s of wall time, in which no other thread of the
+        process ran, the heartbeat's included (``background``'s docstring)."""
 
         def build() -> None:
-            background.lower_priority()  # the first requests' steps come first
             try:
                 self.warm_up()
             except Exception:  # the request that needs the tables reports it again
