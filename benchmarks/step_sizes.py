@@ -11,7 +11,12 @@ tokens) and the decode-only steps (count, seconds, rows), then the median decode
 batch size (buckets of 8 rows), from the last repeat. A batch size where one engine's step
 is slower than the other's is where to look.
 
+``--input-len L --output-len N`` runs ``peers_serve.py``'s workload instead (``--num-requests``
+random prompts of L tokens, N tokens out, all at once): what an engine does at saturation,
+without the serving path around it.
+
     python benchmarks/step_sizes.py --model DIR [--dtype bfloat16] [--systems kvrelay vllm]
+    python benchmarks/step_sizes.py --model DIR --num-requests 32 --input-len 256 --output-len 64
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import collections
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -38,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=None, help="fixed prompt length")
+    parser.add_argument("--output-len", type=int, default=64, help="with --input-len")
     parser.add_argument("--systems", nargs="+", default=["kvrelay", "vllm"])
     parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
     parser.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
@@ -141,6 +149,8 @@ def run_system(args: argparse.Namespace, system: str) -> list[dict[str, Any]]:
         argv = [python, str(Path(__file__).resolve()), "--one", system, "--out", str(out)]
         argv += ["--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads)]
         argv += ["--repeats", str(args.repeats), "--num-requests", str(args.num_requests)]
+        if args.input_len is not None:
+            argv += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
         proc = subprocess.run(argv, env=env, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise SystemExit(f"{system} failed:\n{proc.stderr[-3000:]}")
@@ -177,12 +187,22 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     from peers import make_requests, model_vocab
 
-    requests = make_requests(args.num_requests, model_vocab(args.model))
+    vocab = model_vocab(args.model)
+    if args.input_len is None:
+        requests = make_requests(args.num_requests, vocab)
+    else:
+        rng = random.Random(0)
+        requests = [
+            [[rng.randrange(3, vocab) for _ in range(args.input_len)], args.output_len]
+            for _ in range(args.num_requests)
+        ]
     if args.one is not None:
         measure = kvrelay_steps if args.one == "kvrelay" else vllm_steps
         Path(args.out).write_text(json.dumps(measure(args, requests)))
         return 0
-    print(f"{args.model}, {args.dtype}, {args.threads} threads, {args.num_requests} requests")
+    shape = "" if args.input_len is None else f" of {args.input_len} -> {args.output_len} tokens"
+    requests_text = f"{args.num_requests} requests{shape}"
+    print(f"{args.model}, {args.dtype}, {args.threads} threads, {requests_text}")
     for system in args.systems:
         for line in summarize(system, run_system(args, system)):
             print(line)

@@ -9,9 +9,13 @@ import torch
 from kvrelay.engine.sampling import (
     Sampler,
     SampleRequest,
+    _filter_sorted,
+    _keep_counts,
     apply_penalties,
     create_generator,
+    filter_candidates,
     filter_logits,
+    inverse_cdf,
 )
 from kvrelay.protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
@@ -208,6 +212,91 @@ def test_min_p_never_draws_dropped_tokens() -> None:
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(2000, 4)
     out = Sampler([EOS], seed=4)(logits, [request(SamplingParams(min_p=0.2))] * 2000)
     assert set(out.token_ids) == {0, 1, 2}
+
+
+def _wide_logits(num_rows: int, vocab_size: int, seed: int, scale: float) -> torch.Tensor:
+    """Logits of a trained model's spread, rounded to a grid so that many tie."""
+    return (random_logits(num_rows, vocab_size, seed) * scale / 3).mul(4).round().div(4)
+
+
+FILTERS = [  # (top_k, top_p, min_p): every filter alone and together, tight and loose
+    (50, 1.0, 0.0), (1, 1.0, 0.0), (300, 1.0, 0.0), (0, 0.9, 0.0), (0, 0.5, 0.0), (0, 0.99, 0.0),
+    (0, 1.0, 0.05), (0, 1.0, 0.3), (40, 0.8, 0.0), (200, 0.95, 0.1), (1000, 0.9, 0.0),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0, 8.0])
+def test_candidate_filters_equal_the_full_sort(scale: float) -> None:
+    """``filter_logits`` ranks a wide row's largest logits only; rows those decide get the
+    same kept set as the whole row's stable sort (ties at the candidates' edge included), the
+    rest fall back to that sort."""
+    vocab_size = 5000
+    logits = _wide_logits(len(FILTERS) * 3, vocab_size, seed=int(scale), scale=scale)
+    rows = FILTERS * 3
+    top_k, top_p, min_p = ([row[i] for row in rows] for i in range(3))
+    keep = _keep_counts(top_k, vocab_size)
+    expected = _filter_sorted(logits, keep, top_p, min_p)
+    candidates = filter_candidates(logits, keep, top_p, min_p)
+    assert candidates is not None
+    _, _, decided = candidates
+    assert torch.equal(torch.isfinite(filter_logits(logits, top_k, top_p, min_p)),
+                       torch.isfinite(expected))  # fmt: skip
+    if scale == 8.0:  # a peaked spread: the candidates decide every row
+        assert bool(decided.all())
+    if scale == 1.0:  # a flat one: top-p 0.99 keeps most of the vocabulary
+        assert not bool(decided.all())
+
+
+def test_candidate_ties_at_the_edge_keep_the_lowest_ids() -> None:
+    """A top-k boundary inside a run of equal logits keeps the lowest ids of the run, also
+    when the run reaches past the candidates (the row then sorts whole)."""
+    vocab_size = 4096
+    logits = torch.zeros(2, vocab_size)
+    logits[:, 4000:] = 5.0  # 96 equal leaders, the highest ids
+    logits[0, 10:600] = 1.0  # 590 tied runners-up: top-k 100 keeps the 4 lowest of them
+    kept = torch.isfinite(filter_logits(logits, [100, 100], [1.0, 1.0], [0.0, 0.0]))
+    assert kept[0].nonzero().flatten().tolist() == [10, 11, 12, 13, *range(4000, 4096)]
+    assert kept[1].nonzero().flatten().tolist() == [0, 1, 2, 3, *range(4000, 4096)]
+
+
+@pytest.mark.parametrize("vocab_size", [40, 4096, 4100])
+def test_inverse_cdf_never_picks_a_zero_probability_token(vocab_size: int) -> None:
+    """At the ends of [0, 1) too: u = 0 gives the first token with mass, u just below 1
+    the last (two searches for a wide row: its block, then the token)."""
+    probs = torch.zeros(3, vocab_size)
+    tokens = [5, vocab_size // 2 + 3, vocab_size - 7]
+    probs[:, tokens] = torch.tensor([0.2, 0.5, 0.3])
+    uniform = torch.tensor([0.0, 0.5, 1.0 - 2.0**-53], dtype=torch.float64)
+    assert inverse_cdf(probs, uniform).tolist() == tokens
+
+
+def test_inverse_cdf_wide_rows_follow_the_distribution() -> None:
+    """The two searches of a wide row (block, then token) draw each token with its
+    probability: tokens in different blocks, in one block, at a block's edges."""
+    vocab_size = 128 * 64
+    chosen = [0, 127, 128, 129, 4000, 4001, vocab_size - 1]
+    probs = torch.tensor([0.05, 0.1, 0.2, 0.05, 0.3, 0.1, 0.2])
+    row = torch.zeros(vocab_size)
+    row[chosen] = probs
+    uniform = torch.rand(20000, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    drawn = inverse_cdf(row.expand(20000, vocab_size), uniform)
+    assert set(drawn.tolist()) <= set(chosen)
+    position = {token: i for i, token in enumerate(chosen)}
+    # 6 degrees of freedom: 22.46 is the 99.9% quantile; fixed seed, so deterministic
+    assert chi_square([position[t] for t in drawn.tolist()], probs) < 22.46
+
+
+def test_top_k_over_a_wide_vocabulary_follows_the_distribution() -> None:
+    """Sampling among the candidates: top-k 3 of a 49,152-token row draws its three
+    largest with their renormalised probabilities, and nothing else."""
+    vocab_size = 49152
+    logits = torch.full((4000, vocab_size), -5.0)
+    logits[:, [7, 30000, 49151]] = torch.tensor([0.2, 0.5, 0.3]).log()
+    logits[:, 8] = math.log(0.1) - 1.0  # fourth: dropped by top-k 3
+    out = Sampler([EOS], seed=5)(logits, [request(SamplingParams(top_k=3))] * 4000)
+    assert set(out.token_ids) <= {7, 30000, 49151}
+    position = {7: 0, 30000: 1, 49151: 2}
+    assert chi_square([position[t] for t in out.token_ids], torch.tensor([0.2, 0.5, 0.3])) < 16.27
 
 
 # --- distributions and seeds ---------------------------------------------------------------------

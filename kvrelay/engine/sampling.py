@@ -12,9 +12,10 @@ One step's logits (one row per request) go through, in this order::
         ├─ greedy rows ──► argmax (ties: lowest id)
         └─ other rows  ──► / temperature ──► top_k ──► top_p ──► min_p ──► draw
 
-A row whose request carries its own ``torch.Generator`` draws only from it, exactly one
-vocab-sized noise vector per step, so a seeded request gets the same tokens whatever else is in
-the batch and wherever its row is. Rows without one share the sampler's generator.
+A row whose request carries its own ``torch.Generator`` draws only from it, exactly one uniform
+number per step (``Sampler._draw``: inverse CDF), so a seeded request gets the same tokens
+whatever else is in the batch and wherever its row is. Rows without one share the sampler's
+generator.
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> 
     return logits - frequency * output_counts - presence * output_seen.to(logits.dtype)
 
 
+FILTER_CANDIDATES = 256  # tokens ``filter_logits`` ranks before it falls back to a full sort
+
+
 def filter_logits(
     logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
 ) -> torch.Tensor:
@@ -112,17 +116,101 @@ def filter_logits(
     before it is below p; min-p drops tokens whose probability is below min_p times the most
     likely token's. The most likely token always survives.
     """
-    vocab_size, device = logits.shape[1], logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    position = torch.arange(vocab_size, device=device)
-    keep_k = _index([k if 0 < k < vocab_size else vocab_size for k in top_k], device)
+    keep = _keep_counts(top_k, logits.shape[1])
+    candidates = filter_candidates(logits, keep, top_p, min_p)
+    if candidates is None:
+        return _filter_sorted(logits, keep, top_p, min_p)
+    values, ids, decided = candidates
+    out = torch.full_like(logits, -math.inf).scatter_(1, ids, values)
+    undecided = (~decided).nonzero().flatten().tolist()
+    if undecided:
+        rows = _index(undecided, logits.device)
+        out[rows] = _filter_sorted(logits[rows], *_pick(undecided, keep, top_p, min_p))
+    return out
+
+
+def _keep_counts(top_k: Sequence[int], vocab_size: int) -> list[int]:
+    """Tokens each row's top-k keeps (the vocabulary where it keeps all)."""
+    return [k if 0 < k < vocab_size else vocab_size for k in top_k]
+
+
+def _pick(rows: Sequence[int], *columns: Sequence[Any]) -> list[list[Any]]:
+    return [[column[i] for i in rows] for column in columns]
+
+
+def filter_candidates(
+    logits: torch.Tensor, keep: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``filter_logits`` on each row's largest ``FILTER_CANDIDATES`` logits (more where a
+    top-k keeps more): ``(values, ids, decided)``, [M, W] logits with the dropped at -inf, their
+    token ids, and [M] whether the row's kept tokens are all among them (a flat distribution
+    under top-p 0.99 is not: `filter_logits` sorts such a row whole). None where W would be a
+    quarter of the vocabulary or more. A stable sort of [32, 49,152] logits took 62 ms on CPU,
+    the candidates ~3 (BENCHMARKS.md "Sampling").
+
+    Exact: the candidates are put in the row's stable order (by id, then stably by value);
+    the first ``exact`` + 1 of them are the row's first in that order by position and value
+    (later ones may tie with a lower id left out, but have the same value: so the top-k's
+    mass, its first k < W values, is the row's too), and each filter drops a suffix, deciding
+    by position, by the mass before a position, or by value; so a row whose first dropped
+    position is at most ``exact`` is decided.
+    """
+    vocab_size = logits.shape[1]
+    width = max([FILTER_CANDIDATES] + [k + 1 for k in keep if k < vocab_size])
+    if 4 * width >= vocab_size:
+        return None
+    values, ids = logits.topk(width, dim=-1)
+    ids, by_id = ids.sort(dim=-1)
+    values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(1, order)
+    exact = (values > values[:, -1:]).sum(dim=-1)
+    keep_k = _index(keep, logits.device)
+    has_k = keep_k < vocab_size
+    total = torch.where(
+        has_k, _first_logsumexp(values, keep_k.clamp(max=width)), logits.logsumexp(dim=-1)
+    )
+    removed = _removed(values, (values - total.unsqueeze(1)).exp(), keep_k, top_p, min_p)
+    first = torch.where(removed.any(dim=-1), removed.int().argmax(dim=-1), width)
+    decided = first <= exact
+    return values.masked_fill(removed, -math.inf), ids, decided
+
+
+def _first_logsumexp(values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Each row's log-sum-exp of its first ``count`` values."""
+    position = torch.arange(values.shape[1], device=values.device)
+    return values.masked_fill(position >= count.unsqueeze(1), -math.inf).logsumexp(dim=-1)
+
+
+def _removed(
+    sorted_logits: torch.Tensor,
+    probs: torch.Tensor,
+    keep_k: torch.Tensor,
+    top_p: Sequence[float],
+    min_p: Sequence[float],
+) -> torch.Tensor:
+    """Positions of rows in stable descending order that top-k, top-p or min-p drops;
+    ``probs`` are the positions' probabilities over the top-k (all tokens without one)."""
+    device = sorted_logits.device
+    position = torch.arange(sorted_logits.shape[1], device=device)
     removed = position >= keep_k.unsqueeze(1)
+    probs = probs.masked_fill(removed, 0.0)
     p = _column(top_p, device)
-    probs = sorted_logits.masked_fill(removed, -math.inf).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     removed |= (mass_before >= p) & (p < 1)
     log_min_p = _column(min_p, device).log()  # log(0) = -inf keeps everything
     removed |= sorted_logits < sorted_logits[:, :1] + log_min_p
+    return removed
+
+
+def _filter_sorted(
+    logits: torch.Tensor, keep: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
+) -> torch.Tensor:
+    """``filter_logits`` over each row's whole stable sort."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    keep_k = _index(keep, logits.device)
+    total = _first_logsumexp(sorted_logits, keep_k)
+    probs = (sorted_logits - total.unsqueeze(1)).exp()
+    removed = _removed(sorted_logits, probs, keep_k, top_p, min_p)
     kept = sorted_logits.masked_fill(removed, -math.inf)
     return torch.full_like(logits, -math.inf).scatter_(1, order, kept)
 
@@ -131,6 +219,40 @@ def greedy_ids(scores: torch.Tensor) -> torch.Tensor:
     """The highest-scoring id of each row, the lowest id on a tie. ``max`` gives the same ids
     as ``argmax`` (first maximum) and on CPU runs 2-3x faster over a [64, 49152] batch."""
     return scores.max(dim=-1).indices
+
+
+INVERSE_CDF_BLOCK = 128  # tokens per block of ``inverse_cdf``'s first search
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Each row's token for its uniform ``u`` in [0, 1): the first whose cumulative probability
+    exceeds ``u`` times the row's total, so a token of probability 0 is never chosen. One draw
+    per row; the exponential race this replaced drew noise for the whole [rows, vocab], 30 of a
+    32-row step's 40 ms of sampling on CPU (BENCHMARKS.md "Sampling").
+
+    Wide rows search twice: blocks of ``INVERSE_CDF_BLOCK`` tokens by their sums (float32 sums,
+    float64 cumulative), then the chosen block's tokens (float64), instead of a float64 cumsum
+    of the whole row (~4 ms of a 32-row step, against ~0.1).
+    """
+    num_rows, width = probs.shape
+    row = torch.arange(num_rows, device=probs.device)
+    if width < 16 * INVERSE_CDF_BLOCK or width % INVERSE_CDF_BLOCK:
+        return _search(probs.double().cumsum(dim=-1), uniform * probs.double().sum(dim=-1))
+    blocks = probs.view(num_rows, width // INVERSE_CDF_BLOCK, INVERSE_CDF_BLOCK)
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
+    block = _search(block_cdf, uniform * block_cdf[:, -1])
+    before = torch.where(block > 0, block_cdf[row, (block - 1).clamp(min=0)], 0.0)
+    target = uniform * block_cdf[:, -1]
+    within = blocks[row, block].double().cumsum(dim=-1) + before.unsqueeze(1)
+    return block * INVERSE_CDF_BLOCK + _search(within, target.clamp(min=before))
+
+
+def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The first position of each row of ``cdf`` (non-decreasing) above its target, the target
+    kept below the row's last value (rounding) so that one always is."""
+    last = cdf[:, -1]
+    target = torch.minimum(target, torch.nextafter(last, torch.zeros_like(last)))
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
 def compute_logprobs(
@@ -246,44 +368,74 @@ class Sampler:
         token_ids = torch.empty(len(requests), dtype=torch.long, device=scores.device)
         greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
         sampled = [i for i, r in enumerate(requests) if not r.params.is_greedy]
-        if greedy:
-            rows = _index(greedy, scores.device)
-            token_ids[rows] = greedy_ids(scores[rows])
-        if sampled:
-            rows = _index(sampled, scores.device)
-            token_ids[rows] = self._sample(scores[rows], [requests[i] for i in sampled])
+
+        def greedy_rows(part: torch.Tensor, _: Sequence[SampleRequest]) -> torch.Tensor:
+            return greedy_ids(part)
+
+        for group, choose in ((greedy, greedy_rows), (sampled, self._sample)):
+            if not group:
+                continue
+            if len(group) == len(requests):
+                return choose(scores, requests)
+            rows = _index(group, scores.device)
+            token_ids[rows] = choose(scores[rows], [requests[i] for i in group])
         return token_ids
 
     def _sample(self, scores: torch.Tensor, requests: Sequence[SampleRequest]) -> torch.Tensor:
-        scores = scores / _column([r.params.temperature for r in requests], scores.device)
+        """Tempered, filtered and drawn: rows that filter draw among their candidates
+        (``filter_candidates``) where those decide them, the rest over the vocabulary."""
+        device = scores.device
+        temperature = [r.params.temperature for r in requests]
+        if any(t != 1 for t in temperature):
+            scores = scores / _column(temperature, device)
+        uniform = self._uniforms([r.generator for r in requests], device)
+        token_ids = torch.empty(len(requests), dtype=torch.long, device=device)
+        whole = [i for i, r in enumerate(requests) if not r.params.has_filters]
         filtered = [i for i, r in enumerate(requests) if r.params.has_filters]
         if filtered:
-            rows = _index(filtered, scores.device)
-            scores[rows] = filter_logits(
-                scores[rows],
-                top_k=[requests[i].params.top_k for i in filtered],
-                top_p=[requests[i].params.top_p for i in filtered],
-                min_p=[requests[i].params.min_p for i in filtered],
-            )
-        return self._draw(scores.softmax(dim=-1), [r.generator for r in requests])
+            rows = _index(filtered, device)
+            part = scores if len(filtered) == len(requests) else scores[rows]
+            params = [requests[i].params for i in filtered]
+            keep = _keep_counts([p.top_k for p in params], scores.shape[1])
+            top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
+            candidates = filter_candidates(part, keep, top_p, min_p)
+            if candidates is None:
+                decided: list[int] = []
+            else:
+                values, ids, is_decided = candidates
+                decided = is_decided.nonzero().flatten().tolist()
+            if decided:
+                at = _index(decided, device)
+                positions = inverse_cdf(values[at].softmax(dim=-1), uniform[rows[at]])
+                token_ids[rows[at]] = ids[at].gather(1, positions.unsqueeze(1)).squeeze(1)
+            rest = sorted(set(range(len(filtered))) - set(decided))
+            if rest:
+                at = _index(rest, device)
+                kept = _filter_sorted(part[at], *_pick(rest, keep, top_p, min_p))
+                token_ids[rows[at]] = inverse_cdf(kept.softmax(dim=-1), uniform[rows[at]])
+        if whole:
+            rows = _index(whole, device)
+            part = scores if len(whole) == len(requests) else scores[rows]
+            token_ids[rows] = inverse_cdf(part.softmax(dim=-1), uniform[rows])
+        return token_ids
 
-    def _draw(
-        self, probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+    def _uniforms(
+        self, generators: Sequence[torch.Generator | None], device: torch.device
     ) -> torch.Tensor:
-        """Exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i."""
-        noise = torch.empty_like(probs)
+        """One uniform number in [0, 1) per row (float64): from the row's own generator, or
+        for the rest from the sampler's shared one in one call."""
+        uniform = torch.empty(len(generators), dtype=torch.float64, device=device)
         shared = [i for i, g in enumerate(generators) if g is None]
         if len(shared) == len(generators):
-            noise.exponential_(generator=self._shared_generator(probs.device))
-        elif shared:
-            rows = _index(shared, probs.device)
-            shared_noise = probs.new_empty((len(shared), probs.shape[1]))
-            noise[rows] = shared_noise.exponential_(generator=self._shared_generator(probs.device))
+            return uniform.uniform_(generator=self._shared_generator(device))
+        if shared:
+            rows = _index(shared, device)
+            drawn = uniform.new_empty(len(shared))
+            uniform[rows] = drawn.uniform_(generator=self._shared_generator(device))
         for row, generator in enumerate(generators):
             if generator is not None:
-                noise[row].exponential_(generator=generator)
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # a zero draw would give 0/0 = nan
-        return (probs / noise).argmax(dim=-1)
+                uniform[row : row + 1].uniform_(generator=generator)
+        return uniform
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
