@@ -313,3 +313,18 @@ def test_gil_priority_reports_each_case(tiny_model_dir, tmp_path: Path) -> None:
             line = rf"^{work} at {priority}: [\d.]+ s, longest gap ([\d.]+) s \([\d., ]+\)$"
             found = re.search(line, proc.stdout, re.M)
             assert found is not None and float(found.group(1)) > 0, proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_sampling_benchmark_times_every_mode(tmp_path: Path) -> None:
+    """benchmarks/sampling.py on a small vocabulary (a smoke test, not a timing): a row per
+    spread, mode and batch size, each with its time."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "sampling.py"), "--rows", "1", "3",
+        "--vocab", "5000", "--iters", "1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = re.findall(r"^\| (flat|peaked) \| ([^|]+) \| (\d+) \| ([\d.]+) \|$", proc.stdout, re.M)
+    assert len(rows) == 2 * 6 * 2, proc.stdout
+    assert {mode.strip() for _, mode, _, _ in rows} >= {"greedy", "top-k 50", "min-p 0.05"}

@@ -10,6 +10,7 @@ from kvrelay.engine.sampling import (
     Sampler,
     SampleRequest,
     _filter_sorted,
+    _filter_whole,
     _keep_counts,
     apply_penalties,
     create_generator,
@@ -240,6 +241,9 @@ def test_candidate_filters_equal_the_full_sort(scale: float) -> None:
     assert candidates is not None
     _, _, decided = candidates
     assert torch.equal(torch.isfinite(filter_logits(logits, top_k, top_p, min_p)),
+                       torch.isfinite(expected))  # fmt: skip
+    # whole rows: min-p alone as a threshold, without the sort
+    assert torch.equal(torch.isfinite(_filter_whole(logits, keep, top_p, min_p)),
                        torch.isfinite(expected))  # fmt: skip
     if scale == 8.0:  # a peaked spread: the candidates decide every row
         assert bool(decided.all())

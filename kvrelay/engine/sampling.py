@@ -119,13 +119,13 @@ def filter_logits(
     keep = _keep_counts(top_k, logits.shape[1])
     candidates = filter_candidates(logits, keep, top_p, min_p)
     if candidates is None:
-        return _filter_sorted(logits, keep, top_p, min_p)
+        return _filter_whole(logits, keep, top_p, min_p)
     values, ids, decided = candidates
     out = torch.full_like(logits, -math.inf).scatter_(1, ids, values)
     undecided = (~decided).nonzero().flatten().tolist()
     if undecided:
         rows = _index(undecided, logits.device)
-        out[rows] = _filter_sorted(logits[rows], *_pick(undecided, keep, top_p, min_p))
+        out[rows] = _filter_whole(logits[rows], *_pick(undecided, keep, top_p, min_p))
     return out
 
 
@@ -200,6 +200,23 @@ def _removed(
     log_min_p = _column(min_p, device).log()  # log(0) = -inf keeps everything
     removed |= sorted_logits < sorted_logits[:, :1] + log_min_p
     return removed
+
+
+def _filter_whole(
+    logits: torch.Tensor, keep: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
+) -> torch.Tensor:
+    """``filter_logits`` over whole rows: min-p alone is a threshold on the value (no order
+    needed); rows with a top-k or a top-p sort (``_filter_sorted``)."""
+    vocab_size = logits.shape[1]
+    ordered = [i for i, (k, p) in enumerate(zip(keep, top_p)) if k < vocab_size or p < 1]
+    if len(ordered) == len(keep):
+        return _filter_sorted(logits, keep, top_p, min_p)
+    floor = logits.amax(dim=-1, keepdim=True) + _column(min_p, logits.device).log()
+    out = logits.masked_fill(logits < floor, -math.inf)
+    if ordered:
+        rows = _index(ordered, logits.device)
+        out[rows] = _filter_sorted(logits[rows], *_pick(ordered, keep, top_p, min_p))
+    return out
 
 
 def _filter_sorted(
@@ -411,7 +428,7 @@ class Sampler:
             rest = sorted(set(range(len(filtered))) - set(decided))
             if rest:
                 at = _index(rest, device)
-                kept = _filter_sorted(part[at], *_pick(rest, keep, top_p, min_p))
+                kept = _filter_whole(part[at], *_pick(rest, keep, top_p, min_p))
                 token_ids[rows[at]] = inverse_cdf(kept.softmax(dim=-1), uniform[rows[at]])
         if whole:
             rows = _index(whole, device)
