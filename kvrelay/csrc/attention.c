@@ -528,6 +528,22 @@ static const TileOps OPS_AVX2 = {score_tile_avx2, softmax_chunk_avx2, value_tile
 static const TileOps OPS_AVX512_F32 = {score_tile_f32_avx512, softmax_chunk_avx512, value_tile_avx512};
 static const TileOps OPS_AVX512_BF16 = {score_tile_bf16_avx512, softmax_chunk_avx512, value_tile_bf16_avx512};
 
+/* What a tile fetches ahead: keys t..t+n-1 of `base` (NULL: nothing). */
+typedef struct {
+    const void *base;
+    int t, n;
+} Fetch;
+
+/* Part `part` of `parts` of f's keys: a tile's fetch is spread over its heads' products
+ * instead of issued at once before them. A burst of ~100 prefetches (a tile's K for every
+ * head) filled the core's miss buffers and stalled it until they drained, whether the lines
+ * came from memory or from L3: 30 layers of 32 bfloat16 sequences over 290 keys took 18.1
+ * ms with the burst, 11.7 ms spread over the three heads (BENCHMARKS.md "CPU attention"). */
+static void fetch_part(const AttnJob *j, const Fetch *f, int i, int part, int parts) {
+    const int a = f->t + f->n * part / parts, b = f->t + f->n * (part + 1) / parts;
+    if (f->base != NULL && b > a) prefetch_span(j, f->base, i, a, b - a);
+}
+
 /* Query i's keys start..len-1 for the heads hs..hs+heads-1 (p[0..heads-1]), a chunk of
  * CHUNK keys at a time: every key's scores first (reading K), one softmax over the chunk, then
  * the values (reading V). An online softmax per tile of 16 keys spent more on its maximum,
@@ -547,10 +563,12 @@ static void attend_chunks(const AttnJob *j, Piece *p, int heads, int i, int hs, 
         key_rows(j, i, c0, end - c0, 0, rows0);
         for (int t0 = c0; t0 < end; t0 += TILE) {
             const int nt = min_int(TILE, end - t0), ahead = t0 + ahead_keys;
+            Fetch f = {NULL, 0, 0};
             if (!fetch) {
-            } else if (ahead < end) prefetch_span(j, j->k, i, ahead, min_int(TILE, end - ahead));
-            else if (c0 + ahead - end < end) prefetch_span(j, j->v, i, c0 + ahead - end, min_int(TILE, end - (c0 + ahead - end)));
+            } else if (ahead < end) f = (Fetch){j->k, ahead, min_int(TILE, end - ahead)};
+            else if (c0 + ahead - end < end) f = (Fetch){j->v, c0 + ahead - end, min_int(TILE, end - (c0 + ahead - end))};
             for (int h = 0; h < heads; h++) {
+                fetch_part(j, &f, i, h, heads);
                 for (int t = 0; t < nt; t++) rows[t] = rows0[t0 - c0 + t] + hs + h;
                 ops->score(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
             }
@@ -558,10 +576,12 @@ static void attend_chunks(const AttnJob *j, Piece *p, int heads, int i, int hs, 
         for (int h = 0; h < heads; h++) ops->softmax(j, &p[h], scores + h * head_scores, end - c0);
         for (int t0 = c0; t0 < end; t0 += TILE) {
             const int nt = min_int(TILE, end - t0), ahead = t0 + ahead_keys;
+            Fetch f = {NULL, 0, 0};
             if (!fetch) {
-            } else if (ahead < end) prefetch_span(j, j->v, i, ahead, min_int(TILE, end - ahead));
-            else if (ahead < len) prefetch_span(j, j->k, i, ahead, min_int(TILE, len - ahead)); /* the next chunk's */
+            } else if (ahead < end) f = (Fetch){j->v, ahead, min_int(TILE, end - ahead)};
+            else if (ahead < len) f = (Fetch){j->k, ahead, min_int(TILE, len - ahead)}; /* the next chunk's */
             for (int h = 0; h < heads; h++) {
+                fetch_part(j, &f, i, h, heads);
                 for (int t = 0; t < nt; t++) rows[t] = rows0[t0 - c0 + t] + hs + h;
                 ops->value(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
             }
