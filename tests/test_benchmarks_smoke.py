@@ -298,6 +298,26 @@ def test_step_sizes_records_every_step_of_an_offline_run(tiny_model_dir, tmp_pat
     )
 
 
+@pytest.mark.timeout(240)
+def test_step_sizes_runs_the_serving_workload(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/step_sizes.py --input-len/--output-len: every request of that shape, all
+    at once (a smoke test): all prompt tokens prefilled, one decode row per output token
+    after the first."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "step_sizes.py"), "--model",
+        str(tiny_model_dir), "--dtype", "float32", "--systems", "kvrelay", "--repeats", "1",
+        "--num-requests", "3", "--input-len", "24", "--output-len", "5",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "3 requests of 24 -> 5 tokens" in proc.stdout, proc.stdout
+    run = re.search(
+        r"\(([\d.]+) s, (\d+) tokens\); (\d+) decode-only \([\d.]+ s, (\d+) rows\)", proc.stdout
+    )
+    assert run is not None, proc.stdout
+    assert int(run.group(2)) == 3 * 24 and int(run.group(4)) == 3 * 4, proc.stdout
+
+
 @pytest.mark.timeout(180)
 def test_gil_priority_reports_each_case(tiny_model_dir, tmp_path: Path) -> None:
     """benchmarks/gil_priority.py with one busy process (a smoke test, not a timing): the

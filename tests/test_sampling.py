@@ -333,12 +333,13 @@ def test_seeded_request_draws_from_its_own_distribution() -> None:
     assert chi_square(token_ids, probs) < 16.27
 
 
-def run_steps(params: SamplingParams, layout: str, num_steps: int = 12) -> list[int]:
+def run_steps(
+    params: SamplingParams, layout: str, num_steps: int = 12, vocab_size: int = 40
+) -> list[int]:
     """Decodes ``num_steps`` tokens for ``params``, placed among other rows as ``layout`` says.
 
     The target row always sees the same logits; the other rows differ per layout.
     """
-    vocab_size = 40
     generator = create_generator(params)
     others = {
         "alone": [],
@@ -373,6 +374,27 @@ def test_seeded_tokens_do_not_depend_on_batch(params: SamplingParams) -> None:
     assert len(set(expected)) > 3  # it really samples
     for layout in ("first", "middle", "last"):
         assert run_steps(params, layout) == expected, layout
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(seed=42, temperature=2.0),
+        SamplingParams(seed=42, top_k=20),
+        SamplingParams(seed=5, top_p=0.5, temperature=3.0),  # the candidates decide it
+        SamplingParams(seed=5, top_p=0.99),  # a flat row: sorted whole
+        SamplingParams(seed=9, min_p=0.01, temperature=2.0),
+    ],
+)
+def test_seeded_tokens_do_not_depend_on_batch_over_a_wide_vocabulary(
+    params: SamplingParams,
+) -> None:
+    """As above on 5,000 tokens, where rows draw among their candidates or over the whole
+    row (``filter_candidates``) beside others that take the other way."""
+    expected = run_steps(params, "alone", vocab_size=5000)
+    assert len(set(expected)) > 3
+    for layout in ("first", "middle", "last"):
+        assert run_steps(params, layout, vocab_size=5000) == expected, layout
 
 
 def test_different_seeds_give_different_sequences() -> None:
