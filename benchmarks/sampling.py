@@ -4,7 +4,8 @@
 median over ``--iters`` calls after warm-up, for two spreads of logits: ``flat`` (standard
 normal: most of the vocabulary carries mass, so top-p 0.9 keeps thousands of tokens) and
 ``peaked`` (normal x 6: a few dozen tokens hold the mass, as a trained model's next-token
-distribution mostly does). With ``--base REV`` the sampler of that commit (a git worktree,
+distribution mostly does); each row's request has a 300-token prompt and 60 output tokens
+(what the penalties read). With ``--base REV`` the sampler of that commit (a git worktree,
 no build needed: the sampler is Python and torch) is timed in a process of its own, in turns
 with this tree's (base, head, head, base...), and the table gives both and their ratio.
 
@@ -31,8 +32,11 @@ MODES = {
     "top-k 50": {"top_k": 50},
     "top-p 0.9, temperature 0.7": {"temperature": 0.7, "top_p": 0.9},
     "min-p 0.05": {"min_p": 0.05},
+    "presence 0.5": {"presence_penalty": 0.5},
+    "repetition 1.1": {"repetition_penalty": 1.1},
 }
 SPREADS = {"flat": 1.0, "peaked": 6.0}
+PROMPT, OUTPUT = tuple(range(3, 303)), tuple(range(500, 560))  # what the penalties look at
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,7 +69,7 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
             params = SamplingParams(**fields)
             for rows in args.rows:
                 requests = [
-                    SampleRequest(params, (1, 2, 3), (4, 5), create_generator(params))
+                    SampleRequest(params, PROMPT, OUTPUT, create_generator(params))
                     for _ in range(rows)
                 ]
                 part = logits[:rows]

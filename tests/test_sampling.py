@@ -428,6 +428,46 @@ def test_penalties_exact_arithmetic() -> None:
     assert logits[0, 0] == 2.0  # input untouched
 
 
+def _dense_penalties(logits: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+    """The penalties by [M, V] counts and masks: the definition ``apply_penalties`` keeps."""
+    vocab_size = logits.shape[1]
+
+    def counts(ids_per_row: list[Any]) -> torch.Tensor:
+        out = torch.zeros(len(ids_per_row), vocab_size)
+        for row, ids in enumerate(ids_per_row):
+            for t in ids:
+                if t < vocab_size:
+                    out[row, t] += 1
+        return out
+
+    output = counts([r.output_token_ids for r in requests])
+    factor = torch.tensor([[r.params.repetition_penalty] for r in requests])
+    prompt = counts([r.prompt_token_ids for r in requests])
+    seen = ((prompt > 0) | (output > 0)) & (factor != 1)
+    scaled = torch.where(logits > 0, logits / factor, logits * factor)
+    logits = torch.where(seen, scaled, logits)
+    frequency = torch.tensor([[r.params.frequency_penalty] for r in requests])
+    presence = torch.tensor([[r.params.presence_penalty] for r in requests])
+    return logits - frequency * output - presence * (output > 0).float()
+
+
+def test_penalties_touch_only_seen_tokens_and_equal_dense_counts() -> None:
+    """Rows with and without each penalty, repeated ids, ids past the vocabulary, an empty
+    output: bit for bit the dense definition."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(5, 300, generator=gen) * 3
+    ids = [torch.randint(0, 320, (n,), generator=gen).tolist() for n in (40, 0, 25, 60, 7)]
+    params = [
+        SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+        SamplingParams(repetition_penalty=0.8),
+        SamplingParams(frequency_penalty=-0.7),
+        SamplingParams(presence_penalty=1.5, repetition_penalty=1.1),
+        SamplingParams(),
+    ]
+    rows = [request(p, output=tuple(o), prompt=(1, 2, 2, 299, 305)) for p, o in zip(params, ids)]
+    assert torch.equal(apply_penalties(logits, rows), _dense_penalties(logits, rows))
+
+
 def test_repetition_penalty_below_one_boosts_seen_tokens() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.0]])
     rows = [request(SamplingParams(repetition_penalty=0.5), prompt=(0, 1, 2))]
