@@ -251,6 +251,19 @@ def test_candidate_filters_equal_the_full_sort(scale: float) -> None:
         assert not bool(decided.all())
 
 
+def test_masked_rows_are_decided_by_their_candidates() -> None:
+    """A grammar leaves a few tokens finite: a loose top-p over them decides the row among
+    the candidates (no whole-row sort), with the full sort's kept set."""
+    vocab_size = 5000
+    logits = torch.full((2, vocab_size), -math.inf)
+    logits[:, 100:110] = torch.arange(10.0) / 4
+    keep, top_p, min_p = [vocab_size, 20], [0.99, 1.0], [0.0, 0.0]
+    candidates = filter_candidates(logits, keep, top_p, min_p)
+    assert candidates is not None and bool(candidates[2].all())
+    expected = _filter_sorted(logits, keep, top_p, min_p)
+    assert torch.equal(filter_logits(logits, [0, 20], top_p, min_p), expected)
+
+
 def test_candidate_ties_at_the_edge_keep_the_lowest_ids() -> None:
     """A top-k boundary inside a run of equal logits keeps the lowest ids of the run, also
     when the run reaches past the candidates (the row then sorts whole)."""

@@ -163,7 +163,8 @@ def filter_candidates(
     (later ones may tie with a lower id left out, but have the same value: so the top-k's
     mass, its first k < W values, is the row's too), and each filter drops a suffix, deciding
     by position, by the mass before a position, or by value; so a row whose first dropped
-    position is at most ``exact`` is decided.
+    position is at most ``exact`` is decided; so is a row whose W-th candidate is -inf (a
+    grammar's mask): every token outside is -inf whether kept or dropped.
     """
     vocab_size = logits.shape[1]
     width = max([FILTER_CANDIDATES] + [k + 1 for k in keep if k < vocab_size])
@@ -181,7 +182,8 @@ def filter_candidates(
     )
     removed = _removed(values, (values - total.unsqueeze(1)).exp(), keep_k, top_p, min_p)
     first = torch.where(removed.any(dim=-1), removed.int().argmax(dim=-1), width)
-    decided = first <= exact
+    # a row with fewer finite logits than candidates (a grammar's mask) has them all here
+    decided = (first <= exact) | (values[:, -1] == -math.inf)
     return values.masked_fill(removed, -math.inf), ids, decided
 
 
