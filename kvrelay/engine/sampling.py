@@ -13,7 +13,7 @@ One step's logits (one row per request) go through, in this order::
         └─ other rows  ──► / temperature ──► top_k ──► top_p ──► min_p ──► draw
 
 A row whose request carries its own ``torch.Generator`` draws only from it, exactly one uniform
-number per step (``Sampler._draw``: inverse CDF), so a seeded request gets the same tokens
+number per step (``inverse_cdf``), so a seeded request gets the same tokens
 whatever else is in the batch and wherever its row is. Rows without one share the sampler's
 generator.
 """
@@ -127,16 +127,32 @@ def filter_logits(
     likely token's. The most likely token always survives.
     """
     keep = _keep_counts(top_k, logits.shape[1])
-    candidates = filter_candidates(logits, keep, top_p, min_p)
+    candidates, _, undecided = _split_by_candidates(logits, keep, top_p, min_p)
     if candidates is None:
         return _filter_whole(logits, keep, top_p, min_p)
-    values, ids, decided = candidates
+    values, ids = candidates
     out = torch.full_like(logits, -math.inf).scatter_(1, ids, values)
-    undecided = (~decided).nonzero().flatten().tolist()
     if undecided:
         rows = _index(undecided, logits.device)
         out[rows] = _filter_whole(logits[rows], *_pick(undecided, keep, top_p, min_p))
     return out
+
+
+def _split_by_candidates(
+    logits: torch.Tensor, keep: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
+) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, list[int], list[int]]:
+    """``filter_candidates``' (values, ids) (None where it takes none), and the rows they
+    decide and the rows that need the whole row (``_filter_whole``)."""
+    candidates = filter_candidates(logits, keep, top_p, min_p)
+    if candidates is None:
+        return None, [], list(range(len(keep)))
+    values, ids, decided = candidates
+    flags = decided.tolist()
+    return (
+        (values, ids),
+        [i for i, d in enumerate(flags) if d],
+        [i for i, d in enumerate(flags) if not d],
+    )
 
 
 def _keep_counts(top_k: Sequence[int], vocab_size: int) -> list[int]:
@@ -269,9 +285,9 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
         return _search(probs.double().cumsum(dim=-1), uniform * probs.double().sum(dim=-1))
     blocks = probs.view(num_rows, width // INVERSE_CDF_BLOCK, INVERSE_CDF_BLOCK)
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
-    block = _search(block_cdf, uniform * block_cdf[:, -1])
-    before = torch.where(block > 0, block_cdf[row, (block - 1).clamp(min=0)], 0.0)
     target = uniform * block_cdf[:, -1]
+    block = _search(block_cdf, target)
+    before = torch.where(block > 0, block_cdf[row, (block - 1).clamp(min=0)], 0.0)
     within = blocks[row, block].double().cumsum(dim=-1) + before.unsqueeze(1)
     return block * INVERSE_CDF_BLOCK + _search(within, target.clamp(min=before))
 
@@ -373,9 +389,9 @@ class Sampler:
             scores = apply_penalties(logits, requests)  # a new tensor
         else:
             scores = logits.clone()
-        if penalised and len(penalised) < len(requests):
-            rows = _index(penalised, logits.device)
-            scores[rows] = apply_penalties(scores[rows], [requests[i] for i in penalised])
+            if penalised:
+                rows = _index(penalised, logits.device)
+                scores[rows] = apply_penalties(scores[rows], [requests[i] for i in penalised])
         if mask_rows:
             index = (_index(mask_rows, logits.device), _index(mask_ids, logits.device))
             scores.index_put_(index, torch.tensor(-math.inf, device=logits.device))
@@ -430,17 +446,12 @@ class Sampler:
             params = [requests[i].params for i in filtered]
             keep = _keep_counts([p.top_k for p in params], scores.shape[1])
             top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
-            candidates = filter_candidates(part, keep, top_p, min_p)
-            if candidates is None:
-                decided: list[int] = []
-            else:
-                values, ids, is_decided = candidates
-                decided = is_decided.nonzero().flatten().tolist()
-            if decided:
+            candidates, decided, rest = _split_by_candidates(part, keep, top_p, min_p)
+            if candidates is not None and decided:
+                values, ids = candidates
                 at = _index(decided, device)
                 positions = inverse_cdf(values[at].softmax(dim=-1), uniform[rows[at]])
                 token_ids[rows[at]] = ids[at].gather(1, positions.unsqueeze(1)).squeeze(1)
-            rest = sorted(set(range(len(filtered))) - set(decided))
             if rest:
                 at = _index(rest, device)
                 kept = _filter_whole(part[at], *_pick(rest, keep, top_p, min_p))
