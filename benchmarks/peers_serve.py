@@ -200,7 +200,8 @@ def bench(
     argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     argv += ["--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}"]
     argv += ["--seed", str(seed)]
-    argv += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    argv += ["--save-result", "--save-detailed"]  # per request: ttfts, itls (runs.json)
+    argv += ["--result-dir", str(out.parent), "--result-filename", out.name]
     if rate == "inf":
         argv += ["--max-concurrency", str(args.max_concurrency)]
     wait_for_quiet_cpu(max_wait_s=30.0)  # vLLM's worker stays busy 1-2 s after a run (peers.py)

@@ -178,6 +178,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var("KVRELAY_CACHE_DIR", str, "~/.cache/kvrelay",
          "what kvrelay keeps between runs: digests of model files (identity/)", "--cache-dir",
          commands=()),
+    _var("KVRELAY_LAUNCHER_PID", int, None,
+         "exit (as on SIGTERM: a drain) once the process with this pid, the launcher that "
+         "started this one, is gone, even killed with SIGKILL (`kvrelay up` sets it)",
+         "--launcher-pid", per_process=True),
     _var("KVRELAY_NATIVE_MATMUL", bool, True,
          "CPU decode steps multiply by the weights, and CPU steps run a layer's norms, rotary "
          "and SiLU, in kvrelay's native library (0: torch's; for comparisons)",

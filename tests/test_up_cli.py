@@ -173,3 +173,69 @@ def _children(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             found.append(int(stat.parent.name))
     return found
+
+
+@pytest.mark.timeout(180)
+def test_kvrelay_up_killed_with_sigkill_leaves_no_process_and_no_shared_memory(
+    tiny_model_dir, tmp_path
+) -> None:
+    """SIGKILL cannot be caught, so `kvrelay up` cannot stop its cluster: the router and the
+    workers (in sessions of their own) notice that their launcher is gone, drain and exit on
+    their own, and unlink the cluster's shared memory."""
+    import os
+    import signal
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from kvrelay.cli.launcher import free_port
+
+    port = free_port()
+    with (tmp_path / "up.log").open("w") as log:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay", "up", "--model", str(tiny_model_dir), "--port",
+             str(port)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            env={**os.environ, "KVRELAY_DRAIN_TIMEOUT": "5"},  # the processes' drains
+        )  # fmt: skip
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert up.poll() is None, (tmp_path / "up.log").read_text()[-2000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=2).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "kvrelay up did not get ready"
+                time.sleep(0.3)
+        children = _children(up.pid)
+        assert len(children) >= 3  # the router, a prefill and a decode worker
+        assert [p.name for p in Path("/dev/shm").iterdir() if f"up{up.pid}-" in p.name]
+        up.kill()
+        up.wait(30)
+        deadline = time.monotonic() + 90  # a drain of at most 5 s, then the exit
+        while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = [pid for pid in children if _alive(pid)]
+        assert left == [], f"still running after their launcher was killed: {left}"
+        segments = [p.name for p in Path("/dev/shm").iterdir() if f"up{up.pid}-" in p.name]
+        assert segments == [], segments
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        for pid in children:  # a failed check: end what is left
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` runs and is not a zombie (an orphan's zombie is reaped by init at once)."""
+    from pathlib import Path
+
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -117,6 +117,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "KVRELAY_SSL_CERTFILE",
         "KVRELAY_SSL_KEYFILE", "KVRELAY_MAX_INFLIGHT", "KVRELAY_MAX_QUEUE_TIME",
         "KVRELAY_CACHE_WEIGHT", "KVRELAY_HEADER_TIMEOUT", "KVRELAY_BODY_TIMEOUT",
+        "KVRELAY_LAUNCHER_PID",
     ):  # fmt: skip
         envs.add_option(p, name)
     p.add_argument(
@@ -307,6 +308,10 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from kvrelay.cli.launcher import follow_launcher
+
+    if args.launcher_pid:
+        follow_launcher(args.launcher_pid)  # a process `kvrelay up` started ends with it
     exposed = (
         f"the control socket {args.control_addr}"
         if args.role == "router"

@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +36,30 @@ ROLES = ("prefill", "decode", "colocated")
 
 class LaunchError(RuntimeError):
     """A cluster process did not start or did not become ready in time."""
+
+
+LAUNCHER_CHECK_S = 0.5  # how often a started process looks for its launcher
+
+
+def follow_launcher(pid: int) -> None:
+    """In a process that a launcher started (``--launcher-pid``): SIGTERM to this process
+    once that launcher, its parent, is gone, so that a ``kvrelay up`` killed with SIGKILL
+    (which it cannot catch to stop its cluster) leaves no router or worker behind: each
+    drains and exits as on any SIGTERM, a worker unlinking its KV pools (the L1 host pool
+    they share is the reaper's: ``kvrelay.cli.reaper``). The processes run in sessions of
+    their own (a terminal's Ctrl-C goes to the launcher, which stops them in order), so
+    nothing else would end them. A thread polls the parent pid rather than asking for
+    PR_SET_PDEATHSIG, which fires when the *thread* that started the process ends."""
+    threading.Thread(
+        target=_watch_launcher, args=(pid,), name="follow-launcher", daemon=True
+    ).start()
+
+
+def _watch_launcher(pid: int) -> None:
+    while os.getppid() == pid:  # an orphan is adopted by init (or a subreaper)
+        time.sleep(LAUNCHER_CHECK_S)
+    logger.warning("the launcher (pid %d) that started this process is gone; shutting down", pid)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -158,6 +183,7 @@ class Launcher:
         ]
         self.procs: dict[str, Proc] = {}
         self._counts = dict.fromkeys(ROLES, 0)
+        self._reaper: subprocess.Popen[bytes] | None = None  # kvrelay.cli.reaper
 
     @property
     def host_pool_name(self) -> str:
@@ -236,8 +262,11 @@ class Launcher:
             "--model", self.spec.model,
             "--host", self.spec.host,
             "--control-addr", control_addr,
+            "--launcher-pid", str(os.getpid()),
             *args,
         ]  # fmt: skip
+        if self._reaper is None:
+            self._start_reaper()
         log = None
         if self.spec.log_dir:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
@@ -251,6 +280,17 @@ class Launcher:
         )
         self.procs[name] = Proc(name, role, popen, log)
         logger.debug("started %s (pid %d): %s", name, popen.pid, " ".join(cmd))
+
+    def _start_reaper(self) -> None:
+        """The process that frees the cluster's shared memory if this one is killed before
+        ``stop`` (``kvrelay.cli.reaper``); ``stop`` ends it."""
+        prefix = f"kvrelay-{self.cluster_id}-"
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay.cli.reaper", str(os.getpid()), prefix],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # a terminal's Ctrl-C is the launcher's to handle
+            env=envs.inheritable(os.environ),
+        )
 
     def _environ(self, role: str = "router") -> dict[str, str]:
         """A process's environment: the cluster secret and the admin token travel here, never
@@ -369,7 +409,12 @@ class Launcher:
         self.procs.clear()
         from kvrelay.transport.shm_pool import cleanup_segments
 
-        return cleanup_segments(f"kvrelay-{self.cluster_id}-")
+        removed = cleanup_segments(f"kvrelay-{self.cluster_id}-")
+        if self._reaper is not None:  # nothing left for it to free
+            self._reaper.terminate()
+            self._reaper.wait()
+            self._reaper = None
+        return removed
 
     def __enter__(self) -> Launcher:
         self.start()
