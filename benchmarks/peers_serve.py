@@ -23,8 +23,10 @@ and reported, so a cold run can be told from a warm one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -140,14 +142,53 @@ class Server:
             tiers = json.load(resp)["tiers"]
         return sum(int(tier.get("hit_tokens", 0)) for tier in tiers.values())
 
+    def pids(self) -> list[int]:
+        """The server's processes: its own and every descendant (``kvrelay up`` starts its
+        router and workers in sessions of their own, so its process group lacks them)."""
+        children: dict[int, list[int]] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+            children.setdefault(ppid, []).append(int(stat.parent.name))
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            todo += children.get(pid, [])
+        return found
+
+    def freeze(self) -> None:
+        """SIGSTOP to every process of the server while another is measured. Idle is not
+        quiet: vLLM's CPU worker polls its queue ~1,300 times a second doing nothing
+        (kvrelay's idle worker ~100), and each wake-up on a core the measured server's
+        OpenMP team spins on stalls that team: kvrelay colocated served 121.7 / 126.6 tok/s
+        alone and 98.5 / 111.3 with an idle vLLM up (float32, this machine, 2026-11-28)."""
+        for pid in self.pids():
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """SIGCONT, then ready again (a router may count a worker's heartbeats as missed)."""
+        for pid in self.pids():
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(3.0)  # heartbeats resume before anything is sent
+        self.wait_ready(timeout=120.0)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, 2)  # SIGINT: kvrelay up removes its shared memory
+            self.thaw_quietly()
+            os.killpg(self.proc.pid, signal.SIGINT)  # kvrelay up removes its shared memory
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self.log.close()
+
+    def thaw_quietly(self) -> None:
+        for pid in self.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
 
 
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
@@ -183,6 +224,8 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
         servers.append(Server(name, argv, env, port, log_dir / f"{name}.log"))
     for server in servers:
         server.wait_ready()
+    for server in servers:
+        server.freeze()  # each thaws for its own runs (run_all)
     return servers
 
 
@@ -224,7 +267,11 @@ def run_all(args: argparse.Namespace, vllm_python: Path, servers: list[Server], 
             seed = 1 + 1000 * r + rep  # prompts no server has seen; the same for each system
             for server in servers if rep % 2 == 0 else servers[::-1]:
                 out = work / f"{server.name}-{rate}-{rep}.json"
-                result = bench(args, vllm_python, server, rate, out, seed)
+                server.thaw()  # the others stay frozen (Server.freeze)
+                try:
+                    result = bench(args, vllm_python, server, rate, out, seed)
+                finally:
+                    server.freeze()
                 runs[rate][server.name].append(result)
                 brief = {k: round(result.get(k, 0.0), 1) for k in (*METRICS, "output_throughput")}
                 brief["cached_prompt_tokens"] = result["cached_prompt_tokens"]
@@ -258,6 +305,35 @@ def summarize(args: argparse.Namespace, runs: dict[str, dict[str, list[dict]]]) 
     return rows
 
 
+def waves(result: dict[str, Any], gap_s: float = 0.2) -> list[tuple[int, float, float]]:
+    """The requests of one run grouped by first token (a new group after ``gap_s`` without
+    one): ``(requests, their TTFT ms, their median TPOT ms)`` per group. Prompts that arrive
+    together reach their first tokens in waves, one per prefill step that finishes them, so
+    a TTFT bound is met by whole waves or not at all (``--save-detailed``'s fields)."""
+    pairs = sorted(
+        (ttft, sum(itl) / len(itl) if itl else 0.0)
+        for ttft, itl in zip(result.get("ttfts") or [], result.get("itls") or [], strict=True)
+    )
+    groups: list[list[tuple[float, float]]] = []
+    for pair in pairs:
+        if not groups or pair[0] - groups[-1][-1][0] > gap_s:
+            groups.append([])
+        groups[-1].append(pair)
+    return [(len(g), 1e3 * g[0][0], 1e3 * median(t for _, t in g)) for g in groups]
+
+
+def wave_lines(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
+    """One line per system at rate inf: the first run's waves (``waves``)."""
+    lines = []
+    for name, results in runs.get("inf", {}).items():
+        if results and results[0].get("ttfts"):
+            shown = ", ".join(
+                f"{n} at {t:,.0f} ms (TPOT {tp:.0f})" for n, t, tp in waves(results[0])
+            )
+            lines.append(f"- {name}, first tokens: {shown}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     vllm_python = ensure_vllm_venv(Path(args.vllm_venv))
@@ -274,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     headers = ["rate", "system", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
     headers += ["output tok/s", "goodput req/s", "cached prompt tokens (max)", "load avg (1 min)"]
     table = markdown_table(headers, summarize(args, runs))
+    lines = wave_lines(runs)
+    if lines:
+        table += "\n\nAt rate inf, requests by first token (first run):\n\n" + "\n".join(lines)
     print(table)
     (work / "runs.json").write_text(json.dumps(runs))
     print(f"raw results: {work / 'runs.json'}", file=sys.stderr)

@@ -114,8 +114,12 @@ class TextWorkers:
         return self._pool
 
     def close(self) -> None:
+        """Ends the child, waiting for it (at most the one call it runs). Not waiting raced
+        the interpreter's exit: the executor's thread closing its wake-up pipe while
+        ``concurrent.futures``' exit hook wrote to it printed an ``OSError: [Errno 9]``
+        traceback at the end of a router's log."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 
 
