@@ -6,7 +6,9 @@ machine's noise (it is shared) falls on both, and medians of the repeats are rep
 load average seen around each run. Each timed run starts on a quiet machine: vLLM's worker
 keeps a core busy for 1-2 s after it answers, which fell on whichever run came next (kvrelay's
 bfloat16 offline run: 10.3-11.0 s right after vLLM's, 8.5 s alone), so the script waits until
-other processes use under 5% of the CPUs (at most 30 s) before each one. Measured: offline
+other processes use under 5% of the CPUs (at most 30 s) before each one, and the engine not
+being timed is frozen (SIGSTOP) meanwhile: idle, vLLM's worker still wakes ~1,300 times a
+second (``common.signal_tree``). Measured: offline
 throughput (mixed requests, ignore_eos), a lone request's decode step, and greedy token
 identity on chat prompts. The vLLM venv is created when missing (``--vllm-venv``; idempotent:
 an existing one is reused).
@@ -20,6 +22,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -31,6 +34,7 @@ from common import (
     command_line,
     markdown_table,
     median,
+    signal_tree,
     update_benchmarks_md,
     wait_for_quiet_cpu,
 )
@@ -121,6 +125,13 @@ class Engine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
+    def freeze(self) -> None:
+        """SIGSTOP to the engine's processes while the other is timed (``signal_tree``)."""
+        signal_tree(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        signal_tree(self.proc.pid, signal.SIGCONT)
+
     def call_quit(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
@@ -173,14 +184,22 @@ def interleaved(
     for i in range(repeats):
         order = engines if i % 2 == 0 else engines[::-1]
         for engine in order:
-            others = wait_for_quiet_cpu(max_wait_s=30.0)  # the other engine's tail, above
-            answer = engine.call(**cmd)
-            answer["load1"] = os.getloadavg()[0]
-            answer["others_cpu_before"] = round(others, 3)
-            runs[engine.name].append(answer)
-            print(f"{cmd['op']} {engine.name}: {json.dumps(answer)}", file=sys.stderr, flush=True)
-            if after is not None:
-                after()
+            idle = [e for e in engines if e is not engine]
+            for other in idle:
+                other.freeze()  # idle is not quiet (signal_tree)
+            try:
+                others = wait_for_quiet_cpu(max_wait_s=30.0)  # the other engine's tail, above
+                answer = engine.call(**cmd)
+                answer["load1"] = os.getloadavg()[0]
+                answer["others_cpu_before"] = round(others, 3)
+                runs[engine.name].append(answer)
+                line = f"{cmd['op']} {engine.name}: {json.dumps(answer)}"
+                print(line, file=sys.stderr, flush=True)
+                if after is not None:
+                    after()
+            finally:
+                for other in idle:
+                    other.thaw()
     return runs
 
 

@@ -23,7 +23,6 @@ and reported, so a cold run can be told from a warm one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -39,6 +38,7 @@ from common import (
     command_line,
     markdown_table,
     median,
+    signal_tree,
     update_benchmarks_md,
     wait_for_quiet_cpu,
 )
@@ -142,53 +142,26 @@ class Server:
             tiers = json.load(resp)["tiers"]
         return sum(int(tier.get("hit_tokens", 0)) for tier in tiers.values())
 
-    def pids(self) -> list[int]:
-        """The server's processes: its own and every descendant (``kvrelay up`` starts its
-        router and workers in sessions of their own, so its process group lacks them)."""
-        children: dict[int, list[int]] = {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # exited meanwhile
-            children.setdefault(ppid, []).append(int(stat.parent.name))
-        found, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            found.append(pid)
-            todo += children.get(pid, [])
-        return found
-
     def freeze(self) -> None:
-        """SIGSTOP to every process of the server while another is measured. Idle is not
-        quiet: vLLM's CPU worker polls its queue ~1,300 times a second doing nothing
-        (kvrelay's idle worker ~100), and each wake-up on a core the measured server's
-        OpenMP team spins on stalls that team: kvrelay colocated served 121.7 / 126.6 tok/s
-        alone and 98.5 / 111.3 with an idle vLLM up (float32, this machine, 2026-11-28)."""
-        for pid in self.pids():
-            os.kill(pid, signal.SIGSTOP)
+        """SIGSTOP to every process of the server while another is measured (``signal_tree``
+        says why)."""
+        signal_tree(self.proc.pid, signal.SIGSTOP)
 
     def thaw(self) -> None:
         """SIGCONT, then ready again (a router may count a worker's heartbeats as missed)."""
-        for pid in self.pids():
-            os.kill(pid, signal.SIGCONT)
+        signal_tree(self.proc.pid, signal.SIGCONT)
         time.sleep(3.0)  # heartbeats resume before anything is sent
         self.wait_ready(timeout=120.0)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.thaw_quietly()
+            signal_tree(self.proc.pid, signal.SIGCONT)  # a frozen one cannot stop
             os.killpg(self.proc.pid, signal.SIGINT)  # kvrelay up removes its shared memory
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         self.log.close()
-
-    def thaw_quietly(self) -> None:
-        for pid in self.pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
 
 
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
@@ -224,6 +197,9 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
         servers.append(Server(name, argv, env, port, log_dir / f"{name}.log"))
     for server in servers:
         server.wait_ready()
+    # kvrelay serves before its oneDNN copies are packed (a background thread): let that and
+    # vLLM's start-up end before the servers freeze, or the packing resumes in a timed run
+    wait_for_quiet_cpu(max_wait_s=300.0)
     for server in servers:
         server.freeze()  # each thaws for its own runs (run_all)
     return servers
