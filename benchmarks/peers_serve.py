@@ -2,14 +2,17 @@
 
 Three servers on the same model, dtype and cores: ``vllm serve`` (its API server and engine,
 ``--threads`` OpenMP threads), ``kvrelay up`` with one prefill and one decode worker (each with
-``--threads`` threads, as ``kvrelay up`` gives each role every core; ``--p1d-threads``
-sets another count), and ``kvrelay up --colocated 1`` (one engine
-with every core). All three are started first and kept up; the timed runs then go A, B, C,
-C, B, A... so that the machine's noise falls on each, and each server idles while another is
-measured. Each run is ``vllm bench serve`` (random prompts of ``--input-len`` tokens,
+``--threads`` threads, as ``kvrelay up`` gives each role every core; ``--p1d-threads`` sets
+another count), and ``kvrelay up --colocated 1`` (one engine with every core). All three are
+started first and kept up; the timed runs then go A, B, C, C, B, A... so that the machine's
+noise falls on each. While one is measured the others are frozen (SIGSTOP to every process of
+theirs, ``common.signal_tree``), not merely idle: an idle vLLM worker wakes ~1,300 times a
+second, and those wake-ups took ~12% off kvrelay's output beside it. The servers freeze once
+their start-up work (kvrelay's background packing of the oneDNN copies, vLLM's compilation) has
+ended. Each run is ``vllm bench serve`` (random prompts of ``--input-len`` tokens,
 ``--output-len`` forced with ignore_eos, streamed ``/v1/completions``) at each ``--rates``
-(``inf`` with ``--max-concurrency``: saturation); reported: TTFT and TPOT p50/p99, output
-tok/s and goodput under the SLOs, medians over ``--repeats``.
+(``inf`` with ``--max-concurrency``: saturation); reported: TTFT and TPOT p50/p99, output tok/s
+and goodput under the SLOs, medians over ``--repeats``.
 
 Every run draws prompts no server has seen (``vllm bench serve --seed``: one seed per rate and
 repeat, the same for every system in it): both engines cache prefixes, so a repeated prompt set

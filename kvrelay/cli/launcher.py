@@ -412,7 +412,11 @@ class Launcher:
         removed = cleanup_segments(f"kvrelay-{self.cluster_id}-")
         if self._reaper is not None:  # nothing left for it to free
             self._reaper.terminate()
-            self._reaper.wait()
+            try:
+                self._reaper.wait(timeout=grace)
+            except subprocess.TimeoutExpired:  # stopped (SIGSTOP) or stuck: never wait on it
+                self._reaper.kill()
+                self._reaper.wait()
             self._reaper = None
         return removed
 
