@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -167,3 +168,37 @@ def test_routers_announce_batches_and_workers_follow_each_ack(tiny_model_dir) ->
     finally:
         links.close()
         ctx.term()
+
+
+def test_handling_a_message_leaves_the_heartbeat_free(links: RouterLinks) -> None:
+    """The loop handles what it read without the links' lock, which the heartbeat thread
+    needs to send: a message that takes long to handle (a structured request waiting for the
+    grammar tables after a start) must not silence the worker for a router's --dead-after."""
+    ctx = zmq.Context()
+    ours, theirs = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    ours.bind("inproc://handled")
+    theirs.connect("inproc://handled")
+    theirs.send(b"slow to handle")
+    poller = zmq.Poller()
+    poller.register(ours, zmq.POLLIN)
+    heartbeat_could_send = []
+
+    def dispatch(sock: zmq.Socket, frames: list) -> None:
+        def heartbeat() -> None:
+            took = links.lock.acquire(timeout=2.0)
+            heartbeat_could_send.append(took)
+            if took:
+                links.lock.release()
+
+        thread = threading.Thread(target=heartbeat)
+        thread.start()
+        thread.join()
+
+    worker = types.SimpleNamespace(routers=links, _poller=poller, _dispatch=dispatch)
+    try:
+        Worker._poll(worker, 2000)  # type: ignore[arg-type]
+    finally:
+        ours.close(0)
+        theirs.close(0)
+        ctx.term()
+    assert heartbeat_could_send == [True]

@@ -316,14 +316,21 @@ class Worker:
         self._running = False
 
     def _poll(self, timeout_ms: int) -> None:
-        with self.routers.lock:  # the heartbeat thread sends on the router links
+        """Reads what came, then handles it. Only the reading holds the links' lock (the
+        heartbeat thread sends on the same sockets): handling a message can take long (a
+        structured request waits for the grammar compiler's tables in the first second or
+        two after a start), and under the lock it stopped the heartbeats, so a router with
+        ``--dead-after 1.5`` declared a busy, healthy worker dead (a CI failure)."""
+        received = []
+        with self.routers.lock:
             for sock, _ in self._poller.poll(timeout_ms):
                 while True:
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        received.append((sock, sock.recv_multipart(zmq.NOBLOCK, copy=False)))
                     except zmq.Again:
                         break
-                    self._dispatch(sock, frames)
+        for sock, frames in received:
+            self._dispatch(sock, frames)
 
     def _dispatch(self, sock: zmq.Socket, frames: list[Any]) -> None:
         identity = frames[0].bytes if sock is self.peer else None
