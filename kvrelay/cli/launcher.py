@@ -55,9 +55,15 @@ def follow_launcher(pid: int) -> None:
     ).start()
 
 
-def _watch_launcher(pid: int) -> None:
-    while os.getppid() == pid:  # an orphan is adopted by init (or a subreaper)
+def wait_for_parent_exit(pid: int) -> None:
+    """Returns once this process's parent is no longer ``pid`` (an orphan is adopted by init
+    or a subreaper): ``follow_launcher``'s thread and ``kvrelay.cli.reaper``."""
+    while os.getppid() == pid:
         time.sleep(LAUNCHER_CHECK_S)
+
+
+def _watch_launcher(pid: int) -> None:
+    wait_for_parent_exit(pid)
     logger.warning("the launcher (pid %d) that started this process is gone; shutting down", pid)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -186,9 +192,14 @@ class Launcher:
         self._reaper: subprocess.Popen[bytes] | None = None  # kvrelay.cli.reaper
 
     @property
+    def segment_prefix(self) -> str:
+        """What every shared-memory segment of this cluster's name starts with."""
+        return f"kvrelay-{self.cluster_id}-"
+
+    @property
     def host_pool_name(self) -> str:
         """The L1 host pool this cluster's workers share unless told otherwise."""
-        return f"kvrelay-{self.cluster_id}-l1"
+        return f"{self.segment_prefix}l1"
 
     @property
     def url(self) -> str:
@@ -284,9 +295,8 @@ class Launcher:
     def _start_reaper(self) -> None:
         """The process that frees the cluster's shared memory if this one is killed before
         ``stop`` (``kvrelay.cli.reaper``); ``stop`` ends it."""
-        prefix = f"kvrelay-{self.cluster_id}-"
         self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "kvrelay.cli.reaper", str(os.getpid()), prefix],
+            [sys.executable, "-m", "kvrelay.cli.reaper", str(os.getpid()), self.segment_prefix],
             stdin=subprocess.DEVNULL,
             start_new_session=True,  # a terminal's Ctrl-C is the launcher's to handle
             env=envs.inheritable(os.environ),
@@ -409,7 +419,7 @@ class Launcher:
         self.procs.clear()
         from kvrelay.transport.shm_pool import cleanup_segments
 
-        removed = cleanup_segments(f"kvrelay-{self.cluster_id}-")
+        removed = cleanup_segments(self.segment_prefix)
         if self._reaper is not None:  # nothing left for it to free
             self._reaper.terminate()
             try:

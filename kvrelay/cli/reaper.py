@@ -16,13 +16,12 @@ maps a segment that long after its launcher died is not one of ours to wait for)
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
 
 from kvrelay.cachetier.segments import segment_mappers
-from kvrelay.cli.launcher import LAUNCHER_CHECK_S
+from kvrelay.cli.launcher import LAUNCHER_CHECK_S, wait_for_parent_exit
 from kvrelay.transport.shm_pool import cleanup_segments, list_segments
 
 logger = logging.getLogger("kvrelay.reaper")
@@ -55,8 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        while os.getppid() == launcher_pid:  # an orphan is adopted by init (or a subreaper)
-            time.sleep(LAUNCHER_CHECK_S)
+        wait_for_parent_exit(launcher_pid)
         removed = reap(prefix)
     except KeyboardInterrupt:
         return 0
