@@ -239,6 +239,53 @@ def test_seeded_sampling_on_cuda_repeats(tiny_model_dir):
 
 
 @needs_cuda
+def test_sampler_on_cuda_picks_the_cpu_tokens_for_the_same_uniforms(monkeypatch):
+    """Every sampling path (greedy, temperature, top-k / top-p / min-p on candidates and on
+    whole sorted rows, min-p's threshold, penalties, min_tokens, logprobs) chooses on CUDA the
+    token it chooses on the CPU when both draw the same uniform numbers. The vocabulary is
+    SmolLM2's, so candidate filtering and the two-level inverse CDF both run; flat rows under
+    top-p 0.999 fall back to the whole sort."""
+    from kvrelay.engine import sampling
+
+    vocab, rng = 49_152, random.Random(3)
+    modes = [
+        dict(temperature=0.0),
+        dict(temperature=0.0, presence_penalty=0.5, logprobs=3),
+        dict(temperature=1.0),
+        dict(temperature=0.7, top_k=50),
+        dict(temperature=1.0, top_p=0.9),
+        dict(temperature=1.3, top_p=0.999),
+        dict(temperature=1.0, min_p=0.05),
+        dict(temperature=0.8, top_k=200, top_p=0.8, min_p=0.02),
+        dict(temperature=1.0, repetition_penalty=1.3, frequency_penalty=0.4),
+        dict(temperature=1.0, min_tokens=4, logprobs=5),
+    ]
+    requests, rows = [], []
+    generator = torch.Generator().manual_seed(11)
+    for i in range(40):
+        params = SamplingParams(max_tokens=16, **modes[i % len(modes)])
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 300))]
+        output = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        requests.append(sampling.SampleRequest(params, prompt, output, None))
+        scale = 0.05 if i % 4 == 3 else 3.0  # flat rows: top-p 0.999 keeps most of the vocabulary
+        rows.append(torch.randn(vocab, generator=generator) * scale)
+    logits = torch.stack(rows)
+    uniforms = torch.rand(len(requests), generator=generator, dtype=torch.float64)
+    monkeypatch.setattr(
+        sampling.Sampler, "_uniforms", lambda self, generators, device: uniforms.to(device)
+    )
+    on_cpu = sampling.Sampler(eos_token_ids=[2])(logits, requests)
+    on_cuda = sampling.Sampler(eos_token_ids=[2])(logits.cuda(), requests)
+    assert on_cuda.token_ids == on_cpu.token_ids
+    for cpu_row, cuda_row in zip(on_cpu.logprobs, on_cuda.logprobs):
+        assert (cpu_row is None) == (cuda_row is None)
+        if cpu_row is not None and cuda_row is not None:
+            assert cuda_row.token_id == cpu_row.token_id and cuda_row.rank == cpu_row.rank
+            assert cuda_row.logprob == pytest.approx(cpu_row.logprob, abs=1e-4)
+            assert [t for t, _ in cuda_row.top] == [t for t, _ in cpu_row.top]
+
+
+@needs_cuda
 def test_l1_host_pool_round_trip_from_a_cuda_pool(tiny_model_dir):
     """Engine A (GPU) offloads a prompt's blocks to host shared memory; engine B (GPU, empty
     device cache) loads them back and generates the same tokens from them."""
