@@ -201,7 +201,10 @@ def test_prefill_rows_attend_causally_over_their_sequence(
     across more than a chunk of 512 keys), each token a row over the keys up to its own
     position through its sequence's shared table, beside decode tokens with tables of their
     own; on every vector path this CPU has, equal to the reference."""
-    segments = [(0, 23), (37, 20), (500, 30)]  # (cached tokens, new tokens) per sequence
+    # (cached tokens, new tokens) per sequence; on AVX512-BF16 a bfloat16 pool's segments go
+    # in blocks of consecutive tokens (attention.c's attend_block_bf16): 150 tokens are
+    # several blocks, each over more than one chunk of keys
+    segments = [(0, 23), (37, 20), (500, 30), (90, 150)]
     decode_lens = [1, 70, 600]
     num_blocks = sum(-(-(s + n) // block_size) for s, n in segments)
     num_blocks += sum(-(-n // block_size) for n in decode_lens) + 2
