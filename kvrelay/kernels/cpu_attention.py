@@ -7,7 +7,9 @@ native kernel reads keys and values in place from the block pool, one query row 
 split by (row, kv head) over the engine's thread pool (the one the native matmuls use), with
 an online softmax in float32. Decode tokens are a row each; so are the tokens of a prefill
 segment of up to ``prefill_limit`` tokens, each attending over the keys up to its own position
-through its sequence's table (``NativeDecode.row_table``). The runner builds a
+through its sequence's table (``NativeDecode.row_table``); with a bfloat16 pool on AVX512-BF16
+the library takes a segment's consecutive rows in blocks (up to 48 query vectors against each
+key at once). The runner builds a
 ``NativeDecode`` instead of decode groups when ``supports`` is true; results equal the torch
 path's up to float32 summation order (bfloat16 scores: BF16 dot products, exact products
 summed in float32, on CPUs with AVX512-BF16).
@@ -29,11 +31,12 @@ ISA_AVX512 = 2  # csrc/attention.c: the 16-lane path (bfloat16: BF16 dot product
 TABLE_COLUMNS = 16  # block tables are padded to a multiple of this many columns
 # CPU prefill segments of up to this many tokens attend in the kernel (a row per token, each
 # over the keys up to its position) rather than in SDPA, one call for the step instead of one
-# SDPA (~0.3 ms of overhead) per segment. Measured against SDPA (BENCHMARKS.md, "Prefill
+# SDPA (~0.3 ms of overhead) per segment. Measured against SDPA (BENCHMARKS.md, "CPU
 # attention"): float32 0.3-0.8x its time at 16-512 tokens, 1.07x at 1,024; a bfloat16 pool
-# on AVX512-BF16 (dot products in bfloat16) 0.3-0.8x up to 1,024 and 0.94x at 2,048.
+# on AVX512-BF16, whose segments go in blocks of consecutive tokens (csrc/attention.c,
+# attend_block_bf16), 0.13-0.31x at 16-2,048 tokens, 0.38x at 4,096 and 0.53x at 8,192.
 MAX_PREFILL_TOKENS = 512
-MAX_PREFILL_TOKENS_BF16_DOT = 2048
+MAX_PREFILL_TOKENS_BF16_DOT = 8192
 
 
 def prefill_limit(kv: torch.Tensor) -> int:
