@@ -221,10 +221,7 @@ def test_prefill_equals_the_torch_path(device, dtype, case):
     q, kv, tables, seg_rows, decode_rows, expected = _prefill_step(case, dtype)
     tile_tokens = tile_tokens or triton_attention.prefill_tile_tokens(q_heads // kv_heads)
     batch = triton_attention.make_prefill(
-        seg_rows,
-        [start for start, _ in segments],
-        [n for _, n in segments],
-        tables[: len(segments)],
+        [(r, start, n, t) for r, (start, n), t in zip(seg_rows, segments, tables, strict=False)],
         tile_tokens,
     )
     assert batch.tiles.shape[0] == sum(-(-n // tile_tokens) for _, n in segments)
@@ -243,8 +240,36 @@ def test_prefill_equals_the_torch_path(device, dtype, case):
     torch.testing.assert_close(out.cpu().float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_stores_the_step_then_runs_the_prefill_kernel(dtype):
+    """The wired path: ``paged_attention`` with ``native_prefill`` stores the step's K/V (a
+    prompt from position 0 and a chunk after 40 cached tokens) and attends over them in the
+    pool; the torch path with segments (fresh K/V for the first) gives the same rows."""
+    if not triton_attention.interpreted():
+        pytest.skip("CPU tensors need TRITON_INTERPRET=1 (the GPU path is in test_cuda.py)")
+    block_size, q_heads, kv_heads, head_dim = 16, 9, 3, 64
+    kv, tables = _pool_and_tables([70, 40 + 33], block_size, kv_heads, head_dim, dtype)
+    segments = [(0, 0, 70, tables[0]), (70, 40, 33, tables[1])]
+    gen = torch.Generator().manual_seed(5)
+    heads = (q_heads, kv_heads, kv_heads)
+    q, k, v = (torch.randn(103, h, head_dim, generator=gen).to(dtype) for h in heads)
+    slots = [tables[0][p // 16] * 16 + p % 16 for p in range(70)]
+    slots += [tables[1][p // 16] * 16 + p % 16 for p in range(40, 73)]
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots))
+    meta.native_prefill = triton_attention.make_prefill(segments, 42)
+    got = paged_attention(q, k, v, kv.clone(), meta, head_dim**-0.5)
+    ref = AttentionMetadata(slot_mapping=torch.tensor(slots))
+    ref.prefills = [
+        PrefillSegment(0, 70, None, 70, None),
+        PrefillSegment(70, 33, torch.tensor(tables[1][:5]), 73, causal_mask(40, 33, 73, None)),
+    ]
+    expected = paged_attention(q.float(), k.float(), v.float(), kv.float(), ref, head_dim**-0.5)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected, atol=tol, rtol=tol)
+
+
 def test_prefill_tiles_cut_each_segment_and_name_its_table():
-    batch = triton_attention.make_prefill([3, 40], [0, 96], [37, 5], [[4, 5, 6], [9] * 7], 16)
+    batch = triton_attention.make_prefill([(3, 0, 37, [4, 5, 6]), (40, 96, 5, [9] * 7)], 16)
     assert batch.tiles.tolist() == [
         [3, 16, 0, 0],
         [19, 16, 16, 0],

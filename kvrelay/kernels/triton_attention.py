@@ -44,6 +44,7 @@ interpreter and on a GPU where one is present).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -119,21 +120,17 @@ def prefill_tile_tokens(q_per_kv: int) -> int:
 
 
 def make_prefill(
-    rows: list[int],
-    starts: list[int],
-    lens: list[int],
-    tables: list[list[int]],
-    tile_tokens: int,
+    segments: Sequence[tuple[int, int, int, list[int]]], tile_tokens: int
 ) -> PrefillBatch:
-    """The kernel's inputs for segments of ``lens[i]`` tokens at rows ``rows[i]..`` of the flat
-    batch and positions ``starts[i]..`` of the sequence whose block table is ``tables[i]``
-    (at least ``ceil((starts[i] + lens[i]) / block_size)`` long)."""
+    """The kernel's inputs for segments ``(row, start, tokens, table)``: ``tokens`` query rows
+    from ``row`` of the flat batch at positions from ``start`` of the sequence whose block
+    table is ``table`` (at least ``ceil((start + tokens) / block_size)`` long)."""
     tiles: list[list[int]] = []
-    for i, (row, start, n) in enumerate(zip(rows, starts, lens, strict=True)):
+    for i, (row, start, n, _) in enumerate(segments):
         for first in range(0, n, tile_tokens):
             tiles.append([row + first, min(tile_tokens, n - first), start + first, i])
-    width = table_width(max(len(t) for t in tables))
-    padded = [t + [0] * (width - len(t)) for t in tables]
+    width = table_width(max(len(seg[3]) for seg in segments))
+    padded = [seg[3] + [0] * (width - len(seg[3])) for seg in segments]
     return PrefillBatch(
         torch.tensor(tiles, dtype=torch.int32).view(-1, 4),
         torch.tensor(padded, dtype=torch.int32),
