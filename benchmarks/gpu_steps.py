@@ -5,9 +5,13 @@ of varied length so that new prompts join running batches (mixed steps); each st
 (its tokens reach the host, so the time is the GPU's too) and the ``.cubin`` files in
 Triton's cache are counted before and after it: a step that compiled a kernel shows it.
 Passes repeat the workload in the same process (the second has nothing left to compile).
-``--profile`` runs torch's profiler over one mixed step of the last pass.
+``--profile`` runs torch's profiler over one mixed step of the last pass. ``--prefill both``
+runs the workload twice in the process, prefill attention in Triton's one-launch kernel
+(``triton``) and then through torch's gather + SDPA per segment (``sdpa``,
+``KVRELAY_TRITON_PREFILL=0``), each on its own engine, and prints the medians side by side.
 
     python benchmarks/gpu_steps.py --like SMOLLM2_DIR [--requests 64] [--concurrency 32]
+        [--prefill triton|sdpa|both]
 """
 
 from __future__ import annotations
@@ -62,13 +66,16 @@ def run_pass(llm: LLM, tag: str, args: argparse.Namespace, rng: random.Random, p
             (engine.last_step_kind, 1e3 * (time.perf_counter() - started), compiled() - before)
         )
         done += sum(1 for out in outputs if out.finished)
+    medians = {}
     for kind in ("decode", "mixed", "prefill"):
         times = [t for k, t, _ in rows if k == kind]
         if times:
-            print(f"{tag} {kind}: n={len(times)} median {statistics.median(times):.2f} ms "
+            medians[kind] = statistics.median(times)
+            print(f"{tag} {kind}: n={len(times)} median {medians[kind]:.2f} ms "
                   f"max {max(times):.1f} ms")  # fmt: skip
     slow = [(k, round(t), c) for k, t, c in rows if t > args.slow_ms]
     print(f"{tag} steps over {args.slow_ms} ms (kind, ms, kernels compiled): {slow[:20]}")
+    return medians
 
 
 def main() -> int:
@@ -83,19 +90,41 @@ def main() -> int:
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--slow-ms", type=float, default=50.0)
     p.add_argument("--profile", action="store_true")
+    p.add_argument(
+        "--prefill",
+        choices=("triton", "sdpa", "both"),
+        default="triton",
+        help="prefill attention: Triton's one-launch kernel, torch's SDPA per segment "
+        "(KVRELAY_TRITON_PREFILL=0), or both in turn",
+    )
     args = p.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu_decode import random_checkpoint
 
+    paths = ("triton", "sdpa") if args.prefill == "both" else (args.prefill,)
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = random_checkpoint(args.like, Path(tmp), torch.bfloat16)
-        started = time.perf_counter()
-        llm = LLM(model, dtype="bfloat16", device=args.device)
-        print(f"engine + warm-up {time.perf_counter() - started:.1f} s; kernels {compiled()}")
-        rng = random.Random(0)
-        for n in range(args.passes):
-            run_pass(llm, f"pass{n + 1}", args, rng, args.profile and n == args.passes - 1)
-        print(f"kernels at the end {compiled()}")
+        for path in paths:
+            os.environ["KVRELAY_TRITON_PREFILL"] = "1" if path == "triton" else "0"
+            started = time.perf_counter()
+            llm = LLM(model, dtype="bfloat16", device=args.device)
+            print(f"[{path}] engine + warm-up {time.perf_counter() - started:.1f} s; "
+                  f"kernels {compiled()}")  # fmt: skip
+            rng = random.Random(0)  # the same workload for each path
+            for n in range(args.passes):
+                profile = args.profile and n == args.passes - 1
+                results[path] = run_pass(llm, f"{path} pass{n + 1}", args, rng, profile)
+            print(f"[{path}] kernels at the end {compiled()}")
+            del llm
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    if len(paths) > 1:
+        for kind in ("decode", "mixed", "prefill"):
+            if all(kind in results[path] for path in paths):
+                a, b = (results[path][kind] for path in paths)
+                print(f"last pass {kind} median: triton {a:.2f} ms, sdpa {b:.2f} ms "
+                      f"(sdpa / triton {b / a:.2f}x)")  # fmt: skip
     return 0
 
 

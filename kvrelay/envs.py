@@ -199,6 +199,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "on CPU (with the tokens of prefill segments up to 512 tokens, 2,048 in bfloat16 on "
          "AVX512-BF16) and Triton's on CUDA (0: torch's gather + SDPA; for comparisons)",
          commands=("serve",)),
+    _var("KVRELAY_TRITON_PREFILL", bool, True,
+         "on CUDA, a step's prefill segments attend in one Triton launch per layer, reading "
+         "the KV pool in place (0: torch's gather + SDPA per segment; for comparisons)",
+         commands=("serve",)),
     _var("KVRELAY_CUDA_GRAPHS", bool, True,
          "a CUDA engine replays decode-only steps as CUDA graphs, one per padded batch size, "
          "captured by the warm-up (0: every step eager; for comparisons and debugging)",

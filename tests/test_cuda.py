@@ -197,18 +197,29 @@ def compiled_triton_variants() -> int:
     """Variants of kvrelay's Triton kernels compiled in this process so far, every device."""
     from kvrelay.kernels import triton_attention as ta
 
-    kernels = (ta._decode_kernel, ta._combine_kernel, ta._store_kernel)
+    kernels = (ta._decode_kernel, ta._combine_kernel, ta._store_kernel, ta._prefill_kernel)
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
+
+
+def compiled_prefill_variants() -> int:
+    from kvrelay.kernels import triton_attention as ta
+
+    return sum(len(caches[0]) for caches in ta._prefill_kernel.device_caches.values())
 
 
 @needs_cuda
 def test_serving_after_the_warm_up_compiles_no_kernel(tiny_model_dir):
     """Prompts of 5-400 tokens join running requests one by one (mixed steps of 1-80 decode
-    rows, block tables of every width) after the warm-up: Triton compiles nothing more (a
-    compile mid-serving stalled every running sequence for 0.5-1.4 s on an H100)."""
-    llm = LLM(tiny_model_dir, device="cuda", num_blocks=2048, max_num_seqs=96)
+    rows, block tables of every width, prefill tiles from position 0 and mid-prompt, 1 to
+    many a step) after the warm-up: Triton compiles nothing more, the prefill kernel included
+    (a compile mid-serving stalled every running sequence for 0.5-1.4 s on an H100)."""
+    llm = LLM(
+        tiny_model_dir, device="cuda", num_blocks=2048, max_num_seqs=96, max_num_batched_tokens=256
+    )
     engine, before = llm.engine, compiled_triton_variants()
-    assert before > 0
+    assert before > 0 and compiled_prefill_variants() > 0  # the warm-up compiled it
+    assert engine.runner.prefill_tile_tokens > 0
+    prefill_before = compiled_prefill_variants()
     rng, kinds, added = random.Random(0), [], 0
     while added < 80 or engine.has_unfinished_requests():
         if added < 80 and len(kinds) % 2 == 0:
@@ -221,8 +232,51 @@ def test_serving_after_the_warm_up_compiles_no_kernel(tiny_model_dir):
         engine.step()
         kinds.append(engine.last_step_kind)
     assert kinds.count("mixed") >= 20 and kinds.count("decode") >= 20
+    assert compiled_prefill_variants() == prefill_before
     assert compiled_triton_variants() == before
     engine.block_manager.check_integrity()
+
+
+LONG_PROMPT = PROMPTS[2] * 3  # 327 tokens of the tiny tokenizer: prefill tiles hold 64
+
+
+@needs_cuda
+@pytest.mark.parametrize("triton_prefill", ["1", "0"])
+def test_prefill_on_cuda_is_one_launch_and_follows_the_reference(
+    tiny_model_dir, reference, monkeypatch, triton_prefill
+):
+    """Prompts of 11-327 tokens in chunks of up to 160 beside running decodes: the runner
+    builds one ``PrefillBatch`` a step (segments of several tiles, from position 0 and from
+    the middle of a prompt) and no ``PrefillSegment``, and every greedy token is the
+    reference's argmax within LOGIT_TOL. ``KVRELAY_TRITON_PREFILL=0``: segments through SDPA,
+    the same check."""
+    monkeypatch.setenv("KVRELAY_TRITON_PREFILL", triton_prefill)
+    llm = LLM(
+        tiny_model_dir, device="cuda", num_blocks=256, max_num_batched_tokens=160, warm_up=False
+    )
+    runner, metas = llm.engine.runner, []
+    prepare = runner._prepare
+
+    def recording(scheduled):
+        prepared = prepare(scheduled)
+        metas.append(prepared[2])
+        return prepared
+
+    monkeypatch.setattr(runner, "_prepare", recording)
+    prompts = [LONG_PROMPT, PROMPTS[0], PROMPTS[2], PROMPTS[3] + LONG_PROMPT]
+    for out in llm.generate(prompts, GREEDY):
+        assert_greedy_under_reference(reference, out.prompt_token_ids, out.outputs[0].token_ids)
+    batches = [m.native_prefill for m in metas if m.native_prefill is not None]
+    if triton_prefill == "0":
+        assert not batches and any(m.prefills for m in metas)
+        return
+    assert batches and not any(m.prefills for m in metas)
+    tiles = torch.cat([b.tiles.cpu() for b in batches])
+    assert bool((tiles[:, 2] > 0).any()), "no segment started mid-prompt"
+    assert bool((tiles[:, 1] == batches[0].tile_tokens).any()), "no segment filled a tile"
+    assert any(b.tiles.shape[0] > 1 for b in batches)
+    assert any(m.native_decode is not None and m.native_prefill is not None for m in metas)
+    llm.engine.block_manager.check_integrity()
 
 
 @needs_cuda

@@ -83,6 +83,7 @@ class DecodeGraphs:
         return (
             batch is not None
             and not meta.prefills
+            and meta.native_prefill is None
             and not meta.decode
             and batch.rows.numel() == num_tokens
             and num_tokens <= self.sizes[-1]

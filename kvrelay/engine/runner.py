@@ -11,7 +11,10 @@ too small to gain from a second thread, and each of torch's parallel regions wou
 OpenMP team (or find it spinning on the core the kernel's pool needs).
 
 On a GPU, decode tokens attend in the Triton kernel (``kernels.triton_attention``) and
-decode-only steps replay CUDA graphs (``engine.cuda_graphs``; ``KVRELAY_CUDA_GRAPHS=0``: eager).
+decode-only steps replay CUDA graphs (``engine.cuda_graphs``; ``KVRELAY_CUDA_GRAPHS=0``: eager);
+a step's prefill segments become one ``PrefillBatch`` (query tiles, two int32 tensors) that
+each layer's attention takes in one launch, not a ``PrefillSegment`` (metadata copied and an
+SDPA launched per segment and layer; ``KVRELAY_TRITON_PREFILL=0`` keeps those).
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ class ModelRunner:
         self.native_prefill_tokens = 0
         if self.native_attention and self.device.type == "cpu":
             self.native_prefill_tokens = cpu_attention.prefill_limit(kv_cache)
+        # CUDA: the tokens of a prefill tile (triton_attention.prefill_tile_tokens); 0 elsewhere
+        self.prefill_tile_tokens = 0
+        on_cuda = self.native_attention and self.device.type == "cuda"
+        if on_cuda and envs.get("KVRELAY_TRITON_PREFILL"):
+            q_per_kv = heads // model.config.num_kv_heads
+            self.prefill_tile_tokens = triton_attention.prefill_tile_tokens(q_per_kv)
         self.threads = torch.get_num_threads()
         # decode steps: torch on one thread, the native matmuls on all (module docstring)
         self.narrow_decode = self.device.type == "cpu" and self.threads > 1 and gemv.available()
@@ -145,6 +154,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         prefills: list[PrefillSegment] = []
+        # CUDA: each prefill segment's row, start, tokens and table, for Triton's kernel
+        segments: list[tuple[int, int, int, list[int]]] = []
         sample_rows: list[int] = []
         # rows attending in the native kernel: decode tokens, and on CPU the tokens of
         # prefill segments short enough for it; each row's table is its sequence's
@@ -176,6 +187,8 @@ class ModelRunner:
                     rows.extend(range(row, row + n))
                     ctx_lens.extend(range(start + 1, start + n + 1))
                     tables.append(block_ids[: -(-(start + n) // bs)])
+                elif self.prefill_tile_tokens:
+                    segments.append((row, start, n, block_ids[: -(-(start + n) // bs)]))
                 else:
                     prefills.append(self._prefill_segment(row, start, n, block_ids))
             if item.needs_sample:
@@ -186,6 +199,8 @@ class ModelRunner:
             workspace=self.workspace,
             window=self.window,
         )
+        if segments:
+            meta.native_prefill = triton_attention.make_prefill(segments, self.prefill_tile_tokens)
         if rows and self.native_attention:
             shared = len(rows) != decode_items  # prefill rows share their sequence's table
             meta.native_decode = cpu_attention.make_decode(

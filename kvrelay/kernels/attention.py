@@ -22,7 +22,9 @@ layers. Decode tokens go to kvrelay's own kernel instead when the runner built
 CPU (``cpu_attention``), Triton's on a GPU (``triton_attention``, which also stores a step's
 K/V there). On CPU the runner puts the tokens of short prefill segments there too (a row per
 token, causal per row; ``cpu_attention.prefill_limit``), so ``prefills`` then holds only
-the longer segments.
+the longer segments. On a GPU the runner builds ``native_prefill`` instead of segments: all of
+a step's segments attend in one Triton launch a layer (``triton_attention.prefill``), not a
+gather and an SDPA each (``KVRELAY_TRITON_PREFILL=0`` keeps the segments, for comparisons).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 
 from kvrelay.kernels import cpu_attention, triton_attention
 from kvrelay.kernels.cpu_attention import NativeDecode
+from kvrelay.kernels.triton_attention import PrefillBatch
 
 DECODE_GROUP_PAD_TOKENS = 256  # a decode group pads no sequence by more than this many tokens
 
@@ -64,6 +67,8 @@ class AttentionMetadata:
     workspace: Workspace | None = None  # gather buffers; None: allocate per call
     native_decode: NativeDecode | None = None  # CPU: decode tokens for the native kernel
     window: int | None = None  # sliding window (the native kernel's; groups carry masks)
+    # CUDA: the prefill segments as tiles for Triton's prefill kernel (``prefills`` is empty)
+    native_prefill: PrefillBatch | None = None
 
     def to(self, device: torch.device) -> AttentionMetadata:
         """This metadata with every tensor on ``device`` (itself when that is the CPU)."""
@@ -87,6 +92,9 @@ class AttentionMetadata:
             self.workspace,
             None if self.native_decode is None else _decode_to(self.native_decode, device),
             self.window,
+            None
+            if self.native_prefill is None
+            else triton_attention.prefill_to(self.native_prefill, device),
         )
 
 
@@ -237,7 +245,7 @@ def paged_attention(
         scale: softmax scale, usually ``head_dim ** -0.5``.
     """
     native = meta.native_decode
-    on_gpu = native is not None and kv.device.type != "cpu"
+    on_gpu = kv.device.type != "cpu" and (native is not None or meta.native_prefill is not None)
     if on_gpu:  # Triton's store: one launch, and skips the padding rows of a CUDA graph
         triton_attention.store_kv(kv, k, v, meta.slot_mapping)
     else:
@@ -248,6 +256,8 @@ def paged_attention(
     v_blocks = kv[1].view(num_blocks, -1)
     workspace = meta.workspace if meta.workspace is not None else Workspace()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
+    if meta.native_prefill is not None:  # on a GPU: every segment of the step in one launch
+        triton_attention.prefill(q, kv, meta.native_prefill, meta.window, scale, out)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         if seg.ctx_blocks is None:

@@ -1,4 +1,4 @@
-"""Paged decode attention and the KV store on a GPU, in Triton.
+"""Paged decode and prefill attention and the KV store on a GPU, in Triton.
 
 The torch path (``attention.paged_attention``) gathers every decode group's context blocks
 into a padded copy and runs one masked SDPA per group: on a GPU that is an extra write and
@@ -18,6 +18,20 @@ multiprocessors: each split writes an unnormalised partial output with its max a
 a second kernel combines them. The number of splits depends only on the batch's shape, not
 its context lengths, so a CUDA graph captured for a batch size stays valid.
 
+Prefill segments (prompt chunks) went through the torch path too: per segment a gather of its
+context blocks and one SDPA, with per-segment metadata copied to the device. A SmolLM2-135M
+mixed step on an H200 (8 segments beside 32 decodes) made 240 SDPA calls (~42 us of CPU each),
+134 small host-to-device copies and 584 launches, 16-18 ms against 5.7 ms of GPU work.
+``prefill`` takes all of a layer's segments in one launch, in place over the pool like the
+decode kernel: the step's K/V are stored first, so a segment from position 0 and a chunk in
+the middle of a prompt are the same case. A program takes one query tile (up to
+``prefill_tile_tokens`` consecutive tokens of one segment, times the query heads of one kv
+head: ``PREFILL_ROWS`` rows of the tensor cores' products) and walks the keys up to the
+tile's last position, unmasked before the tile's first position and causally masked in the
+diagonal key tiles, with the same online softmax. Its metadata is two int32 tensors a step
+(``PrefillBatch``); every integer argument is fixed for a model and pool, so the grid is the
+only thing that follows the step and serving compiles no new variant.
+
 Under ``TRITON_INTERPRET=1`` (set before triton is first imported) the same kernels run on
 CPU tensors in Triton's interpreter: that is how a machine without a GPU tests them.
 
@@ -30,6 +44,8 @@ interpreter and on a GPU where one is present).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +60,9 @@ except ImportError:  # pragma: no cover - triton ships with torch's CUDA builds 
 
 MAX_SPLITS = 16  # a power of two: the combining kernel reads a split's partials as one tile
 NO_WINDOW = 1 << 30  # the window argument when there is none: every key is in it
+# query rows (tokens x the query heads of a kv head) of a prefill program: the M side of the
+# tensor cores' products, as in flash attention's 128-row tiles
+PREFILL_ROWS = 128
 
 
 def available() -> bool:
@@ -78,6 +97,53 @@ def num_splits(num_seqs: int, kv_heads: int, device: torch.device) -> int:
 
 def _pow2(n: int, least: int = 2) -> int:
     return max(least, 1 << (n - 1).bit_length())
+
+
+@dataclass(slots=True)
+class PrefillBatch:
+    """A step's prefill segments cut into query tiles, for ``prefill``: one launch a layer.
+
+    A tile is up to ``tile_tokens`` consecutive tokens of one segment; its program takes them
+    times the ``q_per_kv`` query heads of one kv head. Built once a step in Python lists and
+    turned into two tensors (``make_prefill``), moved to the device with the step's metadata.
+    """
+
+    tiles: torch.Tensor  # [n, 4] int32: first row in the flat batch, rows, first position, table
+    tables: torch.Tensor  # [s, width] int32 block tables, padded with block 0 (``table_width``)
+    tile_tokens: int  # the most tokens in a tile (``prefill_tile_tokens``)
+
+
+def prefill_tile_tokens(q_per_kv: int) -> int:
+    """Tokens in a full prefill tile: as many as fill the kernel's ``PREFILL_ROWS`` query rows
+    with all ``q_per_kv`` heads of a kv head (42 tokens for SmolLM2's 3 heads a kv head)."""
+    return max(1, PREFILL_ROWS // q_per_kv)
+
+
+def make_prefill(
+    segments: Sequence[tuple[int, int, int, list[int]]], tile_tokens: int
+) -> PrefillBatch:
+    """The kernel's inputs for segments ``(row, start, tokens, table)``: ``tokens`` query rows
+    from ``row`` of the flat batch at positions from ``start`` of the sequence whose block
+    table is ``table`` (at least ``ceil((start + tokens) / block_size)`` long)."""
+    tiles: list[list[int]] = []
+    for i, (row, start, n, _) in enumerate(segments):
+        for first in range(0, n, tile_tokens):
+            tiles.append([row + first, min(tile_tokens, n - first), start + first, i])
+    width = table_width(max(len(seg[3]) for seg in segments))
+    padded = [seg[3] + [0] * (width - len(seg[3])) for seg in segments]
+    return PrefillBatch(
+        torch.tensor(tiles, dtype=torch.int32).view(-1, 4),
+        torch.tensor(padded, dtype=torch.int32),
+        tile_tokens,
+    )
+
+
+def prefill_to(batch: PrefillBatch, device: torch.device) -> PrefillBatch:
+    return PrefillBatch(
+        batch.tiles.to(device, non_blocking=True),
+        batch.tables.to(device, non_blocking=True),
+        batch.tile_tokens,
+    )
 
 
 def decode(
@@ -141,6 +207,46 @@ def decode(
         )  # fmt: skip
 
 
+def prefill(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    batch: PrefillBatch,
+    window: int | None,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of a step's prefill segments (``batch``, rows of ``q [T, q_heads,
+    head_dim]``) over one layer's pool ``kv [2, num_blocks, block_size, kv_heads, head_dim]``,
+    into those rows of ``out``: one launch for all segments. The segments' own K/V must be in
+    the pool already (``store_kv``): a query at position p attends to keys 0..p (the last
+    ``window`` of them with a sliding window), whether its segment starts at 0 or mid-prompt."""
+    n = batch.tiles.shape[0]
+    if n == 0:
+        return
+    block_size, kv_heads, head_dim = kv.shape[2:]
+    q_per_kv = q.shape[1] // kv_heads
+    if batch.tile_tokens * q_per_kv > max(PREFILL_ROWS, q_per_kv):
+        raise ValueError(
+            f"tiles of {batch.tile_tokens} tokens x {q_per_kv} heads exceed {PREFILL_ROWS} rows"
+        )
+    d_pad = _pow2(head_dim, 16)
+    block_m = _pow2(max(PREFILL_ROWS, q_per_kv), 16)
+    tiles, tables = batch.tiles, batch.tables
+    _check_device(q)
+    # every integer argument is fixed for a model and pool (strides, the table's width is a
+    # multiple of 16): only the grid follows the step, so serving compiles nothing new
+    _prefill_kernel[(n, kv_heads)](
+        out, q, kv[0], kv[1], tables, tiles,
+        scale, window or NO_WINDOW,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
+        kv.stride(1), kv.stride(2),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, Q_PER_KV=q_per_kv,
+        BLOCK_M=block_m, BLOCK_N=64 if d_pad <= 128 else 32, WINDOWED=window is not None,
+        DOT_F32=q.dtype == torch.float32 or interpreted(),
+        num_warps=4 if d_pad <= 64 else 8,
+    )  # fmt: skip
+
+
 def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Writes new K/V rows ``[T, kv_heads, head_dim]`` into their slots of one layer's pool
     ``[2, num_blocks, block_size, kv_heads, head_dim]``; rows whose slot is < 0 are skipped."""
@@ -157,7 +263,8 @@ def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Te
 
 
 def compile_variants(kv: torch.Tensor, q_heads: int, window: int | None) -> None:
-    """Compiles the decode kernel for every split count and the store, before serving.
+    """Compiles the decode kernel for every split count, the store and the prefill kernel,
+    before serving.
 
     The split count is a compile-time constant that an eager step (a mixed step's decode
     rows, a batch larger than the largest CUDA graph) picks from its batch size; a variant
@@ -178,6 +285,13 @@ def compile_variants(kv: torch.Tensor, q_heads: int, window: int | None) -> None
         splits *= 2
     k = torch.zeros(1, kv_heads, head_dim, dtype=kv.dtype, device=device)
     store_kv(kv, k, k, torch.full((1,), -1, dtype=torch.long, device=device))
+    # the prefill kernel has one variant for a model and pool: a tile of no rows compiles it
+    empty = PrefillBatch(
+        torch.zeros(1, 4, dtype=torch.int32, device=device),
+        batch.tables,
+        prefill_tile_tokens(q_heads // kv_heads),
+    )
+    prefill(q, kv, empty, window, head_dim**-0.5, out)
 
 
 def interpreted() -> bool:
@@ -269,6 +383,86 @@ if triton is not None:
             # an empty split's max is -inf: stored finite, so the combine's exp() stays a number
             tl.store(ml_ptr + part * 2, tl.where(l_i > 0, m_i, -1e30), mask=g_ok)
             tl.store(ml_ptr + part * 2 + 1, l_i, mask=g_ok)
+
+    # q is a view of the rotary's output, whose row stride the warm-up's q need not share:
+    # unspecialised, it cannot pick a second variant (a q row is read once a program)
+    @triton.jit(do_not_specialize=["stride_q_row"])
+    def _prefill_kernel(
+        out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, scale, window,
+        stride_q_row, stride_q_head, stride_o_row, stride_o_head, stride_table,
+        stride_block, stride_token,
+        BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        Q_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        WINDOWED: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        first_row = tl.load(tiles_ptr + tile * 4)
+        num_rows = tl.load(tiles_ptr + tile * 4 + 1)
+        first_pos = tl.load(tiles_ptr + tile * 4 + 2)
+        table = tables_ptr + tl.load(tiles_ptr + tile * 4 + 3).to(tl.int64) * stride_table
+
+        # row r of the tile: token r // Q_PER_KV, query head r % Q_PER_KV of this kv head
+        r = tl.arange(0, BLOCK_M)
+        token = r // Q_PER_KV
+        r_ok = token < num_rows
+        q_pos = first_pos + token
+        row = (first_row + token).to(tl.int64)
+        heads = kv_head * Q_PER_KV + r % Q_PER_KV
+        d = tl.arange(0, HEAD_DIM_PAD)
+        d_ok = d < HEAD_DIM
+        q_mask = r_ok[:, None] & d_ok[None, :]
+        q = tl.load(
+            q_ptr + row[:, None] * stride_q_row + heads[:, None] * stride_q_head + d[None, :],
+            mask=q_mask,
+            other=0.0,
+        )
+        if DOT_F32:
+            q = q.to(tl.float32)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+        head_off = kv_head * HEAD_DIM + d
+        end = first_pos + num_rows  # keys 0..end-1: the tile's last token's context
+        # whole key tiles before the tile's first position are visible to every row (causal
+        # needs no mask there); tiles from ``diagonal`` on hold the triangle
+        diagonal = (first_pos // BLOCK_N) * BLOCK_N
+        lo = 0
+        if WINDOWED:
+            lo = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+        for start in range(lo, end, BLOCK_N):
+            t = start + tl.arange(0, BLOCK_N)
+            t_ok = t < end
+            block = tl.load(table + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+            offs = block * stride_block + (t % BLOCK_SIZE) * stride_token
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
+            if DOT_F32:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+            if start >= diagonal:
+                s = tl.where(t[None, :] <= q_pos[:, None], s, float("-inf"))
+            if WINDOWED:
+                s = tl.where(t[None, :] > q_pos[:, None] - window, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # a row with no key yet (a window's start, a padding row) keeps a max of -inf:
+            # subtract 0 then, so exp() gives 0 rather than NaN
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_sub[:, None])
+            alpha = tl.exp(m_i - m_sub)
+            v = tl.load(v_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
+            if DOT_F32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:  # probabilities rounded to the cache's 16-bit type, as flash attention does
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptr = out_ptr + row[:, None] * stride_o_row + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(o_ptr, o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
     @triton.jit
     def _combine_kernel(

@@ -224,7 +224,9 @@ class LlamaModel:
         """The native whole-step path (``kernels.cpu_decode``) when this step is decode tokens
         only, at most ``native_rows`` of them, and the model and pool allow it."""
         batch = meta.native_decode
-        if batch is None or meta.prefills or meta.decode or rows > self.native_rows:
+        if batch is None or meta.prefills or meta.native_prefill or meta.decode:
+            return None
+        if rows > self.native_rows:
             return None
         if batch.row_table is not None:  # prefill tokens among the rows
             return None
