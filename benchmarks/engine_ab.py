@@ -4,9 +4,10 @@ An engine change is measured against the engine before it in the same run: the o
 is checked out into a git worktree (``--base``, built in place there), both engines are
 started once (``peers_engine.py``, the offline ``LLM``) and kept alive, and timed runs
 alternate between them (A, B, B, A...), each started on a quiet machine. Measured as in
-``peers.py``: offline throughput (64 mixed requests, ignore_eos, prefix caching off) and a
-lone request's decode step. This VM's speed drifts by 20-30% within an hour, so only ratios
-from one run mean anything.
+``peers.py``: offline throughput (64 mixed requests, ignore_eos, prefix caching off), a
+lone request's decode step, and a prefill step of ``--prefill-prompts`` prompts of 256 random
+tokens with one output token each (8 x 256: one 2,048-token step, the default chunk budget).
+This VM's speed drifts by 20-30% within an hour, so only ratios from one run mean anything.
 
     python benchmarks/engine_ab.py --model DIR --base REV [--dtype bfloat16] [--repeats 3]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -38,6 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--cpu-packed-weights", action="store_true")
     parser.add_argument("--max-wait-quiet", type=float, default=30.0, help="seconds; 0: none")
+    parser.add_argument("--prefill-prompts", type=int, default=8, help="0: no prefill step")
     return parser.parse_args(argv)
 
 
@@ -69,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
             engine.call(op="offline", requests=requests)
         offline: dict[str, list[float]] = {e.name: [] for e in engines}
         step: dict[str, list[float]] = {e.name: [] for e in engines}
+        prefill: dict[str, list[float]] = {e.name: [] for e in engines}
+        rng = random.Random(1)
+        vocab = model_vocab(args.model)
         for i in range(args.repeats):
             for engine in engines if i % 2 == 0 else engines[::-1]:
                 if args.max_wait_quiet > 0:
@@ -80,6 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                 prompt = list(range(100, 164))
                 step_s = engine.call(op="decode", prompt=prompt, steps=32)["step_s"]
                 step[engine.name].append(step_s * 1e3)
+                if args.prefill_prompts > 0:
+                    batch = [
+                        [[rng.randrange(3, vocab) for _ in range(256)], 1]
+                        for _ in range(args.prefill_prompts)
+                    ]
+                    prefill[engine.name].append(
+                        1e3 * engine.call(op="offline", requests=batch)["seconds"]
+                    )
     finally:
         for engine in engines:
             engine.close()
@@ -92,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{name}: offline {statistics.median(offline[name]):.1f} tok/s ({runs}); "
             f"decode step {statistics.median(step[name]):.2f} ms ({steps})"
         )
+        if prefill[name]:
+            runs = " / ".join(f"{v:.0f}" for v in prefill[name])
+            print(
+                f"{name}: prefill step of {args.prefill_prompts} x 256 tokens "
+                f"{statistics.median(prefill[name]):.0f} ms ({runs})"
+            )
     ratio = statistics.median(offline["head"]) / statistics.median(offline["base"])
     print(f"head / base offline: {ratio:.2f}x")
     return 0

@@ -105,6 +105,7 @@ def test_engine_ab_runs_a_commit_against_the_tree(tiny_model_dir, tmp_path: Path
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert re.search(r"base: offline [\d.]+ tok/s", proc.stdout), proc.stdout
     assert re.search(r"head: offline [\d.]+ tok/s .*decode step [\d.]+ ms", proc.stdout)
+    assert re.search(r"base: prefill step of 8 x 256 tokens \d+ ms", proc.stdout), proc.stdout
     assert not worktree.exists()
     listed = subprocess.run(
         ["git", "-C", str(REPO_ROOT), "worktree", "list"], capture_output=True, text=True
