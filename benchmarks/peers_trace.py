@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         servers = start_servers(args, vllm_python, log_dir)
         for rep in range(args.repeats):
             for server in servers if rep % 2 == 0 else servers[::-1]:
-                result = replay(args, server, work / f"{server.name}-{rep}.json", seed=1 + rep)
+                server.thaw()  # start_servers froze them all; the others stay frozen
+                try:
+                    result = replay(args, server, work / f"{server.name}-{rep}.json", seed=1 + rep)
+                finally:
+                    server.freeze()
                 runs[server.name].append(result)
                 print(
                     f"{server.name} #{rep}: goodput {result['goodput']:.3f} req/s, TTFT p50/p99 "
