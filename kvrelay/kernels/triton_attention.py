@@ -310,6 +310,39 @@ def _check_device(t: torch.Tensor) -> None:
 if triton is not None:
 
     @triton.jit
+    def _key_scores(
+        q, k_ptr, table, t, t_ok, head_off, d_ok, scale, stride_block, stride_token,
+        BLOCK_SIZE: tl.constexpr, DOT_F32: tl.constexpr,
+    ):  # fmt: skip
+        """A tile of keys ``t`` (``t_ok``: the ones that exist) read through the block table:
+        their pool offsets, the K/V mask, and the queries' scores against them."""
+        block = tl.load(table + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
+        offs = block * stride_block + (t % BLOCK_SIZE) * stride_token
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        return s, offs, kv_mask
+
+    @triton.jit
+    def _online_step(s, v_ptr, offs, head_off, kv_mask, m_i, l_i, acc, DOT_F32: tl.constexpr):
+        """One key tile's step of the online softmax: the masked scores ``s`` rescale the
+        running max, sum and output, and their values are added. A row with no key yet (a
+        window's start, a padding row) keeps a max of -inf: 0 is subtracted then, so exp()
+        gives 0 rather than NaN."""
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_sub[:, None])
+        alpha = tl.exp(m_i - m_sub)
+        v = tl.load(v_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:  # probabilities rounded to the cache's 16-bit type, as flash attention does
+            pv = tl.dot(p.to(v.dtype), v)
+        return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    @triton.jit
     def _decode_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, tables_ptr, ctx_lens_ptr, rows_ptr, acc_ptr, ml_ptr,
         scale, window,
@@ -353,25 +386,12 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
             t_ok = (t < hi) & (t >= first)
-            block = tl.load(table + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
-            offs = block * stride_block + (t % BLOCK_SIZE) * stride_token
-            kv_mask = t_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
-            if DOT_F32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [QG, BLOCK_N]
-            s = tl.where(t_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            v = tl.load(v_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
-            if DOT_F32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [QG, HEAD_DIM_PAD]
-            else:  # probabilities rounded to the cache's 16-bit type, as flash attention does
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            s, offs, kv_mask = _key_scores(
+                q, k_ptr, table, t, t_ok, head_off, d_ok, scale, stride_block, stride_token,
+                BLOCK_SIZE, DOT_F32,
+            )  # fmt: skip
+            s = tl.where(t_ok[None, :], s, float("-inf"))  # [QG, BLOCK_N]
+            m_i, l_i, acc = _online_step(s, v_ptr, offs, head_off, kv_mask, m_i, l_i, acc, DOT_F32)
 
         if SPLITS == 1:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -434,31 +454,15 @@ if triton is not None:
         for start in range(lo, end, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
             t_ok = t < end
-            block = tl.load(table + t // BLOCK_SIZE, mask=t_ok, other=0).to(tl.int64)
-            offs = block * stride_block + (t % BLOCK_SIZE) * stride_token
-            kv_mask = t_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
-            if DOT_F32:
-                k = k.to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
-            if start >= diagonal:
+            s, offs, kv_mask = _key_scores(
+                q, k_ptr, table, t, t_ok, head_off, d_ok, scale, stride_block, stride_token,
+                BLOCK_SIZE, DOT_F32,
+            )  # fmt: skip
+            if start >= diagonal:  # [BLOCK_M, BLOCK_N]
                 s = tl.where(t[None, :] <= q_pos[:, None], s, float("-inf"))
             if WINDOWED:
                 s = tl.where(t[None, :] > q_pos[:, None] - window, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # a row with no key yet (a window's start, a padding row) keeps a max of -inf:
-            # subtract 0 then, so exp() gives 0 rather than NaN
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_sub[:, None])
-            alpha = tl.exp(m_i - m_sub)
-            v = tl.load(v_ptr + offs[:, None] + head_off[None, :], mask=kv_mask, other=0.0)
-            if DOT_F32:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:  # probabilities rounded to the cache's 16-bit type, as flash attention does
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
+            m_i, l_i, acc = _online_step(s, v_ptr, offs, head_off, kv_mask, m_i, l_i, acc, DOT_F32)
 
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptr = out_ptr + row[:, None] * stride_o_row + heads[:, None] * stride_o_head + d[None, :]
