@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -157,6 +158,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "router: placement's worth of one cached prompt token in queued prefill tokens (1: "
          "compare in prefill time; above 1 favours cache holders; 0: ignore the cache)",
          "--cache-weight"),
+    _var("KVRELAY_PREFILL_QUEUE_LIMIT", float, math.inf,
+         "router: prompt tokens queued on a prefill instance from which its decode instance "
+         "computes a prompt itself when it would start it sooner (inf: always hand off; "
+         "DESIGN.md \"Conditional disaggregation\")",
+         "--prefill-queue-limit"),
     _var("KVRELAY_HEADER_TIMEOUT", float, 10.0,
          "router: seconds to receive a request's headers before 408", "--header-timeout"),
     _var("KVRELAY_BODY_TIMEOUT", float, 30.0,

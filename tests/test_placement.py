@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
+import signal
 import time
 from typing import Any
 
@@ -131,6 +132,66 @@ def test_cache_weight_is_queued_tokens_per_cached_token() -> None:
             DispatcherSettings("tcp://127.0.0.1:1", cache_weight=bad)
 
 
+def _pair(limit: float, prefill_queue: int, decode_queue: int) -> Registry:
+    """One prefill and one decode instance with those queued prompt tokens."""
+    registry = Registry(prefill_queue_limit=limit)
+    for instance_id, role, queue in (
+        ("p0", Role.PREFILL, prefill_queue),
+        ("d0", Role.DECODE, decode_queue),
+    ):
+        info = PeerInfo(
+            instance_id, role, "A", f"tcp://x:{len(instance_id)}", "", None, LAYOUT, b"f"
+        )
+        registry.register(Register(info, "tiny", 4096, 1))
+        registry.report(LoadReport(instance_id, 0, 0, 64, 64, num_prefill_tokens=queue))
+    return registry
+
+
+def _placed(
+    registry: Registry, matched: dict[str, PrefixMatch] | None = None
+) -> tuple[str, str | None, bool]:
+    placement = registry.place(matched=matched, num_prompt_tokens=PROMPT_LEN)
+    assert placement is not None
+    decode = None if placement.decode is None else placement.decode.instance_id
+    return placement.prefill.instance_id, decode, placement.local_prefill
+
+
+def test_a_full_prefill_queue_lets_the_decode_instance_compute_the_prompt() -> None:
+    handoff, local = ("p0", "d0", False), ("d0", None, True)
+    assert _placed(_pair(2048, 0, 0)) == handoff  # idle: always handed off
+    assert _placed(_pair(2048, 2047, 0)) == handoff  # under the limit
+    assert _placed(_pair(2048, 2048, 0)) == local  # at the limit, the decode starts it sooner
+    assert _placed(_pair(2048, 5000, 4999)) == local
+    assert _placed(_pair(2048, 5000, 5000)) == handoff  # a tie stays with the prefill
+    assert _placed(_pair(2048, 5000, 6000)) == handoff  # the decode is further behind
+    assert _placed(_pair(math.inf, 10**9, 0)) == handoff  # inf: strict disaggregation
+    assert _placed(_pair(0, 1, 0)) == local
+    # each side's own cache hit counts: the prefill's saves 512 of its 600 tokens
+    assert _placed(_pair(2048, 2400, 2000), {"p0": SYSTEM}) == handoff  # 2488 < 2600
+    assert _placed(_pair(2048, 2400, 1800), {"p0": SYSTEM}) == local  # 2400 < 2488
+    assert _placed(_pair(2048, 2400, 2400), {"d0": SYSTEM}) == local  # 2488 < 3000
+    with pytest.raises(ValueError, match="prefill_queue_limit must be >= 0"):
+        DispatcherSettings("tcp://127.0.0.1:1", prefill_queue_limit=-1.0)
+    with pytest.raises(ValueError, match="prefill_queue_limit must be >= 0"):
+        DispatcherSettings("tcp://127.0.0.1:1", prefill_queue_limit=math.nan)
+
+
+def test_a_burst_fills_the_prefill_queue_then_alternates_between_the_two() -> None:
+    """Sixteen 600-token prompts at once (no reports between them): the prefill takes them
+    up to the limit, then the decode up to the same queue, then they alternate; the decode
+    instance is charged what it computes, as a prefill is."""
+    registry = _pair(2048, 0, 0)
+    chosen = []
+    for _ in range(16):
+        placement = registry.place(num_prompt_tokens=PROMPT_LEN)
+        assert placement is not None
+        registry.assign(placement)
+        chosen.append(placement.prefill.instance_id)
+    assert chosen == ["p0"] * 4 + ["d0"] * 4 + ["p0", "d0"] * 4
+    queues = [registry.get(i).queued_tokens() for i in ("p0", "d0")]  # type: ignore[union-attr]
+    assert queues == [8 * PROMPT_LEN, 8 * PROMPT_LEN]
+
+
 def test_a_load_report_from_an_older_worker_decodes_with_no_queued_tokens() -> None:
     report = LoadReport("p0", 2, 1, 60, 64, 0, 0, False, num_prefill_tokens=123)
     assert decode(encode(report)) == report
@@ -188,3 +249,52 @@ def test_a_worker_reports_its_queued_prompt_tokens(tiny_model_dir, tmp_path) -> 
         assert inst["num_prefill_tokens"] == second.usage.prompt_tokens > 16
         assert gauge == worker_gauge == inst["num_prefill_tokens"]
         _wait_for(launcher, lambda i: i["num_running"] == i["num_prefill_tokens"] == 0, "idle")
+
+
+def test_a_decode_worker_computes_a_prompt_while_the_prefill_worker_is_stuck(
+    tiny_model_dir, tmp_path
+) -> None:
+    """1P+1D with --prefill-queue-limit 1: the prefill worker is paused (SIGSTOP) with a
+    request placed on it, so its queue stays charged; the next request runs end to end on
+    the decode worker and finishes while the prefill worker is still stopped, with the same
+    greedy tokens as the same prompt handed off once the prefill worker is back. (Three
+    prompts that share no block: a cache hit on the prefill worker would rightly win it the
+    request.)"""
+    router_args = ("--dead-after", "60", "--served-model-name", "tiny")
+    router_args += ("--prefill-queue-limit", "1")
+    spec = {"num_prefill": 1, "num_decode": 1, "router_args": router_args}
+    with running_cluster(tiny_model_dir, tmp_path, **spec) as launcher:
+        c = openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
+        kw: dict[str, Any] = {"model": "tiny", "temperature": 0, "max_tokens": 12}
+        kw["extra_body"] = {"ignore_eos": True}
+
+        def local_prefills() -> float:
+            return metric_value(
+                read_text(launcher.url + "/metrics"), "kvrelay_local_prefills_total"
+            )
+
+        c.completions.create(prompt="apple " * 30, **kw)  # an idle prefill: a hand-off
+        assert local_prefills() == 0
+        (prefill,) = [p for p in launcher.procs.values() if p.role == "prefill"]
+        prefill.popen.send_signal(signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                stuck = pool.submit(c.completions.create, prompt="zebra " * 30, **kw)
+                deadline = time.monotonic() + 30
+                url = launcher.url + "/metrics"
+                while metric_value(read_text(url), "kvrelay_requests_inflight") < 1:
+                    assert time.monotonic() < deadline, "the first request was never placed"
+                    time.sleep(0.02)
+                local = c.completions.create(prompt="mango " * 30, **kw)  # prefill stopped
+                assert local_prefills() == 1
+                assert not stuck.done()
+                prefill.popen.send_signal(signal.SIGCONT)
+                stuck.result(timeout=120)
+        finally:
+            prefill.popen.send_signal(signal.SIGCONT)
+        handed_off = c.completions.create(prompt="mango " * 30, **kw)  # its queue is empty
+        assert local_prefills() == 1
+        assert local.choices[0].text == handed_off.choices[0].text
+        assert local.usage.completion_tokens == 12
+        metrics = read_text(launcher.url + "/metrics")
+        assert metric_value(metrics, "kvrelay_request_retries_total") == 0

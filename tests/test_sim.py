@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import itertools
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -165,6 +166,19 @@ def test_sim_instances_report_their_queued_prompt_tokens(
     queued = [r.num_prefill_tokens for r in reports if r.instance_id.startswith("prefill")]
     assert min(queued) >= 0 and max(queued) > 1000  # a prefill queue builds at 3x on one
     assert all(r.num_prefill_tokens == 0 for r in reports if r.instance_id.startswith("decode"))
+
+
+def test_a_full_prefill_queue_moves_prompts_to_the_decode_at_the_cost_of_its_tpot() -> None:
+    """Conditional disaggregation in the fleet (``Registry.place``, the router's code): one
+    prefill instance behind the load; past --prefill-queue-limit the decode instance takes
+    prompts too. TTFT falls and the decode's TPOT rises: a decode step that carries a prompt
+    is long for every stream on it (why the router's default is inf)."""
+    strict = run_sim(FleetConfig(prefill=1, decode=1), rate=1.0)  # the default: inf
+    fallback = run_sim(FleetConfig(prefill=1, decode=1, prefill_queue_limit=2048), rate=1.0)
+    assert strict.fleet.prefill_queue_limit == math.inf
+    a, b = summarize(strict), summarize(fallback)
+    assert b["ttft_ms"]["p50"] < 0.6 * a["ttft_ms"]["p50"]
+    assert b["tpot_ms"]["p50"] > 5 * a["tpot_ms"]["p50"]
 
 
 def _placement_summary(placement: str, rate: float) -> dict[str, Any]:

@@ -116,7 +116,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "KVRELAY_ADMIN_TOKEN", "KVRELAY_DRAIN_TIMEOUT", "KVRELAY_API_KEY", "KVRELAY_API_KEY_FILE",
         "KVRELAY_SSL_CERTFILE",
         "KVRELAY_SSL_KEYFILE", "KVRELAY_MAX_INFLIGHT", "KVRELAY_MAX_QUEUE_TIME",
-        "KVRELAY_CACHE_WEIGHT", "KVRELAY_HEADER_TIMEOUT", "KVRELAY_BODY_TIMEOUT",
+        "KVRELAY_CACHE_WEIGHT", "KVRELAY_PREFILL_QUEUE_LIMIT", "KVRELAY_HEADER_TIMEOUT",
+        "KVRELAY_BODY_TIMEOUT",
         "KVRELAY_LAUNCHER_PID",
     ):  # fmt: skip
         envs.add_option(p, name)
@@ -336,6 +337,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 max_inflight=args.max_inflight,
                 max_queue_time=args.max_queue_time,
                 cache_weight=args.cache_weight,
+                prefill_queue_limit=args.prefill_queue_limit,
                 api_keys=read_api_keys(args.api_key, args.api_key_file),
                 ssl_certfile=args.ssl_certfile,
                 ssl_keyfile=args.ssl_keyfile,

@@ -71,7 +71,7 @@ from kvrelay.router.backend import (
 )
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.prefix_index import CacheIndex, PrefixMatch, reusable_block_keys
-from kvrelay.router.registry import Instance, Placement, Registry
+from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT, Instance, Placement, Registry
 from kvrelay.text.stop import StopChecker
 from kvrelay.text.tokenizer import Tokenizer
 from kvrelay.transport.curve import SocketSecurity
@@ -101,10 +101,17 @@ class DispatcherSettings:
     # placement: queued prefill tokens one cached prompt token is worth (1: compare in
     # prefill time; above 1 favours cache holders past that; 0: ignore the cache)
     cache_weight: float = 1.0
+    # placement: prompt tokens queued on the chosen prefill instance from which its decode
+    # instance may compute a prompt itself, when it would start it sooner (inf: never)
+    prefill_queue_limit: float = DEFAULT_PREFILL_QUEUE_LIMIT
 
     def __post_init__(self) -> None:
         if not 0 <= self.cache_weight < math.inf:
             raise ValueError(f"cache_weight must be >= 0 and finite, got {self.cache_weight!r}")
+        if not self.prefill_queue_limit >= 0:
+            raise ValueError(
+                f"prefill_queue_limit must be >= 0 (inf: never), got {self.prefill_queue_limit!r}"
+            )
 
 
 @dataclasses.dataclass(slots=True)
@@ -141,7 +148,9 @@ class Dispatcher(Backend):
         self._max_model_len = max_model_len
         self.settings = settings
         self.router_id = f"router-{uuid.uuid4().hex[:12]}"  # what requests carry as origin
-        self.registry = Registry(settings.dead_after, settings.cache_weight)
+        self.registry = Registry(
+            settings.dead_after, settings.cache_weight, settings.prefill_queue_limit
+        )
         self._is_stopping = False
         self.cache_index = CacheIndex()
         self.metrics = metrics or RouterMetrics()
@@ -265,6 +274,8 @@ class Dispatcher(Backend):
             match = matched.get(placement.prefill.instance_id)
             if match is not None:
                 self.metrics.observe_placement(match.device_blocks, match.host_blocks)
+            if placement.local_prefill:
+                self.metrics.local_prefills.inc()
         return placement
 
     def _matched(self, token_ids: list[int], cache_salt: str | None) -> dict[str, PrefixMatch]:

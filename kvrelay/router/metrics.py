@@ -74,6 +74,12 @@ class RouterMetrics:
             self.dropped_events.labels(reason)  # exported at 0 before the first drop
         for reason in ("id_taken", "foreign_connection"):
             self.refused_control.labels(reason)
+        self.local_prefills = Counter(
+            "kvrelay_local_prefills",
+            "Requests computed end to end on a decode instance because the prefill instance's "
+            "queue was at --prefill-queue-limit or more and the decode would start them sooner",
+            registry=r,
+        )
         self.placement_hits = Counter(
             "kvrelay_placement_prefix_hits",
             "Requests placed on a prefill instance expected to hold a prefix of the prompt, "

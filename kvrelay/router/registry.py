@@ -19,6 +19,14 @@ Placement (DistServe-style, decode pulls):
   match anywhere (or ``cache_weight`` 0) it is the instance with the least queued prefill
   work. Ties (idle instances) go to the fewest requests, then KV usage (``load_score``).
 - decode: most free KV blocks, then fewest running sequences.
+- a full prefill queue (conditional disaggregation): once the chosen prefill instance has
+  ``prefill_queue_limit`` or more prompt tokens queued, its decode instance is a candidate
+  too, ranked by the same cost (its own queue, its own cache hit): when it would start the
+  prompt sooner it computes the request end to end, with no hand-off. Below the limit a
+  prompt is always handed off (decode steps carry no prefill). The default, ``inf``, never
+  falls back: a decode step that carries a prompt is a long step for every stream on it
+  (the simulator's fleet: TTFT halves, TPOT p50 20 -> 470 ms). Where prefill and decode
+  share cores (one host) the decode's compute is otherwise lost to the queue.
 - a pair shares the KV hand-off version and the model identity (``PeerInfo.fingerprint``:
   every byte of the weights, config and tokenizer, and the dtype); instances of different
   weights never pair, and ``register`` logs it when such a one joins.
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
@@ -129,6 +138,7 @@ class Placement(NamedTuple):
     prefill: Instance  # computes the prompt (or, with no decode, the whole request)
     decode: Instance | None  # continues after the hand-off; None: prefill does everything
     num_new_tokens: int = 0  # prompt tokens prefill computes: the prompt less its device hit
+    local_prefill: bool = False  # a decode instance runs it end to end: prefill queue full
 
     @property
     def instances(self) -> tuple[Instance, ...]:
@@ -136,10 +146,19 @@ class Placement(NamedTuple):
         return (self.prefill,) if self.decode is None else (self.prefill, self.decode)
 
 
+DEFAULT_PREFILL_QUEUE_LIMIT = math.inf  # prompt tokens (DispatcherSettings.prefill_queue_limit)
+
+
 class Registry:
-    def __init__(self, dead_after: float = 2.0, cache_weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        dead_after: float = 2.0,
+        cache_weight: float = 1.0,
+        prefill_queue_limit: float = DEFAULT_PREFILL_QUEUE_LIMIT,
+    ) -> None:
         self.dead_after = dead_after
         self.cache_weight = cache_weight
+        self.prefill_queue_limit = prefill_queue_limit
         self._instances: dict[str, Instance] = {}
         self._order: dict[str, int] = {}  # registration order (kept on a re-register)
         self._num_registered = 0
@@ -296,7 +315,13 @@ class Registry:
 
         prefill = self._cheapest(Role.PREFILL, request, lambda i: decode_for(i) is not None)
         if prefill is not None:
-            return request.placed(prefill, decode_for(prefill))
+            decode = decode_for(prefill)
+            assert decode is not None
+            if prefill.queued_tokens() >= self.prefill_queue_limit and self._work(
+                decode, request.matched.get(decode.instance_id), request
+            ) < self._work(prefill, request.matched.get(prefill.instance_id), request):
+                return request.placed(decode, None)._replace(local_prefill=True)
+            return request.placed(prefill, decode)
         # a colocated instance, or any survivor: every worker can run a request end to end
         inst = self._cheapest(Role.COLOCATED, request)
         if inst is None:

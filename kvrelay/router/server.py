@@ -33,6 +33,7 @@ from kvrelay.router.cache_stats import build_report, fetch_worker_stats
 from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
 from kvrelay.router.errors import ApiError, require_admin_token
 from kvrelay.router.http_guards import with_header_timeout
+from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT
 from kvrelay.router.text_workers import TextWorkers
 from kvrelay.text.tokenizer import Tokenizer
 from kvrelay.transport.curve import SocketSecurity, describe
@@ -54,6 +55,7 @@ class RouterConfig:
     max_inflight: int = 1024  # requests on the workers at once; more wait or get 429
     max_queue_time: float = 0.0  # seconds a request may wait for a slot before 503
     cache_weight: float = 1.0  # DispatcherSettings.cache_weight (placement)
+    prefill_queue_limit: float = DEFAULT_PREFILL_QUEUE_LIMIT  # DispatcherSettings (placement)
     max_body_bytes: int = 4 << 20  # larger bodies get 413
     api_keys: tuple[str, ...] = ()  # bearer keys required on /v1/*; () = open
     ssl_certfile: str | None = None  # TLS certificate of the HTTP API (PEM); None = plain HTTP
@@ -74,6 +76,10 @@ class RouterConfig:
             raise ValueError(f"header_timeout must be > 0, got {self.header_timeout}")
         if not 0 <= self.cache_weight < math.inf:
             raise ValueError(f"--cache-weight must be >= 0 and finite, got {self.cache_weight}")
+        if not self.prefill_queue_limit >= 0:
+            raise ValueError(
+                f"--prefill-queue-limit must be >= 0 (inf: never), got {self.prefill_queue_limit}"
+            )
 
     tool_call_parser: str | None = "auto"  # ApiSettings.tool_call_parser
     trust_request_chat_template: bool = False  # apply a request's chat_template (else 400)
@@ -113,6 +119,7 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
             config.max_inflight,
             max_queue_time=config.max_queue_time,
             cache_weight=config.cache_weight,
+            prefill_queue_limit=config.prefill_queue_limit,
         ),
         SocketSecurity(config.credential),
     )

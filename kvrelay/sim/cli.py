@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,13 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-gib", type=float, default=0.0, help="L2, global (0: off)")
     p.add_argument("--instances-per-host", type=int, default=8)
     p.add_argument("--placement", choices=("cache-aware", "load-only"), default="cache-aware")
+    p.add_argument(
+        "--prefill-queue-limit",
+        type=float,
+        default=math.inf,
+        help="the router's: queued prompt tokens from which a decode instance may compute a "
+        "prompt itself (inf: never)",
+    )
     p.add_argument("--tenants", type=int, default=100, help="prefix model: system prompts")
     p.add_argument("--zipf", type=float, default=1.1, help="prefix model: tenant popularity")
     p.add_argument("--system-prompt-len", type=int, default=512, help="prefix model: tokens")
@@ -125,6 +133,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         redis_gib=args.redis_gib,
         instances_per_host=args.instances_per_host,
         placement=args.placement,
+        prefill_queue_limit=args.prefill_queue_limit,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
     )

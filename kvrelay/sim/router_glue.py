@@ -18,7 +18,7 @@ from kvrelay.autoscale.policy import Observation, Policy, PolicyConfig, ScaledRo
 from kvrelay.protocol.messages import CacheEvent, KvLayout, LoadReport, PeerInfo, Register, Role
 from kvrelay.router.dispatcher import LatencySample
 from kvrelay.router.prefix_index import CacheIndex
-from kvrelay.router.registry import Placement, Registry
+from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT, Placement, Registry
 from kvrelay.sim.instance import SimInstance
 from kvrelay.sim.workload import segment_keys
 
@@ -41,8 +41,13 @@ ROLE = {"prefill": Role.PREFILL, "decode": Role.DECODE, "colocated": Role.COLOCA
 class RouterView:
     """The real ``Registry`` and ``CacheIndex``, and the calls the router makes on them."""
 
-    def __init__(self, cache_weight: float, is_cache_aware: bool) -> None:
-        self.registry = Registry(dead_after=math.inf, cache_weight=cache_weight)
+    def __init__(
+        self,
+        cache_weight: float,
+        is_cache_aware: bool,
+        prefill_queue_limit: float = DEFAULT_PREFILL_QUEUE_LIMIT,
+    ) -> None:
+        self.registry = Registry(math.inf, cache_weight, prefill_queue_limit)
         self.cache_index = CacheIndex()
         self.is_cache_aware = is_cache_aware
 

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from kvrelay.autoscale.policy import Policy, PolicyConfig, ScaledRole
 from kvrelay.router.dispatcher import LatencySample
+from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT
 from kvrelay.sim.cache import SegmentLru
 from kvrelay.sim.instance import SimInstance
 from kvrelay.sim.profile import START_MODES, Profile
@@ -52,6 +53,7 @@ class FleetConfig:
     instances_per_host: int = 8  # instances sharing one L1 pool and shm hand-offs
     placement: Literal["cache-aware", "load-only"] = "cache-aware"
     cache_weight: float = 1.0  # DispatcherSettings.cache_weight
+    prefill_queue_limit: float = DEFAULT_PREFILL_QUEUE_LIMIT  # DispatcherSettings's
     heartbeat_s: float = 0.2  # WorkerConfig.heartbeat_interval
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 200.0
@@ -72,7 +74,9 @@ class Simulator:
         self.profile = profile
         self.fleet = fleet
         self.requests = requests
-        self.router = RouterView(fleet.cache_weight, fleet.placement == "cache-aware")
+        self.router = RouterView(
+            fleet.cache_weight, fleet.placement == "cache-aware", fleet.prefill_queue_limit
+        )
         self.policy = Policy(fleet.policy)
         self.hook = SimHook(self._start_instance, self._remove_instance, self._count)
         self.now = 0.0
