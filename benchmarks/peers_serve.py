@@ -76,7 +76,19 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
     parser.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
     parser.add_argument("--port", type=int, default=port, help="first of three ports")
-    parser.add_argument("--systems", nargs="+", default=["vllm", "kvrelay-1p1d", "kvrelay-colo"])
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        default=["vllm", "kvrelay-1p1d", "kvrelay-colo"],
+        choices=("vllm", "kvrelay-1p1d", "kvrelay-1p1d-cond", "kvrelay-colo"),
+        help="kvrelay-1p1d-cond: 1P+1D with the router's --prefill-queue-limit",
+    )
+    parser.add_argument(
+        "--prefill-queue-limit",
+        type=float,
+        default=2048.0,
+        help="kvrelay-1p1d-cond's router --prefill-queue-limit (conditional disaggregation)",
+    )
     parser.add_argument("--log-dir", default=None, help="server logs (default: a temp dir)")
     parser.add_argument(
         "--cpu-packed-weights",
@@ -190,11 +202,13 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
         else:
             argv = [sys.executable, "-m", "kvrelay", "up", "--model", args.model]
             argv += ["--dtype", args.dtype, "--port", str(port), "--seed", "0"]
+            env = dict(os.environ)
             if name == "kvrelay-colo":
                 argv += ["--colocated", "1", "--threads", str(args.threads)]
             else:
                 argv += ["--threads", str(p1d_threads(args))]
-            env = dict(os.environ)
+            if name == "kvrelay-1p1d-cond":  # the router reads it from its environment
+                env["KVRELAY_PREFILL_QUEUE_LIMIT"] = str(args.prefill_queue_limit)
             if args.cpu_packed_weights != "auto":
                 env["KVRELAY_CPU_PACKED_WEIGHTS"] = args.cpu_packed_weights
         servers.append(Server(name, argv, env, port, log_dir / f"{name}.log"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvrelay.cli.launcher import ClusterSpec, Launcher, worker_threads
 
@@ -123,3 +124,100 @@ def test_workers_spin_briefly_only_when_their_threads_fit_the_cpus(monkeypatch) 
     assert shared["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in shared
     monkeypatch.setattr(envs, "passive_wait_set_here", False)  # the deployment set PASSIVE
     assert colocated._environ("colocated")["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def nice_flag(args: Sequence[str]) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == "--cpu-nice"]
+
+
+def test_decode_workers_yield_the_cores_they_share_with_prefill(monkeypatch) -> None:
+    """``--cpu-nice 19`` for a decode worker whose cores a prefill worker may share (the
+    threads overlap, or an autoscaler adds workers); none where each has its own cores, for
+    prefill workers, or where the deployment chose its own."""
+    import kvrelay.cli.launcher as launcher_module
+
+    monkeypatch.setattr(launcher_module, "available_cpus", lambda: 2)
+    shared = RecordingLauncher(ClusterSpec(model="m"))  # 1P+1D, 2 threads each on 2 CPUs
+    shared.add_worker("prefill")
+    shared.add_worker("decode")
+    assert [nice_flag(a) for a in shared.spawned] == [[], [str(launcher_module.DECODE_NICE)]]
+    own = RecordingLauncher(ClusterSpec(model="m", role_threads={"prefill": 1, "decode": 1}))
+    own.add_worker("decode")
+    assert nice_flag(own.spawned[0]) == []
+    one_each = {"prefill": 1, "decode": 1}
+    grows = RecordingLauncher(ClusterSpec(model="m", role_threads=one_each, autoscale=True))
+    grows.add_worker("decode")
+    assert nice_flag(grows.spawned[0]) == ["19"]
+    chosen = RecordingLauncher(ClusterSpec(model="m", worker_args=("--cpu-nice", "5")))
+    chosen.add_worker("decode")
+    assert nice_flag(chosen.spawned[0]) == ["5"]
+
+
+_REPORT = (
+    "import os, sys; from kvrelay.worker.cpu_priority import lower_cpu_priority as f; "
+    "f(int(sys.argv[1])); print(os.getpriority(os.PRIO_PROCESS, 0)); "
+    "print(open('/proc/self/autogroup').read().split()[-1])"
+)
+
+
+def test_cpu_nice_lowers_the_process_and_its_own_session_only(tmp_path) -> None:
+    """A session leader lowers its thread and its autogroup; a process in its caller's
+    session lowers only itself; a value out of 0-19 is refused."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from kvrelay.worker.cpu_priority import lower_cpu_priority
+
+    if not os.path.exists("/proc/self/autogroup"):
+        pytest.skip("this kernel has no autogroup scheduling")
+    base = int(Path("/proc/self/autogroup").read_text().split()[-1])
+    run = [sys.executable, "-c", _REPORT]
+    leader = subprocess.run([*run, "7"], capture_output=True, text=True, start_new_session=True)
+    assert leader.returncode == 0, leader.stderr
+    assert leader.stdout.split() == [str(os.getpriority(os.PRIO_PROCESS, 0) + 7), "7"]
+    member = subprocess.run([*run, "7"], capture_output=True, text=True)
+    assert member.returncode == 0, member.stderr
+    assert member.stdout.split() == [str(os.getpriority(os.PRIO_PROCESS, 0) + 7), str(base)]
+    assert int(Path("/proc/self/autogroup").read_text().split()[-1]) == base
+    for bad in (-1, 20):
+        with pytest.raises(ValueError, match="--cpu-nice must be 0-19"):
+            lower_cpu_priority(bad)
+    assert lower_cpu_priority(0) == []
+
+
+def test_a_real_1p1d_on_shared_cores_runs_its_decode_worker_at_lower_priority(
+    tiny_model_dir, tmp_path
+) -> None:
+    """``kvrelay up``'s processes themselves: the decode worker's threads (the OpenMP team
+    among them) at nice 19 and its autogroup too; the prefill worker's and the router's as
+    they were started."""
+    import os
+
+    from kvrelay.cli.launcher import available_cpus
+    from tests.cluster_harness import running_cluster
+
+    def nices(pid: int) -> tuple[set[int], int | None]:
+        threads = {
+            int(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+            for tid in os.listdir(f"/proc/{pid}/task")
+        }
+        group = Path(f"/proc/{pid}/autogroup")
+        return threads, int(group.read_text().split()[-1]) if group.exists() else None
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    threads = str(available_cpus())  # each worker may use every CPU: they overlap
+    worker_args = ("--num-blocks", "512", "--threads", threads)
+    with running_cluster(tiny_model_dir, tmp_path, worker_args=worker_args) as launcher:
+        import openai
+
+        c = openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
+        c.completions.create(model="tiny", prompt="hello " * 20, max_tokens=4)  # teams started
+        by_role = {p.role: nices(p.popen.pid) for p in launcher.procs.values()}
+    decode_threads, decode_group = by_role["decode"]
+    assert decode_threads == {base + 19} and decode_group in (None, 19)
+    for role in ("prefill", "router"):
+        role_threads, group = by_role[role]
+        assert base + 19 not in role_threads and group in (None, 0), (role, by_role[role])

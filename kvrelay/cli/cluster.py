@@ -118,7 +118,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "KVRELAY_SSL_KEYFILE", "KVRELAY_MAX_INFLIGHT", "KVRELAY_MAX_QUEUE_TIME",
         "KVRELAY_CACHE_WEIGHT", "KVRELAY_PREFILL_QUEUE_LIMIT", "KVRELAY_HEADER_TIMEOUT",
         "KVRELAY_BODY_TIMEOUT",
-        "KVRELAY_LAUNCHER_PID",
+        "KVRELAY_LAUNCHER_PID", "KVRELAY_CPU_NICE",
     ):  # fmt: skip
         envs.add_option(p, name)
     p.add_argument(
@@ -311,6 +311,12 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvrelay.cli.launcher import follow_launcher
 
+    if args.role == "router" and args.cpu_nice:
+        raise ValueError("--cpu-nice is a worker's (a router does not step the model)")
+    if args.role != "router":
+        from kvrelay.worker.cpu_priority import lower_cpu_priority
+
+        lower_cpu_priority(args.cpu_nice)  # before any thread starts: they inherit it
     if args.launcher_pid:
         follow_launcher(args.launcher_pid)  # a process `kvrelay up` started ends with it
     exposed = (

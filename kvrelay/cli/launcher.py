@@ -104,6 +104,9 @@ def check_model_dir(model: str) -> None:
         )
 
 
+DECODE_NICE = 19  # a decode worker's --cpu-nice on cores it shares with prefill (prefill_first)
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterSpec:
     model: str  # checkpoint directory
@@ -243,6 +246,8 @@ class Launcher:
             defaults += ["--host-pool", self.host_pool_name]  # removed with the cluster at stop
         if "--threads" not in given:
             defaults += ["--threads", str(self.threads_per_worker)]
+        if role == "decode" and "--cpu-nice" not in given and self.prefill_first():
+            defaults += ["--cpu-nice", str(DECODE_NICE)]
         role_threads = []  # after worker_args: the last --threads is the one argparse keeps
         if role in self.spec.role_threads and "--threads" not in extra_args:
             role_threads = ["--threads", str(self.spec.role_threads[role])]
@@ -312,6 +317,15 @@ class Launcher:
         if role != "router" and self.own_cores():
             environ = envs.short_spin_environ(environ)
         return environ
+
+    def prefill_first(self) -> bool:
+        """Decode workers run at a lower CPU priority (``DECODE_NICE``): prefill workers may
+        be on the same cores (``own_cores`` False) and there are some, or an autoscaler may add
+        them. A prompt's prefill then gets the cores it shares with decode steps, as a
+        colocated engine schedules a waiting prompt before its decode rows
+        (``kvrelay.worker.cpu_priority``)."""
+        has_prefill = self.spec.num_prefill > 0 or self.spec.autoscale
+        return has_prefill and not self.own_cores()
 
     def own_cores(self) -> bool:
         """True when every worker of the cluster can have its threads' cores to itself: the
