@@ -25,8 +25,9 @@ Placement (DistServe-style, decode pulls):
   prompt sooner it computes the request end to end, with no hand-off. Below the limit a
   prompt is always handed off (decode steps carry no prefill). The default, ``inf``, never
   falls back: a decode step that carries a prompt is a long step for every stream on it
-  (the simulator's fleet: TTFT halves, TPOT p50 20 -> 470 ms). Where prefill and decode
-  share cores (one host) the decode's compute is otherwise lost to the queue.
+  (the simulator's fleet: TTFT halves, TPOT p50 20 -> 470 ms). It pays where a burst
+  outruns the prefill fleet and throughput counts more than TPOT (BENCHMARKS.md "1P+1D:
+  prefill first on shared cores").
 - a pair shares the KV hand-off version and the model identity (``PeerInfo.fingerprint``:
   every byte of the weights, config and tokenizer, and the dtype); instances of different
   weights never pair, and ``register`` logs it when such a one joins.
