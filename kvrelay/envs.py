@@ -187,7 +187,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var("KVRELAY_CPU_NICE", int, 0,
          "worker: lower this process's CPU priority by this nice value (0-19; and its "
          "autogroup's when it leads its session), so that other workers on its cores go first "
-         "(`kvrelay up` gives decode workers 19 when they share cores with prefill workers)",
+         "(`kvrelay up` and the local autoscaling hook give decode workers 19 where they "
+         "share cores with prefill workers)",
          "--cpu-nice", per_process=True),
     _var("KVRELAY_LAUNCHER_PID", int, None,
          "exit (as on SIGTERM: a drain) once the process with this pid, the launcher that "

@@ -17,6 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -31,6 +32,7 @@ from kvrelay.protocol.messages import KvLayout, LoadReport, PeerInfo, Register, 
 from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
 from kvrelay.text.tokenizer import Tokenizer
 from kvrelay.transport.curve import SocketSecurity
+from kvrelay.worker.cpu_priority import DECODE_NICE
 from tests.cluster_harness import admin_request, metric_value, read_text, running_cluster
 
 TOKEN = "autoscale-s3cret"
@@ -200,6 +202,12 @@ def _check_operator_controls(launcher: Launcher) -> None:
     # a forced count holds even while disabled; the warm standby takes the new role
     new_id = wait_for("a forced decode instance", lambda: next(iter(owned(launcher)), None))
     added = wait_for("it to join", lambda: instances(launcher).get(new_id))
+    # on the router's host with the prefill workers: it yields the cores to prefill (--cpu-nice)
+    pid = owned(launcher)[new_id]["pid"]
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    tasks = Path(f"/proc/{pid}/task").iterdir()
+    nices = {int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks}
+    assert nices == {base + DECODE_NICE}
     # forced down while it serves: it drains, its requests finish, none fails
     load = Load(launcher)
     try:

@@ -135,12 +135,13 @@ def test_decode_workers_yield_the_cores_they_share_with_prefill(monkeypatch) -> 
     threads overlap, or an autoscaler adds workers); none where each has its own cores, for
     prefill workers, or where the deployment chose its own."""
     import kvrelay.cli.launcher as launcher_module
+    from kvrelay.worker import cpu_priority
 
     monkeypatch.setattr(launcher_module, "available_cpus", lambda: 2)
     shared = RecordingLauncher(ClusterSpec(model="m"))  # 1P+1D, 2 threads each on 2 CPUs
     shared.add_worker("prefill")
     shared.add_worker("decode")
-    assert [nice_flag(a) for a in shared.spawned] == [[], [str(launcher_module.DECODE_NICE)]]
+    assert [nice_flag(a) for a in shared.spawned] == [[], [str(cpu_priority.DECODE_NICE)]]
     own = RecordingLauncher(ClusterSpec(model="m", role_threads={"prefill": 1, "decode": 1}))
     own.add_worker("decode")
     assert nice_flag(own.spawned[0]) == []

@@ -28,6 +28,7 @@ from typing import IO, Any
 
 from kvrelay import envs
 from kvrelay.protocol.credential import ClusterCredential, child_environ
+from kvrelay.worker import cpu_priority
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +103,6 @@ def check_model_dir(model: str) -> None:
             f"{model} is not a checkpoint directory (no config.json); "
             "`kvrelay model get` or `kvrelay model make-tiny` writes one"
         )
-
-
-DECODE_NICE = 19  # a decode worker's --cpu-nice on cores it shares with prefill (prefill_first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +245,7 @@ class Launcher:
         if "--threads" not in given:
             defaults += ["--threads", str(self.threads_per_worker)]
         if role == "decode" and "--cpu-nice" not in given and self.prefill_first():
-            defaults += ["--cpu-nice", str(DECODE_NICE)]
+            defaults += ["--cpu-nice", str(cpu_priority.DECODE_NICE)]
         role_threads = []  # after worker_args: the last --threads is the one argparse keeps
         if role in self.spec.role_threads and "--threads" not in extra_args:
             role_threads = ["--threads", str(self.spec.role_threads[role])]
@@ -319,10 +317,10 @@ class Launcher:
         return environ
 
     def prefill_first(self) -> bool:
-        """Decode workers run at a lower CPU priority (``DECODE_NICE``): prefill workers may
-        be on the same cores (``own_cores`` False) and there are some, or an autoscaler may add
-        them. A prompt's prefill then gets the cores it shares with decode steps, as a
-        colocated engine schedules a waiting prompt before its decode rows
+        """Decode workers run at a lower CPU priority (``cpu_priority.DECODE_NICE``): prefill
+        workers may be on the same cores (``own_cores`` False) and there are some, or an
+        autoscaler may add them. A prompt's prefill then gets the cores it shares with decode
+        steps, as a colocated engine schedules a waiting prompt before its decode rows
         (``kvrelay.worker.cpu_priority``)."""
         has_prefill = self.spec.num_prefill > 0 or self.spec.autoscale
         return has_prefill and not self.own_cores()

@@ -10,9 +10,9 @@ engine's scheduler puts a waiting prompt before its decode rows: on 2 vCPUs, 1P+
 saturation gave TTFT p50 3.6 s against 5.6 s and at 1 request/s 325 against 419 ms
 (BENCHMARKS.md "1P+1D: prefill first on shared cores").
 
-Both knobs are set, since which one counts depends on the kernel: the nice value of this
-thread (the threads started after it, the OpenMP team among them, inherit it; it orders
-threads within a group, or all threads where autogroups are off) and, when the process leads
+Both knobs are set, since which one counts depends on the kernel: the nice value of every
+thread of the process (the threads started after, the OpenMP team among them, inherit it; it
+orders threads within a group, or all threads where autogroups are off) and, when the process leads
 its own session, its autogroup's nice (``/proc/self/autogroup``; it orders the groups). A
 process that shares its session (a shell's) leaves the autogroup alone: it would lower the
 shell and everything else in it.
@@ -20,6 +20,7 @@ shell and everything else in it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -27,6 +28,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 MAX_NICE = 19
+DECODE_NICE = 19  # a decode worker's on cores it may share with prefill (kvrelay up, local hook)
 AUTOGROUP = Path("/proc/self/autogroup")
 
 
@@ -36,7 +38,14 @@ def lower_cpu_priority(nice: int) -> list[str]:
         raise ValueError(f"--cpu-nice must be 0-{MAX_NICE}, got {nice}")
     if nice == 0:
         return []
-    changed = [f"nice {os.nice(nice)}"]  # this thread, and every thread started after it
+    # every thread there is (a standby process has some before its activation); the threads
+    # started later inherit it from the one that starts them
+    for task in Path("/proc/self/task").iterdir():
+        tid = int(task.name)
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            current = os.getpriority(os.PRIO_PROCESS, tid)
+            os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, current + nice))
+    changed = [f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"]
     if os.getsid(0) == os.getpid():
         try:
             AUTOGROUP.write_text(f"{nice}\n")

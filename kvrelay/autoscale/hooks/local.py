@@ -46,6 +46,7 @@ from kvrelay.autoscale.base import HookError, ScaleDecision, ScalingHook
 from kvrelay.autoscale.standby import Activation
 from kvrelay.cli.launcher import free_port
 from kvrelay.protocol.credential import ClusterCredential, child_environ
+from kvrelay.worker.cpu_priority import DECODE_NICE
 
 logger = logging.getLogger(__name__)
 
@@ -254,7 +255,10 @@ class LocalHook(ScalingHook):
     def _activate(self, proc: _Proc, role: str, instance_id: str) -> bool:
         """Gives the process its role; False when it is already gone."""
         port = free_port(self.host)
-        activation = Activation(role, instance_id, ("--status-port", str(port)))
+        args: tuple[str, ...] = ("--status-port", str(port))
+        if role == "decode":  # on the router's host, with the prefill workers it starts
+            args += ("--cpu-nice", str(DECODE_NICE))  # prefill first (worker_args come after)
+        activation = Activation(role, instance_id, args)
         assert proc.popen.stdin is not None
         try:
             proc.popen.stdin.write(activation.to_line())
