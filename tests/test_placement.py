@@ -275,6 +275,16 @@ def test_a_decode_worker_computes_a_prompt_while_the_prefill_worker_is_stuck(
 
         c.completions.create(prompt="apple " * 30, **kw)  # an idle prefill: a hand-off
         assert local_prefills() == 0
+        # the router's last view of both must be idle before the prefill worker stops: a
+        # report sent mid-prefill would leave its queue charged (a CI failure: the first
+        # request then went to the decode worker, the second to the stopped prefill)
+        deadline = time.monotonic() + 30
+        while any(
+            i["num_prefill_tokens"] or i["num_running"] or i["num_waiting"]
+            for i in launcher.get_json("/admin/instances")["data"]
+        ):
+            assert time.monotonic() < deadline, "the workers never reported idle"
+            time.sleep(0.05)
         (prefill,) = [p for p in launcher.procs.values() if p.role == "prefill"]
         prefill.popen.send_signal(signal.SIGSTOP)
         try:
