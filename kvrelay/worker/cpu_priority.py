@@ -7,13 +7,13 @@ threads' nice values. A decode worker stepping without pause then takes half the
 from a prefill worker computing a prompt, and every first token waits twice as long.
 Lowering the decode worker's priority puts prefill first across processes, as a colocated
 engine's scheduler puts a waiting prompt before its decode rows: on 2 vCPUs, 1P+1D at
-saturation gave TTFT p50 3.6 s against 5.6 s and at 1 request/s 325 against 419 ms
-(BENCHMARKS.md "1P+1D: prefill first on shared cores").
+saturation gave TTFT p50 3.6 s against 5.7 s before, and at 1 request/s 325 against 434 ms
+(single runs; BENCHMARKS.md "1P+1D: prefill first on shared cores").
 
 Both knobs are set, since which one counts depends on the kernel: the nice value of every
 thread of the process (the threads started after, the OpenMP team among them, inherit it; it
-orders threads within a group, or all threads where autogroups are off) and, when the process leads
-its own session, its autogroup's nice (``/proc/self/autogroup``; it orders the groups). A
+orders threads within a group, or all threads where autogroups are off) and, when the process
+leads its own session, its autogroup's nice (``/proc/self/autogroup``; it orders the groups). A
 process that shares its session (a shell's) leaves the autogroup alone: it would lower the
 shell and everything else in it.
 """
