@@ -155,9 +155,9 @@ def test_decode_workers_yield_the_cores_they_share_with_prefill(monkeypatch) -> 
 
 
 _REPORT = (
-    "import os, sys; from kvrelay.worker.cpu_priority import lower_cpu_priority as f; "
-    "f(int(sys.argv[1])); print(os.getpriority(os.PRIO_PROCESS, 0)); "
-    "print(open('/proc/self/autogroup').read().split()[-1])"
+    "import os, sys; from kvrelay.worker import cpu_priority as c; "
+    "c.lower_cpu_priority(int(sys.argv[1])); print(os.getpriority(os.PRIO_PROCESS, 0)); "
+    "print(c.autogroup_nice())"
 )
 
 
@@ -170,11 +170,13 @@ def test_cpu_nice_lowers_the_process_and_its_own_session_only(tmp_path) -> None:
 
     import pytest
 
-    from kvrelay.worker.cpu_priority import lower_cpu_priority
+    from kvrelay.worker.cpu_priority import autogroup_nice, lower_cpu_priority
 
     if not os.path.exists("/proc/self/autogroup"):
         pytest.skip("this kernel has no autogroup scheduling")
-    base = int(Path("/proc/self/autogroup").read_text().split()[-1])
+    # None where this process is in the root group (CI runs under PID 1's session): a member
+    # of it must leave it as it is, as a member of a shell's own group must
+    base = autogroup_nice()
     run = [sys.executable, "-c", _REPORT]
     leader = subprocess.run([*run, "7"], capture_output=True, text=True, start_new_session=True)
     assert leader.returncode == 0, leader.stderr
@@ -182,7 +184,7 @@ def test_cpu_nice_lowers_the_process_and_its_own_session_only(tmp_path) -> None:
     member = subprocess.run([*run, "7"], capture_output=True, text=True)
     assert member.returncode == 0, member.stderr
     assert member.stdout.split() == [str(os.getpriority(os.PRIO_PROCESS, 0) + 7), str(base)]
-    assert int(Path("/proc/self/autogroup").read_text().split()[-1]) == base
+    assert autogroup_nice() == base
     for bad in (-1, 20):
         with pytest.raises(ValueError, match="--cpu-nice must be 0-19"):
             lower_cpu_priority(bad)
@@ -198,6 +200,7 @@ def test_a_real_1p1d_on_shared_cores_runs_its_decode_worker_at_lower_priority(
     import os
 
     from kvrelay.cli.launcher import available_cpus
+    from kvrelay.worker.cpu_priority import autogroup_nice
     from tests.cluster_harness import running_cluster
 
     def nices(pid: int) -> tuple[set[int], int | None]:
@@ -205,8 +208,7 @@ def test_a_real_1p1d_on_shared_cores_runs_its_decode_worker_at_lower_priority(
             int(Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[16])
             for tid in os.listdir(f"/proc/{pid}/task")
         }
-        group = Path(f"/proc/{pid}/autogroup")
-        return threads, int(group.read_text().split()[-1]) if group.exists() else None
+        return threads, autogroup_nice(pid)
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
     threads = str(available_cpus())  # each worker may use every CPU: they overlap

@@ -32,6 +32,17 @@ DECODE_NICE = 19  # a decode worker's on cores it may share with prefill (kvrela
 AUTOGROUP = Path("/proc/self/autogroup")
 
 
+def autogroup_nice(pid: int | str = "self") -> int | None:
+    """A process's autogroup nice, or None where it has none to read: a kernel without
+    autogroups, or a process in the root group (PID 1's session and every process that never
+    started a session of its own below it; the kernel prints nothing for it)."""
+    try:
+        fields = Path(f"/proc/{pid}/autogroup").read_text().split()
+    except OSError:
+        return None
+    return int(fields[-1]) if fields else None
+
+
 def lower_cpu_priority(nice: int) -> list[str]:
     """Lowers this process's CPU priority by ``nice`` (0-19); returns what it changed."""
     if not 0 <= nice <= MAX_NICE:
