@@ -290,9 +290,14 @@ def test_a_decode_worker_computes_a_prompt_while_the_prefill_worker_is_stuck(
         try:
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
                 stuck = pool.submit(c.completions.create, prompt="zebra " * 30, **kw)
+                # placed, not merely in flight: a request counts as in flight before its
+                # placement, and the next one overtaking it would take the idle prefill (a CI
+                # failure: zebra then ran on the decode worker, mango waited out --dead-after)
                 deadline = time.monotonic() + 30
-                url = launcher.url + "/metrics"
-                while metric_value(read_text(url), "kvrelay_requests_inflight") < 1:
+                while not any(
+                    i["role"] == "prefill" and i["num_assigned"] == 1
+                    for i in launcher.get_json("/admin/instances")["data"]
+                ):
                     assert time.monotonic() < deadline, "the first request was never placed"
                     time.sleep(0.02)
                 local = c.completions.create(prompt="mango " * 30, **kw)  # prefill stopped

@@ -108,6 +108,9 @@ class Instance:
             "model_identity": self.info.fingerprint.hex(),
             "seconds_since_report": round(time.monotonic() - self.last_seen, 3),
             **load,
+            # placed on it since that report, which the report does not count yet
+            "num_assigned": self.num_assigned,
+            "num_assigned_tokens": self.num_assigned_tokens,
             "draining": self.draining or self.load.draining,
         }
 
