@@ -275,16 +275,22 @@ def test_a_decode_worker_computes_a_prompt_while_the_prefill_worker_is_stuck(
 
         c.completions.create(prompt="apple " * 30, **kw)  # an idle prefill: a hand-off
         assert local_prefills() == 0
-        # the router's last view of both must be idle before the prefill worker stops: a
-        # report sent mid-prefill would leave its queue charged (a CI failure: the first
-        # request then went to the decode worker, the second to the stopped prefill)
-        deadline = time.monotonic() + 30
-        while any(
-            i["num_prefill_tokens"] or i["num_running"] or i["num_waiting"]
-            for i in launcher.get_json("/admin/instances")["data"]
-        ):
-            assert time.monotonic() < deadline, "the workers never reported idle"
-            time.sleep(0.05)
+
+        # the router's last view of both must be idle before the prefill worker stops, from
+        # reports sent after the last placement: a report sent mid-prefill, or none since the
+        # request was placed (num_assigned), would leave the prefill's queue charged (CI
+        # failures: the first request then went to the decode worker, the second to the
+        # stopped prefill, where it waited out --dead-after)
+        def wait_for_idle_reports() -> None:
+            deadline = time.monotonic() + 30
+            while any(
+                i["num_prefill_tokens"] or i["num_running"] or i["num_waiting"] or i["num_assigned"]
+                for i in launcher.get_json("/admin/instances")["data"]
+            ):
+                assert time.monotonic() < deadline, "the workers never reported idle"
+                time.sleep(0.05)
+
+        wait_for_idle_reports()
         (prefill,) = [p for p in launcher.procs.values() if p.role == "prefill"]
         prefill.popen.send_signal(signal.SIGSTOP)
         try:
@@ -307,7 +313,8 @@ def test_a_decode_worker_computes_a_prompt_while_the_prefill_worker_is_stuck(
                 stuck.result(timeout=120)
         finally:
             prefill.popen.send_signal(signal.SIGCONT)
-        handed_off = c.completions.create(prompt="mango " * 30, **kw)  # its queue is empty
+        wait_for_idle_reports()  # the prefill's report after it resumed: its queue empty
+        handed_off = c.completions.create(prompt="mango " * 30, **kw)
         assert local_prefills() == 1
         assert local.choices[0].text == handed_off.choices[0].text
         assert local.usage.completion_tokens == 12
