@@ -157,6 +157,34 @@ class Server:
             tiers = json.load(resp)["tiers"]
         return sum(int(tier.get("hit_tokens", 0)) for tier in tiers.values())
 
+    def engine_steps(self) -> dict[str, tuple[float, float]]:
+        """kvrelay only: per step kind (``role/kind``), the seconds its workers' engines spent
+        in steps and how many, summed over workers (``kvrelay_engine_step_seconds``): a run's
+        difference tells time in steps from time between them. Empty for vLLM."""
+        if self.name == "vllm":
+            return {}
+        with urllib.request.urlopen(f"{self.url}/admin/instances", timeout=10) as resp:
+            urls = [i["status_url"] for i in json.load(resp)["data"]]
+        steps: dict[str, tuple[float, float]] = {}
+        for url in urls:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+            for line in text.splitlines():
+                if not line.startswith("kvrelay_engine_step_seconds_"):
+                    continue
+                name, labels, value = _sample(line)
+                field = name.rsplit("_", 1)[1]
+                if field not in ("sum", "count"):
+                    continue
+                key = f"{labels['role']}/{labels['kind']}"
+                total, count = steps.get(key, (0.0, 0.0))
+                if field == "sum":
+                    total += value
+                else:
+                    count += value
+                steps[key] = (total, count)
+        return steps
+
     def freeze(self) -> None:
         """SIGSTOP to every process of the server while another is measured (``signal_tree``
         says why)."""
@@ -177,6 +205,17 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         self.log.close()
+
+
+def _sample(line: str) -> tuple[str, dict[str, str], float]:
+    """A Prometheus text sample: its name, labels and value."""
+    head, value = line.rsplit(" ", 1)
+    name, _, rest = head.partition("{")
+    labels = dict(
+        (k, v.strip('"'))
+        for k, v in (pair.split("=", 1) for pair in rest.rstrip("}").split(",") if pair)
+    )
+    return name, labels, float(value)
 
 
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
@@ -243,12 +282,20 @@ def bench(
     wait_for_quiet_cpu(max_wait_s=30.0)  # vLLM's worker stays busy 1-2 s after a run (peers.py)
     load_before = os.getloadavg()[0]
     cached_before = server.cached_prompt_tokens()
+    steps_before = server.engine_steps()
     done = subprocess.run(argv, env=vllm_env(args), capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve against {server.name}: {done.stderr[-2000:]}")
     result = json.loads(out.read_text())
     result["load1"] = (load_before, os.getloadavg()[0])
     result["cached_prompt_tokens"] = server.cached_prompt_tokens() - cached_before
+    result["engine_steps"] = {
+        key: (
+            total - steps_before.get(key, (0.0, 0.0))[0],
+            count - steps_before.get(key, (0, 0))[1],
+        )
+        for key, (total, count) in server.engine_steps().items()
+    }
     return result
 
 
@@ -268,6 +315,11 @@ def run_all(args: argparse.Namespace, vllm_python: Path, servers: list[Server], 
                 runs[rate][server.name].append(result)
                 brief = {k: round(result.get(k, 0.0), 1) for k in (*METRICS, "output_throughput")}
                 brief["cached_prompt_tokens"] = result["cached_prompt_tokens"]
+                brief["engine_steps"] = {
+                    key: f"{count:.0f} x {1e3 * total / count:,.0f} ms"
+                    for key, (total, count) in result["engine_steps"].items()
+                    if count
+                }
                 print(f"rate {rate} {server.name} #{rep}: {brief}", file=sys.stderr, flush=True)
     return runs
 
@@ -316,13 +368,22 @@ def waves(result: dict[str, Any], gap_s: float = 0.2) -> list[tuple[int, float, 
 
 
 def wave_lines(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
-    """One line per system at rate inf: the first run's waves (``waves``)."""
+    """One line per system at rate inf: the first run's waves (``waves``) and, for kvrelay,
+    its engines' steps in that run by role and kind (count x mean time): the waves' spacing
+    against the steps' own time tells time in steps from time between them."""
     lines = []
     for name, results in runs.get("inf", {}).items():
         if results and results[0].get("ttfts"):
             shown = ", ".join(
                 f"{n} at {t:,.0f} ms (TPOT {tp:.0f})" for n, t, tp in waves(results[0])
             )
+            steps = results[0].get("engine_steps") or {}
+            if steps:
+                shown += "; engine steps: " + ", ".join(
+                    f"{key} {count:.0f} x {1e3 * total / count:,.0f} ms"
+                    for key, (total, count) in sorted(steps.items())
+                    if count
+                )
             lines.append(f"- {name}, first tokens: {shown}")
     return lines
 

@@ -350,3 +350,38 @@ def test_sampling_benchmark_times_every_mode(tmp_path: Path) -> None:
     rows = re.findall(r"^\| (flat|peaked) \| ([^|]+) \| (\d+) \| ([\d.]+) \|$", proc.stdout, re.M)
     assert len(rows) == 2 * 8 * 2, proc.stdout
     assert {mode.strip() for _, mode, _, _ in rows} >= {"greedy", "top-k 50", "min-p 0.05"}
+
+
+def test_peers_serve_reads_a_kvrelay_clusters_engine_steps(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/peers_serve.py's step reading against a real 1P+1D cluster: each worker's
+    step seconds and count by role and kind, and what one request adds to them."""
+    import openai
+
+    from tests.cluster_harness import running_cluster
+
+    module = _load_benchmark("peers_serve")
+    with running_cluster(tiny_model_dir, tmp_path, num_prefill=1, num_decode=1) as launcher:
+        server = object.__new__(module.Server)  # the cluster is up: no process to start
+        server.name, server.url = "kvrelay-1p1d", launcher.url
+        before = server.engine_steps()
+        c = openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
+        c.completions.create(
+            model="tiny", prompt="hello " * 20, max_tokens=5, extra_body={"ignore_eos": True}
+        )
+        after = server.engine_steps()
+    steps = {
+        key: (
+            after[key][0] - before.get(key, (0.0, 0.0))[0],
+            after[key][1] - before.get(key, (0.0, 0.0))[1],
+        )
+        for key in after
+    }
+    prefill_s, prefills = steps["prefill/prefill"]
+    decode_s, decodes = steps["decode/decode"]
+    assert prefills == 1 and prefill_s > 0  # the prompt, in one step on the prefill worker
+    assert decodes == 4 and decode_s > 0  # the other 4 tokens on the decode worker
+    assert module._sample('m_sum{role="decode",kind="mixed"} 2.5') == (
+        "m_sum",
+        {"role": "decode", "kind": "mixed"},
+        2.5,
+    )
