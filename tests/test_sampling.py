@@ -9,6 +9,7 @@ import torch
 from kvrelay.engine.sampling import (
     Sampler,
     SampleRequest,
+    _filter_nucleus,
     _filter_sorted,
     _filter_whole,
     _keep_counts,
@@ -251,6 +252,62 @@ def test_candidate_filters_equal_the_full_sort(scale: float) -> None:
         assert not bool(decided.all())
 
 
+NUCLEUS = [(0.05, 0.0), (0.5, 0.0), (0.9, 0.0), (0.99, 0.0), (0.999, 0.0), (0.9, 0.02)]
+
+
+@pytest.mark.parametrize("scale", [0.25, 1.0, 4.0])
+def test_nucleus_bins_equal_the_full_sort(scale: float) -> None:
+    """Top-p without a top-k finds its edge by value bins and ranks only the edge bin's
+    tokens (``_filter_nucleus``): the same logits, dropped at the same places, as the whole
+    row's stable sort, on spreads from flat to peaked, with many ties (a grid of 0.25) and
+    a grammar's mask."""
+    vocab_size = 5000
+    logits = _wide_logits(len(NUCLEUS) * 4, vocab_size, seed=int(scale * 4), scale=scale)
+    logits[::4, 1000:] = -math.inf  # masked: a fifth of the vocabulary left finite
+    top_p, min_p = ([row[i] for row in NUCLEUS * 4] for i in range(2))
+    keep = [vocab_size] * len(top_p)
+    expected = _filter_sorted(logits, keep, top_p, min_p)
+    assert torch.equal(_filter_nucleus(logits, keep, top_p, min_p), expected)
+    assert torch.equal(filter_logits(logits, [0] * len(top_p), top_p, min_p), expected)
+    kept = torch.isfinite(expected).sum(dim=-1)
+    assert int(kept.min()) >= 1 and int(kept.max()) > 100  # an edge among many tokens
+
+
+def test_nucleus_edge_inside_a_run_of_equal_logits_keeps_the_lowest_ids() -> None:
+    """Top-p's edge falls inside runs of equal logits: the run's lowest ids are kept. Rows:
+    all equal (every token in the first bin), two levels, one finite token. Each p lies
+    half a token's mass past a token's edge, clear of float32's rounding."""
+    vocab_size = 4096
+    logits = torch.zeros(3, vocab_size)
+    logits[1, 1024:3072] = math.log(3.0)  # 2,048 tokens of 3/8192 each, 2,048 of 1/8192
+    logits[2, :] = -math.inf
+    logits[2, 7] = 1.0
+    top_p, keep = [0.5 + 0.5 / 4096, 0.875 + 0.5 / 8192, 0.3], [vocab_size] * 3
+    kept = torch.isfinite(_filter_nucleus(logits, keep, top_p, [0.0] * 3))
+    assert kept[0].nonzero().flatten().tolist() == list(range(2049))
+    # the first run (ids 1024-3071) holds 0.75 of the mass; the second's lowest ids come
+    # next: 1,024 tokens (0-1023) make 0.125 more, and 3072's mass before is 0.875 exactly
+    assert kept[1].nonzero().flatten().tolist() == list(range(3073))
+    assert kept[2].nonzero().flatten().tolist() == [7]
+    assert torch.equal(kept, torch.isfinite(_filter_sorted(logits, keep, top_p, [0.0] * 3)))
+
+
+def test_flat_top_p_rows_are_not_sorted_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flat row under top-p 0.9 keeps most of the vocabulary, so its candidates do not
+    decide it; it takes the value bins, not a sort of the whole row."""
+    logits = _wide_logits(4, 5000, seed=3, scale=0.5)
+    top_p = [0.9] * 4
+    expected = _filter_sorted(logits, [5000] * 4, top_p, [0.0] * 4)
+    candidates = filter_candidates(logits, [5000] * 4, top_p, [0.0] * 4)
+    assert candidates is not None and not bool(candidates[2].any())
+
+    def no_sort(*_: Any) -> torch.Tensor:
+        raise AssertionError("sorted a whole row")
+
+    monkeypatch.setattr("kvrelay.engine.sampling._filter_sorted", no_sort)
+    assert torch.equal(filter_logits(logits, [0] * 4, top_p, [0.0] * 4), expected)
+
+
 def test_masked_rows_are_decided_by_their_candidates() -> None:
     """A grammar leaves a few tokens finite: a loose top-p over them decides the row among
     the candidates (no whole-row sort), with the full sort's kept set."""
@@ -395,7 +452,7 @@ def test_seeded_tokens_do_not_depend_on_batch(params: SamplingParams) -> None:
         SamplingParams(seed=42, temperature=2.0),
         SamplingParams(seed=42, top_k=20),
         SamplingParams(seed=5, top_p=0.5, temperature=3.0),  # the candidates decide it
-        SamplingParams(seed=5, top_p=0.99),  # a flat row: sorted whole
+        SamplingParams(seed=5, top_p=0.99),  # a flat row: the value bins
         SamplingParams(seed=9, min_p=0.01, temperature=2.0),
     ],
 )
