@@ -191,6 +191,47 @@ def test_cpu_nice_lowers_the_process_and_its_own_session_only(tmp_path) -> None:
     assert lower_cpu_priority(0) == []
 
 
+_FOLLOW = (
+    "import os, sys, time; from kvrelay.worker import cpu_priority as c\n"
+    "def until(has_prompt, want):\n"
+    "    raised = False\n"
+    "    for _ in range(100):  # one change per 100 ms without CAP_SYS_ADMIN\n"
+    "        raised |= c.follow_prompts(has_prompt)\n"
+    "        if c.autogroup_nice() == want:\n"
+    "            return [c.autogroup_nice(), raised]\n"
+    "        time.sleep(0.02)\n"
+    "    return [c.autogroup_nice(), raised]\n"
+    "c.lower_cpu_priority(int(sys.argv[1]))\n"
+    "low = c.autogroup_nice()\n"
+    "print(low, *until(True, 0), os.getpriority(os.PRIO_PROCESS, 0), *until(False, low))"
+)
+
+
+def test_a_lowered_worker_computes_its_own_prompts_at_nice_0(tmp_path) -> None:
+    """``follow_prompts``: a session leader lowered to 19 moves its autogroup to 0 while it
+    has a prompt and back to 19 after (its threads stay at 19: raising them needs a
+    privilege); a process that lowered no autogroup changes nothing."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from kvrelay.worker.cpu_priority import autogroup_nice
+
+    if not os.path.exists("/proc/self/autogroup"):
+        pytest.skip("this kernel has no autogroup scheduling")
+    run = [sys.executable, "-c", _FOLLOW, "19"]
+    leader = subprocess.run(run, capture_output=True, text=True, start_new_session=True)
+    assert leader.returncode == 0, leader.stderr
+    thread_nice = str(os.getpriority(os.PRIO_PROCESS, 0) + 19)
+    assert leader.stdout.split() == ["19", "0", "True", thread_nice, "19", "False"]
+    member = subprocess.run(run, capture_output=True, text=True)  # this session's group
+    assert member.returncode == 0, member.stderr
+    base = str(autogroup_nice())
+    assert member.stdout.split() == [base, base, "False", thread_nice, base, "False"]
+
+
 def test_a_real_1p1d_on_shared_cores_runs_its_decode_worker_at_lower_priority(
     tiny_model_dir, tmp_path
 ) -> None:

@@ -32,6 +32,7 @@ from kvrelay.protocol.messages import (
 from kvrelay.router.dispatcher import DispatcherSettings
 from kvrelay.router.prefix_index import PrefixMatch
 from kvrelay.router.registry import Registry
+from kvrelay.worker.cpu_priority import autogroup_nice
 from tests.cluster_harness import metric_value, read_text, running_cluster
 
 LAYOUT = KvLayout(2, 64, 16, 2, 8, "float32")
@@ -262,7 +263,11 @@ def test_a_decode_worker_computes_a_prompt_while_the_prefill_worker_is_stuck(
     request.)"""
     router_args = ("--dead-after", "60", "--served-model-name", "tiny")
     router_args += ("--prefill-queue-limit", "1")
+    # the workers at a lowered priority, as a decode worker on shared cores is: the decode
+    # worker computes its own prompt at nice 0 (cpu_priority.follow_prompts)
+    worker_args = ("--num-blocks", "512", "--threads", "1", "--cpu-nice", "19")
     spec = {"num_prefill": 1, "num_decode": 1, "router_args": router_args}
+    spec["worker_args"] = worker_args
     with running_cluster(tiny_model_dir, tmp_path, **spec) as launcher:
         c = openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
         kw: dict[str, Any] = {"model": "tiny", "temperature": 0, "max_tokens": 12}
@@ -320,3 +325,11 @@ def test_a_decode_worker_computes_a_prompt_while_the_prefill_worker_is_stuck(
         assert local.usage.completion_tokens == 12
         metrics = read_text(launcher.url + "/metrics")
         assert metric_value(metrics, "kvrelay_request_retries_total") == 0
+        (decode,) = [p for p in launcher.procs.values() if p.role == "decode"]
+        if autogroup_nice(decode.popen.pid) is not None:  # a kernel with autogroups
+            (info,) = [
+                i for i in launcher.get_json("/admin/instances")["data"] if i["role"] == "decode"
+            ]
+            decode_metrics = read_text(info["status_url"].rstrip("/") + "/metrics")
+            assert metric_value(decode_metrics, "kvrelay_cpu_priority_raises_total") == 1
+            assert autogroup_nice(decode.popen.pid) == 19  # lowered again once idle

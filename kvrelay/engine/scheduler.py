@@ -143,6 +143,10 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def has_prefill_work(self) -> bool:
+        """A prompt waits or is partly computed (chunked, or recomputed after a preemption)."""
+        return bool(self.waiting) or any(s.is_prefill for s in self.running)
+
     def num_prefill_tokens(self) -> int:
         """Prompt tokens still to compute: the rest of each running prompt (chunked, or
         recomputed after a preemption) and each waiting prompt less its device-cached prefix

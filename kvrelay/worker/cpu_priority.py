@@ -16,6 +16,15 @@ orders threads within a group, or all threads where autogroups are off) and, whe
 leads its own session, its autogroup's nice (``/proc/self/autogroup``; it orders the groups). A
 process that shares its session (a shell's) leaves the autogroup alone: it would lower the
 shell and everything else in it.
+
+A lowered worker that computes a prompt itself (a decode worker under the router's conditional
+disaggregation, or recomputing a preempted sequence) would compute it at the low priority
+against the prefill workers it yields to: one such float32 step took 7.8 s on 2 vCPUs, the
+prefill worker's 2,048-token steps 2.3 s in the same run, and every stream on the decode
+worker waited for it (BENCHMARKS.md "Peers: online serving"). So ``follow_prompts`` moves its
+autogroup back to nice 0 while it has a prompt to compute, and down again after. The
+autogroup's nice may be raised back to 0 without privileges (a thread's nice may not: the
+kernel needs CAP_SYS_NICE for that), so where autogroups are off this does nothing.
 """
 
 from __future__ import annotations
@@ -61,7 +70,33 @@ def lower_cpu_priority(nice: int) -> list[str]:
         try:
             AUTOGROUP.write_text(f"{nice}\n")
             changed.append(f"autogroup nice {nice}")
+            _state.lowered = nice
         except OSError as e:  # no autogroup support, or a kernel that refuses it
             logger.info("cpu priority: autogroup left as it is (%s)", e)
     logger.info("lower CPU priority: %s", ", ".join(changed))
     return changed
+
+
+class _State:
+    lowered: int | None = None  # the autogroup nice ``lower_cpu_priority`` set, if it set one
+    raised = False  # the autogroup is at nice 0 for a prompt (``follow_prompts``)
+
+
+_state = _State()
+
+
+def follow_prompts(has_prompt: bool) -> bool:
+    """Called before each engine step: a worker whose autogroup ``lower_cpu_priority``
+    lowered computes its own prompts at nice 0, and is lowered again once it has none; True
+    when this call raised it. A change the kernel refuses (one per 100 ms without
+    CAP_SYS_ADMIN) is tried again at the next step."""
+    if _state.lowered is None or has_prompt == _state.raised:
+        return False
+    nice = 0 if has_prompt else _state.lowered
+    try:
+        AUTOGROUP.write_text(f"{nice}\n")
+    except OSError as e:
+        logger.debug("cpu priority: autogroup nice %d not set (%s)", nice, e)
+        return False
+    _state.raised = has_prompt
+    return has_prompt

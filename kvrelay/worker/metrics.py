@@ -78,6 +78,12 @@ class WorkerMetrics:
         self.leases_expired = Counter(
             "kvrelay_kv_leases_expired", "Prefill leases freed without an ack", registry=r
         )
+        self.priority_raises = Counter(
+            "kvrelay_cpu_priority_raises",
+            "Times this worker, run at a lowered CPU priority (--cpu-nice), went back to nice 0 "
+            "to compute a prompt of its own",
+            registry=r,
+        )
 
     def watch_tiers(self, tier_stats: Callable[[], dict[str, Any]]) -> None:
         """Exports per-tier cache counters read from ``tier_stats()`` at scrape time."""

@@ -8,7 +8,9 @@ One thread runs everything that touches the engine::
            orphans              abort the requests of a router silent for router_timeout
                                 (checked after the poll, so a long step never looks like it)
            engine.step()        -> the step's TokenEvents, one message per router (role hook:
-                                prefill sends each at once and hands off)
+                                prefill sends each at once and hands off); a worker at a
+                                lowered CPU priority steps a prompt of its own at nice 0
+                                (``cpu_priority.follow_prompts``)
            housekeeping         heartbeat LoadReport, lease expiry, pending imports (roles)
 
 SIGTERM drains (``begin_exit``): the instance reports ``draining`` at once, so the routers
@@ -62,6 +64,7 @@ from kvrelay.protocol.messages import (
     decode,
 )
 from kvrelay.transport.curve import SocketSecurity, describe
+from kvrelay.worker import cpu_priority
 from kvrelay.worker import stats as worker_stats
 from kvrelay.worker.cache_feed import DeviceCacheFeed
 from kvrelay.worker.config import (
@@ -261,6 +264,8 @@ class Worker:
                 busy = self.engine.has_unfinished_requests() or self.has_role_work()
                 self._poll(0 if busy else _IDLE_POLL_MS)
                 self._abort_orphans()
+                if cpu_priority.follow_prompts(self.engine.scheduler.has_prefill_work()):
+                    self.metrics.priority_raises.inc()
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self.housekeeping()
