@@ -221,7 +221,8 @@ def test_two_routers_get_only_their_own_requests_events(tiny_model_dir, tmp_path
 
 def test_messages_from_an_older_process_lack_the_origin():
     """A GenerateRequest or KvReady without ``origin`` decodes with ``origin=""`` (the
-    worker then answers every router); one with too few fields is still refused."""
+    worker then answers every router); one with too few fields is still refused; one from a
+    newer process, with fields this one does not know, decodes to the fields it knows."""
     msg = GenerateRequest(
         "r1", [1, 2], SamplingParams(max_tokens=4), [], None, origin="router-a", attempt=2
     )
@@ -238,3 +239,5 @@ def test_messages_from_an_older_process_lack_the_origin():
     assert decode(packed(values[:-1])) == dataclasses.replace(msg, attempt=0)
     with pytest.raises(ProtocolError, match="GenerateRequest: expected 7 fields, got 2"):
         decode(packed(values[:2]))
+    # a newer process adds fields last (a rolling upgrade that starts with the routers)
+    assert decode(packed([*values, "a later field", {"nested": [1, 2]}])) == msg

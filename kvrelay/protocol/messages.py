@@ -31,6 +31,12 @@ Colocated workers get ``GenerateRequest(decode=None)`` and stream every token th
 
 Every message is a frozen dataclass registered here; the codec packs each as a msgpack
 extension ``[tag, field values...]``, recursively, so nested values keep their types.
+
+Versions mix during a rolling upgrade, in either order: a field is only ever added last, with
+a default; a message from an older process lacks the trailing fields and decodes with their
+defaults, and one from a newer process has trailing fields this one does not know, which
+it ignores (as protobuf does with unknown fields). A change an older peer must not get wrong
+by ignoring a field takes a new type or a version it checks (``KV_HANDOFF_VERSION``).
 """
 
 from __future__ import annotations
@@ -323,8 +329,9 @@ def _ext_hook(code: int, data: bytes) -> Any:
         raise ProtocolError(f"unknown message tag {tag!r}")
     cls = WIRE_TYPES[tag]
     names = _FIELDS[cls]
-    if not _NUM_REQUIRED[cls] <= len(values) <= len(names):
+    if len(values) < _NUM_REQUIRED[cls]:
         raise ProtocolError(f"{cls.__name__}: expected {len(names)} fields, got {len(values)}")
+    # a newer process's trailing fields are left out: ``zip`` stops at the known names
     kwargs = {**_ABSENT.get(cls, {}), **dict(zip(names, values))}
     try:
         if cls is PeerInfo:
