@@ -112,7 +112,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
     parser.add_argument("--repeats", type=int, default=3)
+    # the client's sampling (default: none sent, so both servers sample at temperature 1
+    # with no filters); e.g. --temperature 0.7 --top-p 0.9, what chat front-ends send
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
     return parser.parse_args(argv)
+
+
+def sampling_argv(args: argparse.Namespace) -> list[str]:
+    """``vllm bench serve``'s sampling options for what ``args`` set (each request carries
+    them)."""
+    chosen = (("--temperature", args.temperature), ("--top-p", args.top_p), ("--top-k", args.top_k))
+    return [item for flag, value in chosen if value is not None for item in (flag, str(value))]
+
+
+def sampling_brief(args: argparse.Namespace) -> str:
+    argv = sampling_argv(args)
+    return " ".join(argv) if argv else "no sampling parameters sent (temperature 1)"
 
 
 class Server:
@@ -283,7 +300,7 @@ def bench(
     argv += ["--num-prompts", str(args.num_prompts), "--request-rate", rate, "--ignore-eos"]
     argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     argv += ["--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}"]
-    argv += ["--seed", str(seed)]
+    argv += ["--seed", str(seed), *sampling_argv(args)]
     argv += ["--save-result", "--save-detailed"]  # per request: ttfts, itls (runs.json)
     argv += ["--result-dir", str(out.parent), "--result-filename", out.name]
     if rate == "inf":
@@ -412,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.dtype}, {args.threads} cores: vLLM {args.threads} threads, kvrelay 1P+1D "
             f"{p1d_threads(args)} thread(s) per worker, kvrelay colocated "
             f"{args.threads}. `vllm bench serve`: {args.num_prompts} random prompts of "
-            f"{args.input_len} tokens, {args.output_len} out (ignore_eos), rate inf = "
+            f"{args.input_len} tokens, {args.output_len} out (ignore_eos; "
+            f"{sampling_brief(args)}), rate inf = "
             f"{args.max_concurrency} at once; goodput under TTFT <= {args.slo_ttft_ms:.0f} ms "
             f"and TPOT <= {args.slo_tpot_ms:.0f} ms; medians of {args.repeats} interleaved "
             f"runs, each over prompts no server had seen"

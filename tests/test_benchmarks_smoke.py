@@ -377,3 +377,16 @@ def test_peers_serve_reads_a_kvrelay_clusters_engine_steps(tiny_model_dir, tmp_p
     assert module.steps_brief({"decode/decode": (0.2, 4.0), "x/y": (0.0, 0.0)}) == {
         "decode/decode": "4 x 50 ms"
     }
+
+
+def test_peers_serve_passes_the_clients_sampling_to_vllm_bench_serve() -> None:
+    """``--temperature`` / ``--top-p`` / ``--top-k`` go to every ``vllm bench serve`` run,
+    and none is sent by default (both servers then sample at temperature 1)."""
+    module = _load_benchmark("peers_serve")
+    plain = module.parse_args(["--model", "m"])
+    assert module.sampling_argv(plain) == []
+    assert "temperature 1" in module.sampling_brief(plain)
+    chat = module.parse_args(["--model", "m", "--temperature", "0.7", "--top-p", "0.9"])
+    assert module.sampling_argv(chat) == ["--temperature", "0.7", "--top-p", "0.9"]
+    topk = module.parse_args(["--model", "m", "--top-k", "50"])
+    assert module.sampling_argv(topk) == ["--top-k", "50"]
