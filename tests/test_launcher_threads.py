@@ -196,7 +196,7 @@ _FOLLOW = (
     "def until(has_prompt, want):\n"
     "    raised = False\n"
     "    for _ in range(100):  # one change per 100 ms without CAP_SYS_ADMIN\n"
-    "        raised |= c.follow_prompts(has_prompt)\n"
+    "        raised |= c.follow_prompts(lambda: has_prompt)\n"
     "        if c.autogroup_nice() == want:\n"
     "            return [c.autogroup_nice(), raised]\n"
     "        time.sleep(0.02)\n"

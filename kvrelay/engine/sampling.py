@@ -192,10 +192,7 @@ def filter_candidates(
     ids = ids.gather(1, order)
     exact = (values > values[:, -1:]).sum(dim=-1)
     keep_k = _index(keep, logits.device)
-    has_k = keep_k < vocab_size
-    total = _row_logsumexp(logits)
-    if bool(has_k.any()):
-        total = torch.where(has_k, _first_logsumexp(values, keep_k.clamp(max=width)), total)
+    total = _totals(logits, values, keep_k)
     removed = _removed(values, _probs(values, total), keep_k, top_p, min_p)
     first = torch.where(removed.any(dim=-1), removed.int().argmax(dim=-1), width)
     # a row with fewer finite logits than candidates (a grammar's mask) has them all here
@@ -207,6 +204,18 @@ def _first_logsumexp(values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     """Each row's log-sum-exp of its first ``count`` values."""
     position = torch.arange(values.shape[1], device=values.device)
     return values.masked_fill(position >= count.unsqueeze(1), -math.inf).logsumexp(dim=-1)
+
+
+def _totals(logits: torch.Tensor, ordered: torch.Tensor, keep_k: torch.Tensor) -> torch.Tensor:
+    """Each row's log-sum-exp over what its top-k keeps: the first ``keep_k`` of its stably
+    ordered values ``ordered`` (the candidates, or the whole sorted row), the whole row where
+    it has no top-k."""
+    total = _row_logsumexp(logits)
+    has_k = keep_k < logits.shape[1]
+    if bool(has_k.any()):
+        first = _first_logsumexp(ordered, keep_k.clamp(max=ordered.shape[1]))
+        total = torch.where(has_k, first, total)
+    return total
 
 
 def _row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
@@ -283,13 +292,9 @@ def _filter_sorted(
     logits: torch.Tensor, keep: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
 ) -> torch.Tensor:
     """``filter_logits`` over each row's whole stable sort."""
-    vocab_size = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     keep_k = _index(keep, logits.device)
-    has_k = keep_k < vocab_size
-    total = _row_logsumexp(logits)
-    if bool(has_k.any()):
-        total = torch.where(has_k, _first_logsumexp(sorted_logits, keep_k), total)
+    total = _totals(logits, sorted_logits, keep_k)
     removed = _removed(sorted_logits, _probs(sorted_logits, total), keep_k, top_p, min_p)
     kept = sorted_logits.masked_fill(removed, -math.inf)
     return torch.full_like(logits, -math.inf).scatter_(1, order, kept)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -85,18 +86,22 @@ class _State:
 _state = _State()
 
 
-def follow_prompts(has_prompt: bool) -> bool:
+def follow_prompts(has_prompt: Callable[[], bool]) -> bool:
     """Called before each engine step: a worker whose autogroup ``lower_cpu_priority``
     lowered computes its own prompts at nice 0, and is lowered again once it has none; True
-    when this call raised it. A change the kernel refuses (one per 100 ms without
+    when this call raised it. ``has_prompt`` is asked only in such a worker (the others pay
+    nothing on their loop). A change the kernel refuses (one per 100 ms without
     CAP_SYS_ADMIN) is tried again at the next step."""
-    if _state.lowered is None or has_prompt == _state.raised:
+    if _state.lowered is None:
         return False
-    nice = 0 if has_prompt else _state.lowered
+    has = has_prompt()
+    if has == _state.raised:
+        return False
+    nice = 0 if has else _state.lowered
     try:
         AUTOGROUP.write_text(f"{nice}\n")
     except OSError as e:
         logger.debug("cpu priority: autogroup nice %d not set (%s)", nice, e)
         return False
-    _state.raised = has_prompt
-    return has_prompt
+    _state.raised = has
+    return has

@@ -264,7 +264,7 @@ class Worker:
                 busy = self.engine.has_unfinished_requests() or self.has_role_work()
                 self._poll(0 if busy else _IDLE_POLL_MS)
                 self._abort_orphans()
-                if cpu_priority.follow_prompts(self.engine.scheduler.has_prefill_work()):
+                if cpu_priority.follow_prompts(self.engine.scheduler.has_prefill_work):
                     self.metrics.priority_raises.inc()
                 if self.engine.has_unfinished_requests():
                     self._step()
