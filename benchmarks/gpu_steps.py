@@ -9,9 +9,11 @@ Passes repeat the workload in the same process (the second has nothing left to c
 runs the workload twice in the process, prefill attention in Triton's one-launch kernel
 (``triton``) and then through torch's gather + SDPA per segment (``sdpa``,
 ``KVRELAY_TRITON_PREFILL=0``), each on its own engine, and prints the medians side by side.
+``--layer-graphs both`` does the same for prompt and mixed steps replayed as CUDA graphs
+around attention (``graphs``) and run eagerly (``eager``, ``KVRELAY_LAYER_GRAPHS=0``).
 
     python benchmarks/gpu_steps.py --like SMOLLM2_DIR [--requests 64] [--concurrency 32]
-        [--prefill triton|sdpa|both]
+        [--prefill triton|sdpa|both] [--layer-graphs graphs|eager|both]
 """
 
 from __future__ import annotations
@@ -97,16 +99,35 @@ def main() -> int:
         help="prefill attention: Triton's one-launch kernel, torch's SDPA per segment "
         "(KVRELAY_TRITON_PREFILL=0), or both in turn",
     )
+    p.add_argument(
+        "--layer-graphs",
+        choices=("graphs", "eager", "both"),
+        default="graphs",
+        help="prompt and mixed steps: CUDA graphs around attention, eager "
+        "(KVRELAY_LAYER_GRAPHS=0), or both in turn",
+    )
     args = p.parse_args()
+    if args.prefill == "both" and args.layer_graphs == "both":
+        p.error("compare one thing at a time: --prefill both or --layer-graphs both")
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu_decode import random_checkpoint
 
-    paths = ("triton", "sdpa") if args.prefill == "both" else (args.prefill,)
+    prefill = ("triton", "sdpa") if args.prefill == "both" else (args.prefill,)
+    layers = ("graphs", "eager") if args.layer_graphs == "both" else (args.layer_graphs,)
+    # each path: its name and the environment its engine is made under
+    paths = {
+        (b if len(layers) > 1 else a): {
+            "KVRELAY_TRITON_PREFILL": "1" if a == "triton" else "0",
+            "KVRELAY_LAYER_GRAPHS": "1" if b == "graphs" else "0",
+        }
+        for a in prefill
+        for b in layers
+    }
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = random_checkpoint(args.like, Path(tmp), torch.bfloat16)
-        for path in paths:
-            os.environ["KVRELAY_TRITON_PREFILL"] = "1" if path == "triton" else "0"
+        for path, env in paths.items():
+            os.environ.update(env)
             started = time.perf_counter()
             llm = LLM(model, dtype="bfloat16", device=args.device)
             print(f"[{path}] engine + warm-up {time.perf_counter() - started:.1f} s; "
@@ -120,11 +141,12 @@ def main() -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     if len(paths) > 1:
+        first, second = paths
         for kind in ("decode", "mixed", "prefill"):
             if all(kind in results[path] for path in paths):
                 a, b = (results[path][kind] for path in paths)
-                print(f"last pass {kind} median: triton {a:.2f} ms, sdpa {b:.2f} ms "
-                      f"(sdpa / triton {b / a:.2f}x)")  # fmt: skip
+                print(f"last pass {kind} median: {first} {a:.2f} ms, {second} {b:.2f} ms "
+                      f"({second} / {first} {b / a:.2f}x)")  # fmt: skip
     return 0
 
 

@@ -218,6 +218,9 @@ def test_serving_after_the_warm_up_compiles_no_kernel(tiny_model_dir):
     )
     engine, before = llm.engine, compiled_triton_variants()
     assert before > 0 and compiled_prefill_variants() > 0  # the warm-up compiled it
+    pieces = engine.runner.layer_graphs  # and captured every token count's pieces
+    assert pieces is not None and set(pieces.pieces) == set(pieces.sizes)
+    captured = dict(pieces.pieces)
     assert engine.runner.prefill_tile_tokens > 0
     prefill_before = compiled_prefill_variants()
     rng, kinds, added = random.Random(0), [], 0
@@ -234,6 +237,7 @@ def test_serving_after_the_warm_up_compiles_no_kernel(tiny_model_dir):
     assert kinds.count("mixed") >= 20 and kinds.count("decode") >= 20
     assert compiled_prefill_variants() == prefill_before
     assert compiled_triton_variants() == before
+    assert pieces.pieces == captured and pieces.replays >= kinds.count("mixed")
     engine.block_manager.check_integrity()
 
 
@@ -277,6 +281,53 @@ def test_prefill_on_cuda_is_one_launch_and_follows_the_reference(
     assert any(b.tiles.shape[0] > 1 for b in batches)
     assert any(m.native_decode is not None and m.native_prefill is not None for m in metas)
     llm.engine.block_manager.check_integrity()
+
+
+@needs_cuda
+def test_prompt_and_mixed_steps_replay_layer_graphs_and_follow_the_reference(
+    tiny_model_dir, reference, monkeypatch
+):
+    """The warm-up captures the pieces around attention (``LayerGraphs``) for every padded
+    token count up to the step budget; prompt and mixed steps (chunks of up to 160 tokens
+    beside decodes) replay them and capture nothing new. Each replayed step's hidden states
+    are the eager forward's over the same inputs, and every greedy token is the reference's
+    argmax within LOGIT_TOL. ``KVRELAY_LAYER_GRAPHS=0``: no pieces, the same check."""
+    from kvrelay.engine.engine import step_kind
+
+    prompts = [LONG_PROMPT, PROMPTS[0], PROMPTS[2], PROMPTS[3] + LONG_PROMPT]
+    llm = LLM(tiny_model_dir, device="cuda", num_blocks=256, max_num_batched_tokens=160)
+    runner = llm.engine.runner
+    pieces = runner.layer_graphs
+    assert pieces is not None and pieces.sizes[-1] == 192
+    assert set(pieces.pieces) == set(pieces.sizes)
+    captured, replays, kinds, padded = dict(pieces.pieces), pieces.replays, [], []
+    run, replay = runner.run, pieces.run
+
+    def recording(plan):
+        kinds.append(step_kind(plan))
+        return run(plan)
+
+    def checked(input_ids, positions, meta):
+        got = replay(input_ids, positions, meta).clone()
+        eager = runner.model.forward(input_ids, positions, runner.kv_cache, meta)  # same K/V
+        torch.testing.assert_close(got, eager, rtol=1e-3, atol=1e-3)
+        padded.append(input_ids.numel() not in pieces.sizes)
+        return got
+
+    monkeypatch.setattr(runner, "run", recording)
+    monkeypatch.setattr(pieces, "run", checked)
+    for out in llm.generate(prompts, GREEDY):
+        assert_greedy_under_reference(reference, out.prompt_token_ids, out.outputs[0].token_ids)
+    assert {"prefill", "mixed"} <= set(kinds) and any(padded)
+    assert pieces.replays - replays == len(padded) >= kinds.count("prefill") + kinds.count("mixed")
+    assert pieces.pieces == captured
+    llm.engine.block_manager.check_integrity()
+
+    monkeypatch.setenv("KVRELAY_LAYER_GRAPHS", "0")
+    eager = LLM(tiny_model_dir, device="cuda", num_blocks=256, max_num_batched_tokens=160)
+    assert eager.engine.runner.layer_graphs is None and eager.engine.runner.graphs is not None
+    for out in eager.generate(prompts, GREEDY):
+        assert_greedy_under_reference(reference, out.prompt_token_ids, out.outputs[0].token_ids)
 
 
 @needs_cuda

@@ -10,11 +10,13 @@ larger steps (prefill) give torch all of them. The ops between a decode step's m
 too small to gain from a second thread, and each of torch's parallel regions would wake its
 OpenMP team (or find it spinning on the core the kernel's pool needs).
 
-On a GPU, decode tokens attend in the Triton kernel (``kernels.triton_attention``) and
-decode-only steps replay CUDA graphs (``engine.cuda_graphs``; ``KVRELAY_CUDA_GRAPHS=0``: eager);
-a step's prefill segments become one ``PrefillBatch`` (query tiles, two int32 tensors) that
-each layer's attention takes in one launch, not a ``PrefillSegment`` (metadata copied and an
-SDPA launched per segment and layer; ``KVRELAY_TRITON_PREFILL=0`` keeps those).
+On a GPU, decode tokens attend in the Triton kernel (``kernels.triton_attention``) and decode-
+only steps replay CUDA graphs (``engine.cuda_graphs``; ``KVRELAY_CUDA_GRAPHS=0``: eager); other
+steps of up to ``max_num_batched_tokens`` replay the layers around attention as graphs per
+padded token count (``LayerGraphs``; ``KVRELAY_LAYER_GRAPHS=0``: eager); a step's prefill
+segments become one ``PrefillBatch`` (query tiles, two int32 tensors) that each layer's
+attention takes in one launch, not a ``PrefillSegment`` (metadata copied and an SDPA launched
+per segment and layer; ``KVRELAY_TRITON_PREFILL=0`` keeps those).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from kvrelay import envs
 from kvrelay.engine.config import ModelConfig
-from kvrelay.engine.cuda_graphs import DecodeGraphs
+from kvrelay.engine.cuda_graphs import DecodeGraphs, LayerGraphs
 from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
@@ -52,6 +54,7 @@ class ModelRunner:
         sampler: Sampler,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -87,6 +90,9 @@ class ModelRunner:
             max_len = max_model_len or model.config.max_position_embeddings
             max_blocks = min(kv_cache.shape[2], -(-max_len // block_size))
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, self.window)
+        self.layer_graphs: LayerGraphs | None = None
+        if self.graphs is not None and envs.get("KVRELAY_LAYER_GRAPHS"):
+            self.layer_graphs = LayerGraphs(model, kv_cache, max_num_batched_tokens)
 
     def compile_kernels(self) -> None:
         """On a GPU, every variant of the Triton kernels an eager step may launch, compiled
@@ -116,8 +122,11 @@ class ModelRunner:
         meta: AttentionMetadata,
         sample_rows: torch.Tensor,
     ) -> StepResult:
-        if self.graphs is not None and self.graphs.fits(input_ids.numel(), meta):
+        n = input_ids.numel()
+        if self.graphs is not None and self.graphs.fits(n, meta):
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif self.layer_graphs is not None and self.layer_graphs.fits(n):
+            hidden = self.layer_graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
         sampled = [item for item in plan.scheduled if item.needs_sample]

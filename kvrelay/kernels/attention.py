@@ -234,8 +234,10 @@ def paged_attention(
     kv: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Stores this step's K/V in the pool and returns attention output ``[T, q_heads, head_dim]``.
+    """Stores this step's K/V in the pool and returns attention output ``[T, q_heads, head_dim]``
+    (in ``out`` when given: a CUDA graph's static buffer).
 
     Args:
         q: ``[T, q_heads, head_dim]`` queries (rotary already applied).
@@ -255,7 +257,8 @@ def paged_attention(
     k_blocks = kv[0].view(num_blocks, -1)
     v_blocks = kv[1].view(num_blocks, -1)
     workspace = meta.workspace if meta.workspace is not None else Workspace()
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
     if meta.native_prefill is not None:  # on a GPU: every segment of the step in one launch
         triton_attention.prefill(q, kv, meta.native_prefill, meta.window, scale, out)
     for seg in meta.prefills:

@@ -184,39 +184,68 @@ class LlamaModel:
         ``kv_cache`` is ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; this
         step's K/V are written into it at ``meta.slot_mapping``.
         """
-        w, cfg, pk = self.weights, self.config, self.packed
-        x = F.embedding(input_ids, w["embed"])
-        cos, sin = self.rotary(positions)
+        x, cos, sin = self.embed(input_ids, positions)
         fused = self._fused_for(kv_cache, meta, x.shape[0])
         if fused is not None and meta.native_decode is not None:
             return fused.forward(x, cos, sin, meta.native_decode, meta.slot_mapping)
-        native = cpu_rows.supports(x)  # the layer's small ops in the library (CPU)
-        eps, hd, rows = cfg.rms_norm_eps, cfg.head_dim, self.native_rows
         delta: torch.Tensor | None = None  # the last block's output, not yet added to x
-        for i in range(cfg.num_layers):
-            p = f"layers.{i}."
-            x, h = add_rms_norm(x, delta, w[p + "in_norm"], eps, native)
-            qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"), pk.get(p + "qkv"), rows)
-            qk_size = self._q_size + self._kv_size
-            # q and k rotate in one call: their columns are adjacent in the fused projection
-            if native:
-                cpu_rows.rope_(qkv, self._qk_heads, hd, cos, sin)
-                qk = qkv[:, :qk_size].view(-1, self._qk_heads, hd)
-            else:
-                qk = apply_rope(qkv[:, :qk_size].view(-1, self._qk_heads, hd), cos, sin)
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            v = qkv[:, qk_size:].view(-1, cfg.num_kv_heads, hd)
+        for i in range(self.config.num_layers):
+            x, q, k, v = self.layer_in(i, x, delta, cos, sin)
             attn = paged_attention(q, k, v, kv_cache[i], meta, self.scale)
-            delta = linear(attn.reshape(-1, self._q_size), w[p + "o"], None, pk.get(p + "o"), rows)
-            x, h = add_rms_norm(x, delta, w[p + "post_norm"], eps, native)
-            gate_up = linear(h, w[p + "gate_up"], None, pk.get(p + "gate_up"), rows)
-            if native:
-                act = cpu_rows.silu_mul(gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            delta = linear(act, w[p + "down"], None, pk.get(p + "down"), rows)
+            x, delta = self.layer_out(i, x, attn)
         return x if delta is None else x + delta
+
+    # The forward in pieces: ``embed``, then per layer ``layer_in``, attention, ``layer_out``.
+    # A GPU step of many tokens replays the pieces around attention as CUDA graphs
+    # (``engine.cuda_graphs.LayerGraphs``); the eager forward above is the same calls.
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The tokens' embeddings ``[T, hidden]`` and their rotary ``cos, sin``."""
+        cos, sin = self.rotary(positions)
+        return F.embedding(input_ids, self.weights["embed"]), cos, sin
+
+    def layer_in(
+        self,
+        i: int,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``i`` up to attention: the residual ``x + delta`` (``delta`` the last layer's
+        output, None before the first) and this layer's rotated ``q, k`` and ``v``."""
+        w, cfg, hd = self.weights, self.config, self.config.head_dim
+        p, native = f"layers.{i}.", cpu_rows.supports(x)  # the small ops in the library (CPU)
+        x, h = add_rms_norm(x, delta, w[p + "in_norm"], cfg.rms_norm_eps, native)
+        qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"), self.packed.get(p + "qkv"),
+                     self.native_rows)  # fmt: skip
+        qk_size = self._q_size + self._kv_size
+        # q and k rotate in one call: their columns are adjacent in the fused projection
+        if native:
+            cpu_rows.rope_(qkv, self._qk_heads, hd, cos, sin)
+            qk = qkv[:, :qk_size].view(-1, self._qk_heads, hd)
+        else:
+            qk = apply_rope(qkv[:, :qk_size].view(-1, self._qk_heads, hd), cos, sin)
+        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+        return x, q, k, qkv[:, qk_size:].view(-1, cfg.num_kv_heads, hd)
+
+    def layer_out(
+        self, i: int, x: torch.Tensor, attn: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i`` from its attention output ``[T, q_heads, head_dim]``: the residual and
+        the MLP's output, which the next ``layer_in`` (or the caller, after the last) adds."""
+        w, pk, rows = self.weights, self.packed, self.native_rows
+        p, native = f"layers.{i}.", cpu_rows.supports(x)
+        delta = linear(attn.reshape(-1, self._q_size), w[p + "o"], None, pk.get(p + "o"), rows)
+        x, h = add_rms_norm(x, delta, w[p + "post_norm"], self.config.rms_norm_eps, native)
+        gate_up = linear(h, w[p + "gate_up"], None, pk.get(p + "gate_up"), rows)
+        if native:
+            act = cpu_rows.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return x, linear(act, w[p + "down"], None, pk.get(p + "down"), rows)
 
     def _fused_for(
         self, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: int
