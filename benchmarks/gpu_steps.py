@@ -9,11 +9,13 @@ Passes repeat the workload in the same process (the second has nothing left to c
 runs the workload twice in the process, prefill attention in Triton's one-launch kernel
 (``triton``) and then through torch's gather + SDPA per segment (``sdpa``,
 ``KVRELAY_TRITON_PREFILL=0``), each on its own engine, and prints the medians side by side.
-``--layer-graphs both`` does the same for prompt and mixed steps replayed as CUDA graphs
-around attention (``graphs``) and run eagerly (``eager``, ``KVRELAY_LAYER_GRAPHS=0``).
+``--mixed-graphs both`` does the same for prompt and mixed steps replayed as CUDA graphs
+(``graphs``: the whole step) and run eagerly (``eager``, ``KVRELAY_MIXED_GRAPHS=0``); ``all``
+adds ``pieces`` between them: the layers around attention as graphs, attention eager
+(``LayerGraphs`` installed on an engine made without step graphs, Triton's prefill kept).
 
     python benchmarks/gpu_steps.py --like SMOLLM2_DIR [--requests 64] [--concurrency 32]
-        [--prefill triton|sdpa|both] [--layer-graphs graphs|eager|both]
+        [--prefill triton|sdpa|both] [--mixed-graphs graphs|pieces|eager|both|all]
 """
 
 from __future__ import annotations
@@ -80,6 +82,17 @@ def run_pass(llm: LLM, tag: str, args: argparse.Namespace, rng: random.Random, p
     return medians
 
 
+def install_pieces(llm: LLM) -> None:
+    """The layers around attention as graphs on an engine made without step graphs."""
+    from kvrelay.engine.cuda_graphs import LayerGraphs
+
+    runner = llm.engine.runner
+    budget = llm.engine.config.scheduler.max_num_batched_tokens
+    on_gpu = runner.kv_cache.device.type == "cuda"  # a CPU runs the same pieces uncaptured
+    runner.layer_graphs = LayerGraphs(runner.model, runner.kv_cache, budget, capture=on_gpu)
+    runner.layer_graphs.capture_all()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument(
@@ -100,25 +113,27 @@ def main() -> int:
         "(KVRELAY_TRITON_PREFILL=0), or both in turn",
     )
     p.add_argument(
-        "--layer-graphs",
-        choices=("graphs", "eager", "both"),
+        "--mixed-graphs",
+        choices=("graphs", "pieces", "eager", "both", "all"),
         default="graphs",
-        help="prompt and mixed steps: CUDA graphs around attention, eager "
-        "(KVRELAY_LAYER_GRAPHS=0), or both in turn",
+        help="prompt and mixed steps: whole-step CUDA graphs, graphs around eager attention "
+        "(pieces), eager (KVRELAY_MIXED_GRAPHS=0), graphs and eager in turn (both), or all three",
     )
     args = p.parse_args()
-    if args.prefill == "both" and args.layer_graphs == "both":
-        p.error("compare one thing at a time: --prefill both or --layer-graphs both")
+    if args.prefill == "both" and args.mixed_graphs in ("both", "all"):
+        p.error("compare one thing at a time: --prefill both or --mixed-graphs both")
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu_decode import random_checkpoint
 
     prefill = ("triton", "sdpa") if args.prefill == "both" else (args.prefill,)
-    layers = ("graphs", "eager") if args.layer_graphs == "both" else (args.layer_graphs,)
+    layers = {"both": ("graphs", "eager"), "all": ("graphs", "pieces", "eager")}.get(
+        args.mixed_graphs, (args.mixed_graphs,)
+    )
     # each path: its name and the environment its engine is made under
     paths = {
         (b if len(layers) > 1 else a): {
             "KVRELAY_TRITON_PREFILL": "1" if a == "triton" else "0",
-            "KVRELAY_LAYER_GRAPHS": "1" if b == "graphs" else "0",
+            "KVRELAY_MIXED_GRAPHS": "1" if b == "graphs" else "0",
         }
         for a in prefill
         for b in layers
@@ -130,6 +145,8 @@ def main() -> int:
             os.environ.update(env)
             started = time.perf_counter()
             llm = LLM(model, dtype="bfloat16", device=args.device)
+            if path == "pieces":
+                install_pieces(llm)
             print(f"[{path}] engine + warm-up {time.perf_counter() - started:.1f} s; "
                   f"kernels {compiled()}")  # fmt: skip
             rng = random.Random(0)  # the same workload for each path
@@ -141,12 +158,13 @@ def main() -> int:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     if len(paths) > 1:
-        first, second = paths
+        first, *others = paths
         for kind in ("decode", "mixed", "prefill"):
-            if all(kind in results[path] for path in paths):
-                a, b = (results[path][kind] for path in paths)
-                print(f"last pass {kind} median: {first} {a:.2f} ms, {second} {b:.2f} ms "
-                      f"({second} / {first} {b / a:.2f}x)")  # fmt: skip
+            for other in others:
+                if kind in results[first] and kind in results[other]:
+                    a, b = results[first][kind], results[other][kind]
+                    print(f"last pass {kind} median: {first} {a:.2f} ms, {other} {b:.2f} ms "
+                          f"({other} / {first} {b / a:.2f}x)")  # fmt: skip
     return 0
 
 

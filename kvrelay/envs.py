@@ -220,10 +220,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "a CUDA engine replays decode-only steps as CUDA graphs, one per padded batch size, "
          "captured by the warm-up (0: every step eager; for comparisons and debugging)",
          commands=("serve",)),
-    _var("KVRELAY_LAYER_GRAPHS", bool, True,
-         "with KVRELAY_CUDA_GRAPHS, a CUDA engine's prompt and mixed steps replay the layers "
-         "around attention as CUDA graphs per padded token count, attention eager between "
-         "them (0: those steps eager; for comparisons)",
+    _var("KVRELAY_MIXED_GRAPHS", bool, True,
+         "with KVRELAY_CUDA_GRAPHS, a CUDA engine's prompt and mixed steps replay CUDA graphs "
+         "per padded token count: the whole step, or with KVRELAY_TRITON_PREFILL=0 the layers "
+         "around attention (0: those steps eager; for comparisons)",
          commands=("serve",)),
 )  # fmt: skip
 BY_NAME: dict[str, EnvVar] = {v.name: v for v in ENV_VARS}

@@ -218,9 +218,9 @@ def test_serving_after_the_warm_up_compiles_no_kernel(tiny_model_dir):
     )
     engine, before = llm.engine, compiled_triton_variants()
     assert before > 0 and compiled_prefill_variants() > 0  # the warm-up compiled it
-    pieces = engine.runner.layer_graphs  # and captured every token count's pieces
-    assert pieces is not None and set(pieces.pieces) == set(pieces.sizes)
-    captured = dict(pieces.pieces)
+    steps = engine.runner.step_graphs  # and captured every token count's step
+    assert steps is not None and set(steps.graphs) == set(steps.sizes)
+    captured = dict(steps.graphs)
     assert engine.runner.prefill_tile_tokens > 0
     prefill_before = compiled_prefill_variants()
     rng, kinds, added = random.Random(0), [], 0
@@ -237,7 +237,7 @@ def test_serving_after_the_warm_up_compiles_no_kernel(tiny_model_dir):
     assert kinds.count("mixed") >= 20 and kinds.count("decode") >= 20
     assert compiled_prefill_variants() == prefill_before
     assert compiled_triton_variants() == before
-    assert pieces.pieces == captured and pieces.replays >= kinds.count("mixed")
+    assert steps.graphs == captured and steps.replays >= kinds.count("mixed")
     engine.block_manager.check_integrity()
 
 
@@ -284,24 +284,35 @@ def test_prefill_on_cuda_is_one_launch_and_follows_the_reference(
 
 
 @needs_cuda
-def test_prompt_and_mixed_steps_replay_layer_graphs_and_follow_the_reference(
-    tiny_model_dir, reference, monkeypatch
+@pytest.mark.parametrize("path", ["step", "layer", "eager"])
+def test_prompt_and_mixed_steps_replay_graphs_and_follow_the_reference(
+    tiny_model_dir, reference, monkeypatch, path
 ):
-    """The warm-up captures the pieces around attention (``LayerGraphs``) for every padded
-    token count up to the step budget; prompt and mixed steps (chunks of up to 160 tokens
-    beside decodes) replay them and capture nothing new. Each replayed step's hidden states
-    are the eager forward's over the same inputs, and every greedy token is the reference's
-    argmax within LOGIT_TOL. ``KVRELAY_LAYER_GRAPHS=0``: no pieces, the same check."""
+    """The warm-up captures a graph of every padded token count up to the step budget: the
+    whole step (``StepGraphs``, Triton's prefill), or with ``KVRELAY_TRITON_PREFILL=0`` the
+    pieces around attention (``LayerGraphs``). Prompt and mixed steps (chunks of up to 160
+    tokens beside decodes) replay them and capture nothing new; each replayed step's hidden
+    states are the eager forward's over the same inputs, and every greedy token is the
+    reference's argmax within LOGIT_TOL. ``KVRELAY_MIXED_GRAPHS=0``: neither, the same check."""
     from kvrelay.engine.engine import step_kind
 
+    monkeypatch.setenv("KVRELAY_TRITON_PREFILL", "0" if path == "layer" else "1")
+    monkeypatch.setenv("KVRELAY_MIXED_GRAPHS", "0" if path == "eager" else "1")
     prompts = [LONG_PROMPT, PROMPTS[0], PROMPTS[2], PROMPTS[3] + LONG_PROMPT]
     llm = LLM(tiny_model_dir, device="cuda", num_blocks=256, max_num_batched_tokens=160)
     runner = llm.engine.runner
-    pieces = runner.layer_graphs
-    assert pieces is not None and pieces.sizes[-1] == 192
-    assert set(pieces.pieces) == set(pieces.sizes)
-    captured, replays, kinds, padded = dict(pieces.pieces), pieces.replays, [], []
-    run, replay = runner.run, pieces.run
+    graphs = {"step": runner.step_graphs, "layer": runner.layer_graphs}.get(path)
+    assert (runner.step_graphs is not None) == (path == "step")
+    assert (runner.layer_graphs is not None) == (path == "layer")
+    if graphs is None:
+        for out in llm.generate(prompts, GREEDY):
+            assert_greedy_under_reference(reference, out.prompt_token_ids, out.outputs[0].token_ids)
+        return
+    assert graphs.sizes[-1] == 192
+    captured = dict(graphs.graphs if path == "step" else graphs.pieces)
+    assert set(captured) == set(graphs.sizes)
+    replays, kinds, padded = graphs.replays, [], []
+    run, replay = runner.run, graphs.run
 
     def recording(plan):
         kinds.append(step_kind(plan))
@@ -311,23 +322,17 @@ def test_prompt_and_mixed_steps_replay_layer_graphs_and_follow_the_reference(
         got = replay(input_ids, positions, meta).clone()
         eager = runner.model.forward(input_ids, positions, runner.kv_cache, meta)  # same K/V
         torch.testing.assert_close(got, eager, rtol=1e-3, atol=1e-3)
-        padded.append(input_ids.numel() not in pieces.sizes)
+        padded.append(input_ids.numel() not in graphs.sizes)
         return got
 
     monkeypatch.setattr(runner, "run", recording)
-    monkeypatch.setattr(pieces, "run", checked)
+    monkeypatch.setattr(graphs, "run", checked)
     for out in llm.generate(prompts, GREEDY):
         assert_greedy_under_reference(reference, out.prompt_token_ids, out.outputs[0].token_ids)
     assert {"prefill", "mixed"} <= set(kinds) and any(padded)
-    assert pieces.replays - replays == len(padded) >= kinds.count("prefill") + kinds.count("mixed")
-    assert pieces.pieces == captured
+    assert graphs.replays - replays == len(padded) >= kinds.count("prefill") + kinds.count("mixed")
+    assert captured == (graphs.graphs if path == "step" else graphs.pieces)
     llm.engine.block_manager.check_integrity()
-
-    monkeypatch.setenv("KVRELAY_LAYER_GRAPHS", "0")
-    eager = LLM(tiny_model_dir, device="cuda", num_blocks=256, max_num_batched_tokens=160)
-    assert eager.engine.runner.layer_graphs is None and eager.engine.runner.graphs is not None
-    for out in eager.generate(prompts, GREEDY):
-        assert_greedy_under_reference(reference, out.prompt_token_ids, out.outputs[0].token_ids)
 
 
 @needs_cuda

@@ -50,6 +50,7 @@ import torch
 from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.kernels.attention import AttentionMetadata, paged_attention
 from kvrelay.kernels.cpu_attention import NativeDecode, table_width
+from kvrelay.kernels.triton_attention import PrefillBatch
 
 logger = logging.getLogger(__name__)
 
@@ -319,3 +320,168 @@ class LayerGraphs:
         logger.debug("captured %d pieces for %d tokens in %.0f ms", len(replays), size,
                      1000 * (time.perf_counter() - started))  # fmt: skip
         return replays
+
+
+class StepGraphs:
+    """Whole prompt and mixed steps as CUDA graphs, one per padded token count, attention
+    inside (module docstring).
+
+    A graph of ``T`` tokens runs ``T + 1`` rows; row ``T`` is scratch. Its attention reads the
+    step's metadata from static buffers whose padding reads and writes nothing the step
+    owns: padding tokens have slot -1 (the store skips them); padding decode rows have
+    context 0 and point at the scratch row (they write zeros there, and nothing else);
+    padding prefill tiles have no rows. Every launch's grid is fixed by ``T``: the decode
+    kernel's ``T + 1`` rows and split count, and the prefill kernel's most tiles that ``T``
+    tokens in at most ``max_num_seqs`` segments can make. Padding token rows are computed
+    on stale inputs but are never attended to and never stored, and no op mixes rows.
+
+    ``capture=False`` runs the same padded step eagerly (the CPU test of what the graphs
+    replay; a CUDA pool captures)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: torch.Tensor,
+        max_tokens: int,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        tile_tokens: int,
+        window: int | None,
+        capture: bool = True,
+    ) -> None:
+        if capture and kv_cache.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA KV pool, not one on {kv_cache.device}")
+        self.model, self.kv_cache, self.window, self.capture = model, kv_cache, window, capture
+        self.sizes = token_sizes(max_tokens)
+        self.max_num_seqs, self.tile_tokens = max_num_seqs, tile_tokens
+        rows, device = self.sizes[-1] + 1, kv_cache.device
+        self.width = table_width(max_blocks_per_seq)  # as eager's tables, a multiple of 16
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.rows = torch.zeros(rows, dtype=torch.long, device=device)  # decode rows
+        self.ctx_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(rows, self.width, dtype=torch.int32, device=device)
+        top = self.sizes[-1]
+        self.tiles = torch.zeros(self.max_tiles(top), 4, dtype=torch.int32, device=device)
+        self.prefill_tables = torch.zeros(self.max_segments(top), self.width, dtype=torch.int32,
+                                          device=device)  # fmt: skip
+        self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}  # None: eager (capture=False)
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool: Any = None
+        self.replays = 0  # steps served by a graph (tests, stats)
+
+    def max_segments(self, size: int) -> int:
+        return min(size, self.max_num_seqs)
+
+    def max_tiles(self, size: int) -> int:
+        """Tiles of ``size`` tokens in at most ``max_segments`` segments: each segment's
+        last tile may be partial."""
+        return -(-size // self.tile_tokens) + self.max_segments(size)
+
+    def fits(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """True when a graph can hold this step: at most the largest size's tokens, attention
+        in the Triton kernels alone, and tables and tiles within the static buffers."""
+        if num_tokens > self.sizes[-1] or meta.prefills or meta.decode:
+            return False
+        size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+        batch, prefill = meta.native_decode, meta.native_prefill
+        if batch is not None and batch.row_table is not None:  # CPU's prefill rows
+            return False
+        if batch is not None and batch.tables.shape[1] > self.width:
+            return False
+        if prefill is not None:
+            if prefill.tile_tokens != self.tile_tokens or prefill.tables.shape[1] > self.width:
+                return False
+            if prefill.tiles.shape[0] > self.max_tiles(size):
+                return False
+            if prefill.tables.shape[0] > self.max_segments(size):
+                return False
+        return True
+
+    @torch.inference_mode()
+    def run(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states ``[n, hidden]`` of a step that ``fits``, through its size's graph.
+
+        The rows are a view of the graph's output: read them before the next step runs."""
+        n = input_ids.numel()
+        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        if size not in self.graphs:
+            self._capture(size)  # first: the capture leaves the buffers as padding
+        end = size + 1
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slots[:n].copy_(meta.slot_mapping)
+        self.slots[n:end].fill_(-1)
+        batch, decoded = meta.native_decode, 0
+        if batch is not None:
+            decoded = batch.rows.numel()
+            self.rows[:decoded].copy_(batch.rows)
+            self.ctx_lens[:decoded].copy_(batch.ctx_lens)
+            self.tables[:decoded, : batch.tables.shape[1]].copy_(batch.tables)
+        self.rows[decoded:end].fill_(size)  # the scratch row
+        self.ctx_lens[decoded:end].zero_()
+        prefill, tiles = meta.native_prefill, 0
+        if prefill is not None:
+            tiles, segments = prefill.tiles.shape[0], prefill.tables.shape[0]
+            self.tiles[:tiles].copy_(prefill.tiles)
+            self.prefill_tables[:segments, : prefill.tables.shape[1]].copy_(prefill.tables)
+        self.tiles[tiles : self.max_tiles(size)].zero_()
+        graph = self.graphs[size]
+        if graph is None:
+            self.outputs[size] = self.model.forward(*self._args(size))
+        else:
+            graph.replay()
+        self.replays += 1
+        return self.outputs[size][:n]
+
+    def capture_all(self) -> None:
+        """Captures every size not captured yet, largest first, on padding alone."""
+        started, todo = time.perf_counter(), [s for s in self.sizes if s not in self.graphs]
+        for size in reversed(todo):
+            self._capture(size)
+        if todo:
+            logger.info(
+                "captured %d graphs of prompt and mixed steps (%d-%d tokens) in %.2f s",
+                len(todo), todo[0], todo[-1], time.perf_counter() - started,
+            )  # fmt: skip
+
+    def _args(self, size: int) -> tuple[Any, ...]:
+        """The forward's arguments for ``size`` tokens (and the scratch row), all static."""
+        end = size + 1
+        tiles, tables = self.tiles[: self.max_tiles(size)], self.prefill_tables
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:end],
+            native_decode=NativeDecode(self.rows[:end], self.tables[:end], self.ctx_lens[:end]),
+            native_prefill=PrefillBatch(tiles, tables[: self.max_segments(size)], self.tile_tokens),
+            window=self.window,
+        )
+        return self.input_ids[:end], self.positions[:end], self.kv_cache, meta
+
+    def _capture(self, size: int) -> None:
+        """Captures ``size``'s graph on padding alone (slot -1, context 0, no tile rows):
+        nothing is read from or written to any sequence's blocks."""
+        end = size + 1
+        self.slots[:end].fill_(-1)
+        self.rows[:end].fill_(size)
+        self.ctx_lens[:end].zero_()
+        self.tiles[: self.max_tiles(size)].zero_()
+        if not self.capture:
+            self.graphs[size] = None
+            return
+        started, args = time.perf_counter(), self._args(size)
+        # one eager run off the capture: compiles the kernels, makes cuBLAS's workspace
+        side = torch.cuda.Stream(self.kv_cache.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.model.forward(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with no_collection(), _graph(graph, self.pool):
+            self.outputs[size] = self.model.forward(*args)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
+        logger.debug("captured the step of %d tokens in %.0f ms", size,
+                     1000 * (time.perf_counter() - started))  # fmt: skip

@@ -365,18 +365,18 @@ class LLMEngine:
         cuBLAS and torch's allocator set up, MKL / oneDNN build kernels for each new shape.
         On a GPU it then compiles every variant of the Triton kernels an eager step may
         launch (``ModelRunner.compile_kernels``) and captures the CUDA graph of every decode
-        batch size (``DecodeGraphs.capture_all``) and the pieces around attention of every
-        padded token count of the other steps (``LayerGraphs.capture_all``). Serving workers
-        run it on GPUs only: on CPUs, with packed weights and the native kernels, a fresh
-        1P+1D ``kvrelay up`` served its first requests as fast without it and was ready 1.1
-        s sooner (it once made a fresh kvrelay's first benchmark run 3x faster: TTFT p50 446
-        ms against 130 ms). One prompt of ``prompt_len`` tokens (capped by the context and
-        the step budget) and ``batch - 1`` short ones, a few greedy tokens each: a long
-        prefill, a batched prefill, batched decode steps and then, the long one alone, lone
-        decode steps. Nothing remains: the blocks are freed and dropped from the prefix
-        cache (call it before serving: the whole cache is emptied) before any cache event
-        leaves, the cache tiers are not consulted, and the prefix-cache counters are
-        restored.
+        batch size (``DecodeGraphs.capture_all``) and the graph of every padded token count
+        of the other steps (``StepGraphs.capture_all``; ``LayerGraphs`` with SDPA's
+        prefill). Serving workers run it on GPUs only: on CPUs, with packed weights and the
+        native kernels, a fresh 1P+1D ``kvrelay up`` served its first requests as fast
+        without it and was ready 1.1 s sooner (it once made a fresh kvrelay's first
+        benchmark run 3x faster: TTFT p50 446 ms against 130 ms). One prompt of
+        ``prompt_len`` tokens (capped by the context and the step budget) and ``batch - 1``
+        short ones, a few greedy tokens each: a long prefill, a batched prefill, batched
+        decode steps and then, the long one alone, lone decode steps. Nothing remains: the
+        blocks are freed and dropped from the prefix cache (call it before serving: the
+        whole cache is emptied) before any cache event leaves, the cache tiers are not
+        consulted, and the prefix-cache counters are restored.
         """
         if self.has_unfinished_requests():
             raise RuntimeError("warm_up needs an idle engine")
@@ -409,7 +409,9 @@ class LLMEngine:
         self.runner.compile_kernels()  # GPU: the eager steps' kernel variants
         if self.runner.graphs is not None:  # every decode batch size, before anything is served
             self.runner.graphs.capture_all()
-        if self.runner.layer_graphs is not None:  # and every token count of the other steps
+        if self.runner.step_graphs is not None:  # and every token count of the other steps
+            self.runner.step_graphs.capture_all()
+        if self.runner.layer_graphs is not None:
             self.runner.layer_graphs.capture_all()
         return time.perf_counter() - started
 

@@ -12,8 +12,9 @@ OpenMP team (or find it spinning on the core the kernel's pool needs).
 
 On a GPU, decode tokens attend in the Triton kernel (``kernels.triton_attention``) and decode-
 only steps replay CUDA graphs (``engine.cuda_graphs``; ``KVRELAY_CUDA_GRAPHS=0``: eager); other
-steps of up to ``max_num_batched_tokens`` replay the layers around attention as graphs per
-padded token count (``LayerGraphs``; ``KVRELAY_LAYER_GRAPHS=0``: eager); a step's prefill
+steps of up to ``max_num_batched_tokens`` replay graphs per padded token count, the whole step
+(``StepGraphs``) or with SDPA's prefill the layers around attention (``LayerGraphs``;
+``KVRELAY_MIXED_GRAPHS=0``: eager); a step's prefill
 segments become one ``PrefillBatch`` (query tiles, two int32 tensors) that each layer's
 attention takes in one launch, not a ``PrefillSegment`` (metadata copied and an SDPA launched
 per segment and layer; ``KVRELAY_TRITON_PREFILL=0`` keeps those).
@@ -25,7 +26,7 @@ import torch
 
 from kvrelay import envs
 from kvrelay.engine.config import ModelConfig
-from kvrelay.engine.cuda_graphs import DecodeGraphs, LayerGraphs
+from kvrelay.engine.cuda_graphs import DecodeGraphs, LayerGraphs, StepGraphs
 from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
@@ -90,9 +91,18 @@ class ModelRunner:
             max_len = max_model_len or model.config.max_position_embeddings
             max_blocks = min(kv_cache.shape[2], -(-max_len // block_size))
             self.graphs = DecodeGraphs(model, kv_cache, max_num_seqs, max_blocks, self.window)
+        # prompt and mixed steps: whole-step graphs with Triton's prefill, else the layers
+        # around attention (SDPA per segment cannot be captured)
+        self.step_graphs: StepGraphs | None = None
         self.layer_graphs: LayerGraphs | None = None
-        if self.graphs is not None and envs.get("KVRELAY_LAYER_GRAPHS"):
-            self.layer_graphs = LayerGraphs(model, kv_cache, max_num_batched_tokens)
+        if self.graphs is not None and envs.get("KVRELAY_MIXED_GRAPHS"):
+            if self.prefill_tile_tokens:
+                self.step_graphs = StepGraphs(
+                    model, kv_cache, max_num_batched_tokens, max_num_seqs, max_blocks,
+                    self.prefill_tile_tokens, self.window,
+                )  # fmt: skip
+            else:
+                self.layer_graphs = LayerGraphs(model, kv_cache, max_num_batched_tokens)
 
     def compile_kernels(self) -> None:
         """On a GPU, every variant of the Triton kernels an eager step may launch, compiled
@@ -125,6 +135,8 @@ class ModelRunner:
         n = input_ids.numel()
         if self.graphs is not None and self.graphs.fits(n, meta):
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif self.step_graphs is not None and self.step_graphs.fits(n, meta):
+            hidden = self.step_graphs.run(input_ids, positions, meta)
         elif self.layer_graphs is not None and self.layer_graphs.fits(n):
             hidden = self.layer_graphs.run(input_ids, positions, meta)
         else:
