@@ -21,17 +21,19 @@ the next replay (a later graph may reuse an earlier one's intermediate memory, n
 output).
 
 Steps a decode graph cannot hold (prompt chunks, alone or beside decode tokens; decode batches
-over the largest size) vary in their attention's shape, so no one graph holds them; but
-attention is the only part that does. ``LayerGraphs`` captures the rest per padded token count
-(``TOKEN_SIZES``), in pieces: the embedding and the first layer up to attention, then per
+over the largest size) replay a graph per padded token count (``TOKEN_SIZES``) too: the whole
+step (``StepGraphs``), attention inside, reading the step's metadata from static buffers whose
+padding reads and writes nothing (its class docstring says how). A SmolLM2-135M mixed step on
+an H200 launched ~580 kernels from Python eagerly, 19.5 ms; as one graph it is 5.0 ms
+(BENCHMARKS "Prompt and mixed steps on a GPU"). With SDPA's prefill
+(``KVRELAY_TRITON_PREFILL=0``: a launch per segment, which no graph holds) ``LayerGraphs``
+captures the rest in pieces: the embedding and the first layer up to attention, then per
 layer the part after its attention and the next layer's part before, and the last layer's
 rest. A step copies its token ids and positions into static buffers and replays the pieces,
-running each layer's attention eagerly between them (the Triton kernels, over the real tokens
-only) from and into static buffers; padding rows compute on stale ids and never reach
-attention or the pool. A SmolLM2-135M mixed step launched ~580 kernels from Python, 16-18 ms
-against ~6 ms of GPU work (BENCHMARKS "Prefill on a GPU"); pieces make it 31 replays and
-each layer's attention launches. The pieces' intermediates live in a pool of their own,
-reused by every piece: each piece copies what the next reads into the static buffers.
+running each layer's attention eagerly between them over the real tokens only; padding rows
+compute on stale ids and never reach attention or the pool (around Triton's prefill, pieces
+took 6.3 ms). The pieces' intermediates live in a pool of their own, reused by every piece:
+each piece copies what the next reads into the static buffers.
 """
 
 from __future__ import annotations
