@@ -87,6 +87,41 @@ def _graph(graph: torch.cuda.CUDAGraph, pool: Any) -> contextlib.AbstractContext
     return torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
 
 
+def _record(
+    call: Callable[[], Any], pool: Any, device: torch.device, warm: bool = True
+) -> tuple[Any, Any]:
+    """``(graph, output)`` of ``call`` captured into ``pool``; ``warm``: after one eager run
+    on a side stream of ``device``, which compiles the kernels and makes cuBLAS's workspace."""
+    if warm:
+        _warm(device, call)
+    graph = torch.cuda.CUDAGraph()
+    with no_collection(), _graph(graph, pool):
+        out = call()
+    return graph, out
+
+
+def _warm(device: torch.device, *calls: Callable[[], Any]) -> None:
+    """Runs ``calls`` once, eagerly, on a side stream of ``device``, before they are captured."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def _capture_each(
+    sizes: tuple[int, ...], done: Any, capture: Callable[[int], Any], what: str
+) -> None:
+    """Captures every size of ``sizes`` not in ``done``, largest first (the pool grows once)."""
+    started, todo = time.perf_counter(), [s for s in sizes if s not in done]
+    for size in reversed(todo):
+        capture(size)
+    if todo:
+        logger.info("captured %s for %d sizes (%d-%d) in %.2f s", what, len(todo), todo[0],
+                    todo[-1], time.perf_counter() - started)  # fmt: skip
+
+
 def batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """The captured sizes: every size up to the first that holds ``max_num_seqs``."""
     i = bisect.bisect_left(BATCH_SIZES, max_num_seqs)
@@ -164,16 +199,9 @@ class DecodeGraphs:
 
     def capture_all(self) -> None:
         """Captures every size not captured yet, largest first, on padding rows alone."""
-        started, todo = time.perf_counter(), [s for s in self.sizes if s not in self.graphs]
         self.slots.fill_(-1)
         self.ctx_lens.zero_()
-        for size in reversed(todo):
-            self._capture(size)
-        if todo:
-            logger.info(
-                "captured %d decode graphs (batch sizes %d-%d) in %.2f s",
-                len(todo), todo[0], todo[-1], time.perf_counter() - started,
-            )  # fmt: skip
+        _capture_each(self.sizes, self.graphs, self._capture, "decode graphs")
 
     def _capture(self, size: int) -> torch.cuda.CUDAGraph:
         started = time.perf_counter()
@@ -183,15 +211,8 @@ class DecodeGraphs:
             window=self.window,
         )
         args = (self.input_ids[:size], self.positions[:size], self.kv_cache, meta)
-        # one eager run off the capture: compiles the kernels, makes cuBLAS's workspace
-        side = torch.cuda.Stream(self.kv_cache.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.model.forward(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with no_collection(), _graph(graph, self.pool):
-            self.outputs[size] = self.model.forward(*args)
+        forward = functools.partial(self.model.forward, *args)
+        graph, self.outputs[size] = _record(forward, self.pool, self.kv_cache.device)
         self.pool = graph.pool()
         self.graphs[size] = graph
         logger.debug(
@@ -263,15 +284,8 @@ class LayerGraphs:
         return self.out[:n]
 
     def capture_all(self) -> None:
-        """Captures every size not captured yet, largest first (the pool is sized once)."""
-        started, todo = time.perf_counter(), [s for s in self.sizes if s not in self.pieces]
-        for size in reversed(todo):
-            self._capture(size)
-        if todo:
-            logger.info(
-                "captured the layers around attention for %d token counts (%d-%d) in %.2f s",
-                len(todo), todo[0], todo[-1], time.perf_counter() - started,
-            )  # fmt: skip
+        """Captures every size not captured yet, largest first."""
+        _capture_each(self.sizes, self.pieces, self._capture, "the layers around attention")
 
     # the pieces: each reads the static buffers' first ``t`` rows and writes what the next
     # reads (attention's q, k, v; the residual x; after the last layer, ``out``)
@@ -304,18 +318,10 @@ class LayerGraphs:
         if not self.capture:
             self.pieces[size] = steps
             return steps
-        # one eager run off the capture: cuBLAS's workspaces and the allocator for these shapes
-        side = torch.cuda.Stream(self.kv_cache.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for step in steps:
-                step()
-        torch.cuda.current_stream().wait_stream(side)
+        _warm(self.kv_cache.device, *steps)  # in order: each reads what the last wrote
         replays = []
         for step in steps:
-            graph = torch.cuda.CUDAGraph()
-            with no_collection(), _graph(graph, self.pool):
-                step()
+            graph, _ = _record(step, self.pool, self.kv_cache.device, warm=False)
             self.pool = graph.pool()
             replays.append(graph.replay)
         self.pieces[size] = replays
@@ -441,14 +447,7 @@ class StepGraphs:
 
     def capture_all(self) -> None:
         """Captures every size not captured yet, largest first, on padding alone."""
-        started, todo = time.perf_counter(), [s for s in self.sizes if s not in self.graphs]
-        for size in reversed(todo):
-            self._capture(size)
-        if todo:
-            logger.info(
-                "captured %d graphs of prompt and mixed steps (%d-%d tokens) in %.2f s",
-                len(todo), todo[0], todo[-1], time.perf_counter() - started,
-            )  # fmt: skip
+        _capture_each(self.sizes, self.graphs, self._capture, "prompt and mixed steps")
 
     def _args(self, size: int) -> tuple[Any, ...]:
         """The forward's arguments for ``size`` tokens (and the scratch row), all static."""
@@ -474,15 +473,8 @@ class StepGraphs:
             self.graphs[size] = None
             return
         started, args = time.perf_counter(), self._args(size)
-        # one eager run off the capture: compiles the kernels, makes cuBLAS's workspace
-        side = torch.cuda.Stream(self.kv_cache.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.model.forward(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with no_collection(), _graph(graph, self.pool):
-            self.outputs[size] = self.model.forward(*args)
+        forward = functools.partial(self.model.forward, *args)
+        graph, self.outputs[size] = _record(forward, self.pool, self.kv_cache.device)
         self.pool = graph.pool()
         self.graphs[size] = graph
         logger.debug("captured the step of %d tokens in %.0f ms", size,
