@@ -14,10 +14,10 @@ On a GPU, decode tokens attend in the Triton kernel (``kernels.triton_attention`
 only steps replay CUDA graphs (``engine.cuda_graphs``; ``KVRELAY_CUDA_GRAPHS=0``: eager); other
 steps of up to ``max_num_batched_tokens`` replay graphs per padded token count, the whole step
 (``StepGraphs``) or with SDPA's prefill the layers around attention (``LayerGraphs``;
-``KVRELAY_MIXED_GRAPHS=0``: eager); a step's prefill
-segments become one ``PrefillBatch`` (query tiles, two int32 tensors) that each layer's
-attention takes in one launch, not a ``PrefillSegment`` (metadata copied and an SDPA launched
-per segment and layer; ``KVRELAY_TRITON_PREFILL=0`` keeps those).
+``KVRELAY_MIXED_GRAPHS=0``: eager); a step's prefill segments become one ``PrefillBatch``
+(query tiles, two int32 tensors) that each layer's attention takes in one launch, not a
+``PrefillSegment`` (metadata copied and an SDPA launched per segment and layer;
+``KVRELAY_TRITON_PREFILL=0`` keeps those).
 """
 
 from __future__ import annotations

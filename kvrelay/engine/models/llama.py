@@ -196,7 +196,7 @@ class LlamaModel:
         return x if delta is None else x + delta
 
     # The forward in pieces: ``embed``, then per layer ``layer_in``, attention, ``layer_out``.
-    # A GPU step of many tokens replays the pieces around attention as CUDA graphs
+    # With SDPA's prefill a GPU step replays the pieces around attention as CUDA graphs
     # (``engine.cuda_graphs.LayerGraphs``); the eager forward above is the same calls.
     def embed(
         self, input_ids: torch.Tensor, positions: torch.Tensor
