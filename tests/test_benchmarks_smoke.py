@@ -223,6 +223,28 @@ def test_gpu_steps_times_each_step_on_cpu(tiny_model_dir, tmp_path: Path) -> Non
     assert "Self CPU time total" in proc.stdout  # --profile: the profiler's table
 
 
+@pytest.mark.timeout(240)
+def test_gpu_steps_compares_the_mixed_step_paths_on_cpu(tiny_model_dir, tmp_path: Path) -> None:
+    """``--mixed-graphs all``: whole-step graphs, pieces and eager, each on its own engine,
+    the same workload, and a line per step kind comparing each with the first (on CPU the
+    graphs run uncaptured: a smoke test of the comparison, not a timing)."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_steps.py"), "--like",
+        str(tiny_model_dir), "--device", "cpu", "--requests", "4", "--concurrency", "2",
+        "--prompt-len", "24", "--passes", "1", "--mixed-graphs", "all",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for path in ("graphs", "pieces", "eager"):
+        assert re.search(rf"^{path} pass1 mixed: n=\d+ median [\d.]+ ms", proc.stdout, re.M)
+    for other in ("pieces", "eager"):
+        line = rf"^last pass mixed median: graphs [\d.]+ ms, {other} [\d.]+ ms \({other} / graphs"
+        assert re.search(line, proc.stdout, re.M), proc.stdout
+    both = [*cmd[:-1], "both", "--prefill", "both"]
+    proc = subprocess.run(both, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2 and "compare one thing at a time" in proc.stderr
+
+
 def test_token_path_tables_its_json() -> None:
     """benchmarks/token_path.py renders a kept run (the H100's) as its table."""
     module = _load_benchmark("token_path")
