@@ -10,6 +10,8 @@
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 #   python3 -m pytest -q tests/test_cuda.py tests/test_triton_attention.py
 #
+# (scripts/device-check.sh does this and the GPU benchmarks in one call.)
+#
 # About 19 MB. The list was found one missing import at a time (2026-11-28): fastapi 0.165
 # imports opentelemetry, and openai 3.x imports httpx2.
 set -euo pipefail
