@@ -205,15 +205,19 @@ def test_start_time_benchmark_starts_a_cluster_and_answers(tiny_model_dir, tmp_p
     assert float(row.group(4)) > 0 and float(row.group(6)) > 0  # first TTFT, TPOT p50
 
 
+def _gpu_steps(model_dir: Path, *args: str) -> list[str]:
+    """benchmarks/gpu_steps.py on CPU with ``model_dir``'s shapes and 24-token prompts."""
+    script = str(REPO_ROOT / "benchmarks" / "gpu_steps.py")
+    return [sys.executable, script, "--like", str(model_dir), "--device", "cpu",
+            "--prompt-len", "24", *args]  # fmt: skip
+
+
 @pytest.mark.timeout(240)
 def test_gpu_steps_times_each_step_on_cpu(tiny_model_dir, tmp_path: Path) -> None:
     """benchmarks/gpu_steps.py on CPU with the tiny model's shapes (a smoke test, not a
     timing): staggered requests make decode and mixed steps, two passes, no Triton kernel."""
-    cmd = [
-        sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_steps.py"), "--like",
-        str(tiny_model_dir), "--device", "cpu", "--requests", "6", "--concurrency", "3",
-        "--prompt-len", "24", "--passes", "2", "--profile",
-    ]  # fmt: skip
+    cmd = _gpu_steps(tiny_model_dir, "--requests", "6", "--concurrency", "3", "--passes", "2",
+                     "--profile")  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for kind in ("pass1 decode", "pass2 decode", "pass1 mixed", "pass2 mixed"):
@@ -228,11 +232,8 @@ def test_gpu_steps_compares_the_mixed_step_paths_on_cpu(tiny_model_dir, tmp_path
     """``--mixed-graphs all``: whole-step graphs, pieces and eager, each on its own engine,
     the same workload, and a line per step kind comparing each with the first (on CPU the
     graphs run uncaptured: a smoke test of the comparison, not a timing)."""
-    cmd = [
-        sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_steps.py"), "--like",
-        str(tiny_model_dir), "--device", "cpu", "--requests", "4", "--concurrency", "2",
-        "--prompt-len", "24", "--passes", "1", "--mixed-graphs", "all",
-    ]  # fmt: skip
+    cmd = _gpu_steps(tiny_model_dir, "--requests", "4", "--concurrency", "2", "--passes", "1",
+                     "--mixed-graphs", "all")  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for path in ("graphs", "pieces", "eager"):

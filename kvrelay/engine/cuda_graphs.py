@@ -122,6 +122,11 @@ def _capture_each(
                     todo[-1], time.perf_counter() - started)  # fmt: skip
 
 
+def padded(sizes: tuple[int, ...], n: int) -> int:
+    """The smallest of the captured ``sizes`` that holds ``n`` (the caller checked one does)."""
+    return sizes[bisect.bisect_left(sizes, n)]
+
+
 def batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """The captured sizes: every size up to the first that holds ``max_num_seqs``."""
     i = bisect.bisect_left(BATCH_SIZES, max_num_seqs)
@@ -182,7 +187,7 @@ class DecodeGraphs:
         batch = meta.native_decode
         assert batch is not None
         n = input_ids.numel()
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        size = padded(self.sizes, n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slots[:n].copy_(meta.slot_mapping)
@@ -271,7 +276,7 @@ class LayerGraphs:
 
         The rows are a view of a static buffer: read them before the next step runs."""
         n = input_ids.numel()
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        size = padded(self.sizes, n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         pieces = self.pieces.get(size) or self._capture(size)
@@ -392,7 +397,7 @@ class StepGraphs:
         in the Triton kernels alone, and tables and tiles within the static buffers."""
         if num_tokens > self.sizes[-1] or meta.prefills or meta.decode:
             return False
-        size = self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+        size = padded(self.sizes, num_tokens)
         batch, prefill = meta.native_decode, meta.native_prefill
         if batch is not None and batch.row_table is not None:  # CPU's prefill rows
             return False
@@ -415,7 +420,7 @@ class StepGraphs:
 
         The rows are a view of the graph's output: read them before the next step runs."""
         n = input_ids.numel()
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        size = padded(self.sizes, n)
         if size not in self.graphs:
             self._capture(size)  # first: the capture leaves the buffers as padding
         end = size + 1
