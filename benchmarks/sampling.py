@@ -34,6 +34,9 @@ MODES = {
     "min-p 0.05": {"min_p": 0.05},
     "presence 0.5": {"presence_penalty": 0.5},
     "repetition 1.1": {"repetition_penalty": 1.1},
+    "greedy, logit_bias 20 ids": {"temperature": 0.0, "logit_bias": {i: -5.0 for i in range(20)}},
+    "temperature 1, logit_bias 20 ids": {"logit_bias": {i * 97: 2.0 for i in range(20)}},
+    "temperature 1, allowed_token_ids 50": {"allowed_token_ids": list(range(1000, 1050))},
 }
 SPREADS = {"flat": 1.0, "peaked": 6.0}
 PROMPT, OUTPUT = tuple(range(3, 303)), tuple(range(500, 560))  # what the penalties look at
@@ -66,7 +69,10 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         gen = torch.Generator().manual_seed(0)
         logits = torch.randn(max(args.rows), args.vocab, generator=gen) * scale
         for mode, fields in MODES.items():
-            params = SamplingParams(**fields)
+            try:
+                params = SamplingParams(**fields)
+            except TypeError:  # a --base tree without the field
+                continue
             for rows in args.rows:
                 requests = [
                     SampleRequest(params, PROMPT, OUTPUT, create_generator(params))
@@ -128,9 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, ms in head.items():
         spread, mode, rows = key.split("/")
         cells = [spread, mode, rows, f"{ms:.2f}"]
+        base = medians.get("base", {}).get(key)
         if "base" in medians:
-            base = medians["base"][key]
-            cells += [f"{base:.2f}", f"{ms / base:.2f}x"]
+            cells += ["-", "-"] if base is None else [f"{base:.2f}", f"{ms / base:.2f}x"]
         print("| " + " | ".join(cells) + " |")
     return 0
 

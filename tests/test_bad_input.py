@@ -182,6 +182,41 @@ CASES = [
         400,
         "chat_template_kwargs",
     ),
+    # -- fields kvrelay does not honour: never ignored silently
+    Case(
+        "unknown_field",
+        CHAT,
+        _with(OK_CHAT, temprature=0.2),
+        400,
+        "temprature",
+        "unrecognized_field",
+    ),
+    Case("unknown_field_completion", COMPLETIONS, _with(OK_PROMPT, best_off=2), 400, "best_off"),
+    Case("functions", CHAT, _with(OK_CHAT, functions=[{"name": "f"}]), 400, "functions"),
+    Case("function_call", CHAT, _with(OK_CHAT, function_call="auto"), 400, "function_call"),
+    Case("audio", CHAT, _with(OK_CHAT, audio={"voice": "alloy"}), 400, "audio"),
+    Case("modalities_audio", CHAT, _with(OK_CHAT, modalities=["text", "audio"]), 400, "modalities"),
+    Case("prediction", CHAT, _with(OK_CHAT, prediction={"type": "content"}), 400, "prediction"),
+    Case("reasoning_effort", CHAT, _with(OK_CHAT, reasoning_effort="low"), 400, "reasoning_effort"),
+    Case("store_true", CHAT, _with(OK_CHAT, store=True), 400, "store"),
+    Case("logit_bias_key", CHAT, _with(OK_CHAT, logit_bias={"a": 1}), 400, "logit_bias"),
+    Case(
+        "logit_bias_value", COMPLETIONS, _with(OK_PROMPT, logit_bias={"1": 101}), 400, "logit_bias"
+    ),
+    Case(
+        "logit_bias_vocab",
+        COMPLETIONS,
+        _with(OK_PROMPT, logit_bias={"99999": 1}),
+        400,
+        "logit_bias",
+    ),
+    Case(
+        "allowed_out_of_vocab",
+        CHAT,
+        _with(OK_CHAT, allowed_token_ids=[99_999]),
+        400,
+        "allowed_token_ids",
+    ),
     # -- size and routing
     Case("body_10mb", COMPLETIONS, b'{"prompt": "' + b"a" * (10 << 20) + b'"}', 413, None),
     Case("unknown_route", "/v1/engines/davinci/completions", OK_PROMPT, 404, None),
@@ -268,6 +303,13 @@ def test_null_optional_fields_mean_unset(http: httpx.Client) -> None:
         "metadata": {"anything": ["goes"]},
         "store": False,
         "response_format": {"type": "text"},
+        "service_tier": "auto",
+        "modalities": ["text"],
+        "prompt_cache_key": "k",
+        "safety_identifier": "s",
+        "functions": None,
+        "logit_bias": None,
+        "some_future_field": None,
     }
     response = http.post(CHAT, json=body)
     assert response.status_code == 200, response.text
@@ -283,7 +325,8 @@ FUZZ_FIELDS = [
     "skip_special_tokens", "user", "best_of", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "return_tokens_as_token_ids", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-    "tools", "tool_choice", "parallel_tool_calls", "chat_template",
+    "tools", "tool_choice", "parallel_tool_calls", "chat_template", "logit_bias",
+    "allowed_token_ids", "store", "modalities", "functions", "metadata",
 ]  # fmt: skip
 
 

@@ -307,6 +307,7 @@ class LLMEngine:
     ) -> Sequence:
         outputs = list(output_token_ids or [])
         self._validate(prompt_token_ids, outputs)
+        self._validate_params(params)
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (engine started without one)")
         prompt = list(prompt_token_ids)
@@ -334,6 +335,26 @@ class LLMEngine:
         bad = next((t for t in tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is out of range [0, {vocab})")
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        """The params' token ids against this model's vocabulary and eos."""
+        vocab = self.config.model_config.vocab_size
+        outside = params.token_ids_over(vocab)
+        if outside is not None:
+            field, token_id = outside
+            raise RequestError(
+                f"'{field}' has token id {token_id}, outside the vocabulary [0, {vocab})",
+                param=field,
+            )
+        allowed = params.allowed_token_ids
+        if allowed is not None and params.min_tokens:
+            ends = {*self.eos_token_ids, *params.stop_token_ids}
+            if ends.issuperset(allowed):
+                raise RequestError(
+                    "'allowed_token_ids' holds only end-of-sequence and stop ids, which "
+                    "'min_tokens' masks: nothing could be sampled",
+                    param="allowed_token_ids",
+                )
 
     def flush_cache_events(self) -> CacheEvents:
         """Offers newly cached blocks to the tiers; returns the device cache's events.

@@ -250,7 +250,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ sampling
     def _sample_request(self, seq: Sequence) -> SampleRequest:
         if seq.generator is None:
-            seq.generator = create_generator(seq.params, self.device)  # None without a seed
+            # None without a seed; a request that comes with tokens skips their draws
+            seq.generator = create_generator(seq.params, self.device, len(seq.output_token_ids))
         return SampleRequest(
             seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, seq.matcher
         )

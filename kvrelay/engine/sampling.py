@@ -7,6 +7,8 @@ One step's logits (one row per request) go through, in this order::
         ├──► logprobs: log_softmax of these logits (vLLM's default ``raw_logprobs``; under a
         │    grammar they are the model's distribution renormalised over allowed tokens)
         │
+        ├─ allowed_token_ids: every other token at -inf
+        ├─ logit_bias: added to its tokens' logits
         ├─ penalties: repetition (prompt + output tokens), then frequency, presence (output)
         ├─ min_tokens: eos ids and stop_token_ids set to -inf while the output is too short
         ├─ greedy rows ──► argmax (ties: lowest id)
@@ -33,17 +35,25 @@ from kvrelay.protocol.sampling_params import (
 
 
 def create_generator(
-    params: SamplingParams, device: torch.device | str = "cpu"
+    params: SamplingParams, device: torch.device | str = "cpu", drawn: int = 0
 ) -> torch.Generator | None:
     """Returns a generator seeded with ``params.seed``, or None when the request has no seed.
 
     The caller owns it for the life of the sequence and passes it in every step's
     ``SampleRequest``; sequences that must differ (``n > 1``) need their own seeds.
+    ``drawn``: tokens the request already has (sampled in another process: a decode worker
+    goes on from the prefill worker's first token, a re-run from what was streamed). A sampled
+    row takes exactly one uniform number a token, so the generator skips that many, as the
+    process that drew them left it: the same tokens colocated, 1P+1D and after a re-run.
     """
     if params.seed is None:
         return None
     generator = torch.Generator(device=device)
     generator.manual_seed(params.seed)
+    if drawn and not params.is_greedy:
+        scratch = torch.empty(1, dtype=torch.float64, device=device)
+        for _ in range(drawn):  # one at a time, as _uniforms draws them
+            scratch.uniform_(generator=generator)
     return generator
 
 
@@ -420,11 +430,37 @@ def compute_logprobs(
     return result
 
 
+def shape_logits(scores: torch.Tensor, rows: Sequence[tuple[int, SamplingParams]]) -> None:
+    """Applies each row's allowed_token_ids (every other token to -inf), then its logit_bias
+    (added), to ``scores`` in place; ``rows`` are (row, params) with either set."""
+    device = scores.device
+    allowed = [(row, p.allowed_token_ids) for row, p in rows if p.allowed_token_ids is not None]
+    if allowed:  # the allowed values out, the rows to -inf, the values back
+        index = _index([row for row, _ in allowed], device).unsqueeze(1)
+        width = max(len(ids) for _, ids in allowed)  # shorter lists repeat their first id
+        padded = [[*ids, *[ids[0]] * (width - len(ids))] for _, ids in allowed]
+        ids = torch.tensor(padded, dtype=torch.long, device=device)
+        kept = scores[index, ids]
+        scores.index_fill_(0, index.squeeze(1), -math.inf)
+        scores[index, ids] = kept
+    biased = [(row, p.logit_bias) for row, p in rows if p.logit_bias]
+    if biased:
+        at = (
+            _index([row for row, bias in biased for _ in bias], device),
+            _index([t for _, bias in biased for t, _ in bias], device),
+        )
+        values = [float(b) for _, bias in biased for _, b in bias]
+        scores.index_put_(
+            at, torch.tensor(values, dtype=scores.dtype, device=device), accumulate=True
+        )
+
+
 def _is_plain_greedy(request: SampleRequest) -> bool:
     params = request.params
     return (
         params.is_greedy
         and not params.has_penalties
+        and not params.shapes_logits
         and params.logprobs is None
         and len(request.output_token_ids) >= params.min_tokens
         and request.matcher is None
@@ -477,15 +513,19 @@ class Sampler:
     def _apply_constraints(
         self, logits: torch.Tensor, requests: Sequence[SampleRequest]
     ) -> torch.Tensor:
-        """Penalties, then min_tokens masking; returns ``logits`` itself when neither applies."""
+        """allowed_token_ids, logit_bias, penalties, then min_tokens masking (vLLM's order);
+        returns ``logits`` itself when none applies."""
+        shaped = [i for i, r in enumerate(requests) if r.params.shapes_logits]
         penalised = [i for i, r in enumerate(requests) if r.params.has_penalties]
         mask_rows, mask_ids = self._min_tokens_mask(requests, logits.shape[1])
-        if not penalised and not mask_rows:
+        if not shaped and not penalised and not mask_rows:
             return logits
-        if len(penalised) == len(requests):
+        if not shaped and len(penalised) == len(requests):
             scores = apply_penalties(logits, requests)  # a new tensor
         else:
             scores = logits.clone()
+            if shaped:
+                shape_logits(scores, [(i, requests[i].params) for i in shaped])
             if penalised:
                 rows = _index(penalised, logits.device)
                 scores[rows] = apply_penalties(scores[rows], [requests[i] for i in penalised])

@@ -7,7 +7,7 @@ The router validates requests with these (it never imports torch); the engine's
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, NoReturn
 
@@ -22,6 +22,8 @@ SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts, 
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_SPEC_CHARS = 1 << 20  # a schema / regex / grammar larger than this is refused
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # a token's logit_bias, inclusive (OpenAI's range)
+MAX_TOKEN_LIST = 1 << 18  # entries of logit_bias / allowed_token_ids (the engine checks the vocab)
 
 
 def _fail(name: str, value: object, rule: str) -> NoReturn:
@@ -34,6 +36,22 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _as_pairs(value: object) -> tuple[object, ...]:
+    """A logit_bias as sorted ``(token id, bias)`` pairs: from a mapping, or pairs (the wire
+    sends them as lists); anything else is left for the check to name."""
+    if isinstance(value, Mapping):
+        items: Iterable[object] = value.items()
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        items = value
+    else:
+        return (value,)
+    pairs = [tuple(p) if isinstance(p, (list, tuple)) else p for p in items]
+    try:
+        return tuple(sorted(pairs))  # type: ignore[type-var]
+    except TypeError:  # mixed or odd keys: unsorted, the check names them
+        return tuple(pairs)
 
 
 def _as_tuple(value: object) -> tuple[object, ...]:
@@ -115,10 +133,17 @@ class SamplingParams:
     skip_special_tokens: bool = True  # drop special tokens when detokenising
     cache_salt: str | None = None  # prefix cache shared only with requests of the same salt
     structured_outputs: StructuredOutput | None = None  # a grammar the output must match
+    # (token id, bias) pairs added to the logits before penalties and sampling; a mapping
+    # {id: bias} is accepted and kept as sorted pairs; biases in LOGIT_BIAS_RANGE
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled; None: any
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _as_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _as_tuple(self.allowed_token_ids))
         self._check_sampling()
         self._check_penalties()
         self._check_lengths()
@@ -132,6 +157,7 @@ class SamplingParams:
                 f"None or a string of 1 to {MAX_CACHE_SALT_LEN} chars",
             )
         self._check_structured()
+        self._check_token_lists()
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "a bool")
@@ -194,6 +220,48 @@ class SamplingParams:
             _fail("ignore_eos", self.ignore_eos, "false with structured outputs")
         if self.min_tokens:
             _fail("min_tokens", self.min_tokens, "0 with structured outputs")
+
+    def _check_token_lists(self) -> None:
+        low, high = LOGIT_BIAS_RANGE
+        if len(self.logit_bias) > MAX_TOKEN_LIST:
+            _fail("logit_bias", len(self.logit_bias), f"at most {MAX_TOKEN_LIST} entries")
+        for pair in self.logit_bias:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                _fail("logit_bias", pair, "a mapping of token ids to biases")
+            token_id, bias = pair
+            if not (_is_int(token_id) and token_id >= 0):
+                _fail("logit_bias", token_id, "keyed by token ids (integers >= 0)")
+            if not (_is_real(bias) and low <= bias <= high):
+                _fail("logit_bias", bias, f"biases in [{low:g}, {high:g}]")
+        if len({token_id for token_id, _ in self.logit_bias}) != len(self.logit_bias):
+            _fail("logit_bias", self.logit_bias, "one bias per token id")
+        allowed = self.allowed_token_ids
+        if allowed is None:
+            return
+        if not 0 < len(allowed) <= MAX_TOKEN_LIST:
+            _fail("allowed_token_ids", list(allowed), f"1 to {MAX_TOKEN_LIST} token ids")
+        for token_id in allowed:
+            if not (_is_int(token_id) and token_id >= 0):
+                _fail("allowed_token_ids", token_id, "integers >= 0")
+        if self.structured_outputs is not None:
+            _fail("allowed_token_ids", allowed, "None with structured outputs (the grammar "
+                  "decides which tokens may follow)")  # fmt: skip
+
+    def token_ids_over(self, vocab_size: int) -> tuple[str, int] | None:
+        """The first (field, token id) of logit_bias / allowed_token_ids outside
+        ``[0, vocab_size)``, None when every id is inside."""
+        for token_id, _ in self.logit_bias:
+            if token_id >= vocab_size:
+                return "logit_bias", token_id
+        for token_id in self.allowed_token_ids or ():
+            if token_id >= vocab_size:
+                return "allowed_token_ids", token_id
+        return None
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change the logits before sampling."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def is_greedy(self) -> bool:

@@ -41,7 +41,9 @@ from kvrelay.router.http_guards import ApiGuardMiddleware
 from kvrelay.router.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
+    check_fields,
     context_length_error,
+    logit_bias_ids,
     resolve_max_tokens,
     sampling_params,
 )
@@ -311,8 +313,21 @@ class OpenAIApi:
                 f"'{param}' must be in [0, {self.settings.max_logprobs}], got {value}", param
             )
 
+    def _check_token_ids(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        """logit_bias and allowed_token_ids name tokens of the vocabulary."""
+        vocab = self.tokenizer.vocab_size
+        named = [("allowed_token_ids", t) for t in req.allowed_token_ids or ()]
+        named += [("logit_bias", t) for t in logit_bias_ids(req.logit_bias or {})]
+        for param, token_id in named:
+            if not 0 <= token_id < vocab:
+                raise bad_request(
+                    f"'{param}' has token id {token_id}, outside the vocabulary [0, {vocab})",
+                    param,
+                )
+
     def _check_completion_options(self, req: CompletionRequest, n: int) -> None:
         self._check_stop(req.stop)
+        self._check_token_ids(req)
         self._check_logprobs(req.logprobs, "logprobs")
         if not req.prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
@@ -323,6 +338,7 @@ class OpenAIApi:
 
     def check_chat_options(self, req: ChatCompletionRequest) -> None:
         self._check_stop(req.stop)
+        self._check_token_ids(req)
         self._check_logprobs(req.top_logprobs, "top_logprobs")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
@@ -491,6 +507,8 @@ def parse_request(body: bytes, model: type[RequestT]) -> RequestT:
             surrogates in strings, or a field of the wrong type.
     """
     data = parse_json_object(body)
+    if issubclass(model, (CompletionRequest, ChatCompletionRequest)):
+        check_fields(data, model)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -1,8 +1,12 @@
 """Requests of ``/v1/completions`` and ``/v1/chat/completions``: what a valid body is.
 
 Decides which request bodies are accepted and what they mean to the engine. Requests are
-pydantic models in strict mode: a known field with the wrong JSON type is a 400, unknown fields
-are ignored (OpenAI clients send ``metadata``, ``store``...), and ``null`` means "not set".
+pydantic models in strict mode: a known field with the wrong JSON type is a 400, and ``null``
+means "not set". A field the server does not know is a 400 naming it, as OpenAI answers one
+(``unrecognized_fields``): ignored silently, a ``logit_bias`` or a ``functions`` would change
+nothing while the client trusted it. OpenAI's fields that do not change the output
+(``metadata``, ``store: false``, ``service_tier``...) are accepted; those it defines that
+kvrelay cannot honour (``audio``, ``prediction``, ``functions``...) get a 400 that says so.
 ``sampling_params`` and ``resolve_max_tokens`` turn a validated request into the
 ``SamplingParams`` of one choice, naming the offending field in every 400.
 """
@@ -154,6 +158,8 @@ class _GenerateRequest(_Strict):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     cache_salt: str | None = None  # vLLM's: prefix cache shared only within one salt
+    logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM: {json|regex|choice|grammar: ...}
     guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of the same
@@ -212,6 +218,7 @@ _PASSTHROUGH = (
     "include_stop_str_in_output",
     "skip_special_tokens",
     "cache_salt",
+    "allowed_token_ids",
 )
 _PARAM_NAME = re.compile(r"^SamplingParams\.(\w+) ")
 
@@ -238,6 +245,8 @@ def sampling_params(
         ApiError: 400 naming the offending request field.
     """
     kwargs = {name: v for name in _PASSTHROUGH if (v := getattr(request, name)) is not None}
+    if request.logit_bias is not None:
+        kwargs["logit_bias"] = logit_bias_ids(request.logit_bias)
     if request.seed is not None:
         kwargs["seed"] = request.seed + seed_offset
     try:
@@ -254,6 +263,73 @@ def sampling_params(
         name = match.group(1) if match else None
         param = param_names.get(name, name) if name else None
         raise bad_request(message.replace(f"SamplingParams.{name}", f"'{param}'"), param) from exc
+
+
+def logit_bias_ids(bias: dict[str, float]) -> dict[int, float]:
+    """A request's ``logit_bias`` (JSON keys are strings) keyed by token id; 400 naming the
+    field for a key that is not a token id."""
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit():
+            shown = key if len(key) <= 40 else f"{key[:40]}..."
+            raise bad_request(
+                f"'logit_bias' keys must be token ids (decimal integers), got {shown!r}",
+                "logit_bias",
+            )
+        out[int(key)] = value
+    return out
+
+
+# Fields of OpenAI's requests that do not change what is generated: accepted, unused.
+_NO_OP_FIELDS = frozenset(
+    ("metadata", "service_tier", "safety_identifier", "prompt_cache_key",
+     "prompt_cache_retention", "prompt_cache_options")
+)  # fmt: skip
+# Fields OpenAI defines that kvrelay cannot honour, and why.
+_UNSUPPORTED_FIELDS = {
+    "functions": "deprecated by OpenAI and not supported: send them as 'tools'",
+    "function_call": "deprecated by OpenAI and not supported: use 'tool_choice'",
+    "audio": "not supported: this server generates text only",
+    "prediction": "not supported (predicted outputs)",
+    "web_search_options": "not supported: this server has no web search",
+    "reasoning_effort": "not supported: the served models have no reasoning mode",
+    "verbosity": "not supported by the served models",
+    "moderation": "not supported: this server runs no moderation",
+}
+
+
+def check_fields(data: dict[str, Any], model: type[BaseModel]) -> None:
+    """400 for a request field ``model`` does not define and that is not a no-op of OpenAI's:
+    an unsupported OpenAI field says why, any other is unrecognised (OpenAI's answer).
+
+    ``store`` and ``modalities`` are accepted with the values that keep their meaning here:
+    ``store`` false (nothing is kept) and ``modalities`` ``["text"]``."""
+    for name, value in data.items():
+        if name in model.model_fields or name in _NO_OP_FIELDS or value is None:
+            continue
+        if name == "store" and value is False:
+            continue
+        if name == "modalities" and value == ["text"]:
+            continue
+        if name == "store":
+            raise bad_request(
+                "'store' is not supported: this server keeps no completions (send false or "
+                "leave it out)",
+                "store",
+            )
+        if name == "modalities":
+            raise bad_request("'modalities' must be [\"text\"]: this server generates text "
+                              "only", "modalities")  # fmt: skip
+        why = _UNSUPPORTED_FIELDS.get(name)
+        shown = name if len(name) <= 60 else f"{name[:60]}..."
+        if why is not None:
+            raise bad_request(f"'{name}' is {why}", name)
+        raise ApiError(
+            400,
+            f"Unrecognized request argument supplied: {shown}",
+            param=shown,
+            code="unrecognized_field",
+        )
 
 
 def resolve_max_tokens(

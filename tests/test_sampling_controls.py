@@ -1,0 +1,342 @@
+"""``logit_bias`` (OpenAI), ``allowed_token_ids`` (vLLM) and seeded sampling across processes:
+the sampler's arithmetic, the params' checks and wire form, the offline engine, and the whole
+path with the official ``openai`` client and LangChain against real clusters, colocated and
+1P+1D (the prefill worker samples the first token and the decode worker the rest, so the
+params and the seeded generator's place cross the wire).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import openai
+import pytest
+import torch
+
+from kvrelay import LLM, SamplingParams
+from kvrelay.engine.engine import RequestError
+from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator
+from kvrelay.protocol.messages import decode, encode
+from tests.cluster_harness import running_cluster
+
+EOS = 2
+PROMPT = "The quick brown fox"
+
+
+def _request(params: SamplingParams, output: tuple[int, ...] = ()) -> SampleRequest:
+    return SampleRequest(params, (0,), output, None)
+
+
+# ---- params --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: -math.inf}}, "logit_bias"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: True}}, "logit_bias"),
+        ({"logit_bias": [(1, 2.0), (1, 3.0)]}, "logit_bias"),
+        ({"logit_bias": 7}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids"),
+        ({"allowed_token_ids": ["3"]}, "allowed_token_ids"),
+        ({"allowed_token_ids": 3.5}, "allowed_token_ids"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
+        SamplingParams(**kwargs)
+
+
+def test_allowed_token_ids_and_a_grammar_are_refused_together() -> None:
+    from kvrelay.protocol.sampling_params import StructuredOutput
+
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be None with structured"):
+        SamplingParams(allowed_token_ids=[3], structured_outputs=StructuredOutput("json_object"))
+
+
+def test_normalised_hashable_and_the_same_after_the_wire() -> None:
+    params = SamplingParams(logit_bias={9: -1.5, 3: 100}, allowed_token_ids=[4, 3, 9])
+    assert params.logit_bias == ((3, 100), (9, -1.5))
+    assert params.allowed_token_ids == (4, 3, 9)
+    assert params == SamplingParams(logit_bias=[(9, -1.5), (3, 100)], allowed_token_ids=(4, 3, 9))
+    again = decode(encode(params))
+    assert again == params and hash(again) == hash(params)
+    assert SamplingParams().allowed_token_ids is None and SamplingParams().logit_bias == ()
+    assert params.token_ids_over(9) == ("logit_bias", 9)
+    assert SamplingParams(allowed_token_ids=[12]).token_ids_over(12) == ("allowed_token_ids", 12)
+    assert params.token_ids_over(10) is None
+
+
+# ---- sampler -------------------------------------------------------------------------------
+
+
+def test_logit_bias_is_added_before_penalties_and_greedy() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, 3.0], [2.0, 1.0, 0.0, 3.0], [2.0, 1.0, 0.0, 3.0]])
+    rows = [
+        _request(SamplingParams(temperature=0, logit_bias={2: 3.5})),  # 3.5 > 3.0
+        _request(SamplingParams(temperature=0, logit_bias={3: -1.5, 1: 0.4})),  # 2.0 > 1.5
+        # vLLM's order: the bias, then the repetition penalty: (3.0 + 3.0) / 2 = 3.0 < 1.0 + 3.0
+        # (the other order would give 3.0 / 2 + 3.0 = 4.5)
+        _request(
+            SamplingParams(temperature=0, logit_bias={3: 3.0, 1: 3.0}, repetition_penalty=2.0),
+            output=(3,),
+        ),
+    ]
+    assert Sampler([EOS])(logits, rows).token_ids == [2, 0, 1]
+    assert logits[0].tolist() == [2.0, 1.0, 0.0, 3.0]  # the caller's logits untouched
+
+
+def test_logit_bias_shifts_the_sampled_distribution() -> None:
+    """Bias b on token t multiplies its odds by e^b: uniform logits over 4 tokens with
+    log(3) on token 1 give it half the draws."""
+    logits = torch.zeros(4000, 4)
+    params = SamplingParams(logit_bias={1: math.log(3)}, seed=None)
+    out = Sampler([EOS], seed=3)(logits, [_request(params)] * 4000)
+    share = out.token_ids.count(1) / 4000
+    assert 0.46 < share < 0.54, share
+
+
+def test_allowed_token_ids_never_sample_another_token() -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(600, 50, generator=gen) * 4
+    allowed = (7, 11, 42)
+    rows = [_request(SamplingParams(allowed_token_ids=allowed, top_p=0.9))] * 300
+    rows += [_request(SamplingParams(allowed_token_ids=allowed))] * 300
+    out = Sampler([EOS], seed=5)(logits, rows)
+    assert set(out.token_ids) == set(allowed)
+    greedy = Sampler([EOS])(
+        logits[:1], [_request(SamplingParams(temperature=0, allowed_token_ids=allowed))]
+    )
+    assert greedy.token_ids == [max(allowed, key=lambda t: logits[0, t].item())]
+
+
+def test_rows_without_them_are_untouched_and_logprobs_stay_raw() -> None:
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 30, generator=gen)
+    plain = SamplingParams(temperature=0, logprobs=2)
+    rows = [
+        _request(plain),
+        _request(
+            SamplingParams(temperature=0, logprobs=2, logit_bias={int(logits[1].argmin()): 100})
+        ),
+        _request(
+            SamplingParams(temperature=0, logprobs=2, allowed_token_ids=[int(logits[2].argmin())])
+        ),
+    ]
+    out = Sampler([EOS])(logits, rows)
+    assert out.token_ids == [
+        int(logits[0].argmax()),
+        int(logits[1].argmin()),
+        int(logits[2].argmin()),
+    ]
+    raw = logits.log_softmax(dim=-1)
+    for row in range(3):
+        entry = out.logprobs[row]
+        assert entry is not None
+        assert entry.logprob == pytest.approx(raw[row, out.token_ids[row]].item(), abs=1e-6)
+    assert out.logprobs[1].rank == 30  # the least likely token, forced
+
+
+def test_a_generator_made_for_drawn_tokens_goes_on_where_they_left_it() -> None:
+    params = SamplingParams(seed=123)
+    first = create_generator(params)
+    assert first is not None
+    one = torch.empty(1, dtype=torch.float64)
+    draws = [one.uniform_(generator=first).item() for _ in range(5)]
+    later = create_generator(params, drawn=3)
+    assert later is not None
+    assert [one.uniform_(generator=later).item() for _ in range(2)] == draws[3:]
+    greedy = create_generator(SamplingParams(seed=123, temperature=0), drawn=3)
+    assert greedy is not None and one.uniform_(generator=greedy).item() == draws[0]  # no draws
+
+
+# ---- the offline engine --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Any) -> LLM:
+    return LLM(tiny_model_dir, num_blocks=128)
+
+
+def _ids(llm: LLM, params: SamplingParams, prompt: str = PROMPT) -> list[int]:
+    return list(llm.generate(prompt, params)[0].outputs[0].token_ids)
+
+
+def test_engine_bias_forces_bans_and_restricts(llm: LLM) -> None:
+    greedy = _ids(llm, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    forced = _ids(llm, SamplingParams(temperature=0, max_tokens=6, logit_bias={17: 100}))
+    assert forced == [17] * 6
+    banned = _ids(
+        llm,
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={greedy[0]: -100}),
+    )
+    assert banned[0] != greedy[0]
+    allowed = (21, 22, 23)
+    restricted = _ids(
+        llm, SamplingParams(max_tokens=12, ignore_eos=True, seed=4, allowed_token_ids=allowed)
+    )
+    assert len(restricted) == 12 and set(restricted) <= set(allowed)
+
+
+def test_a_seeded_request_resumed_with_its_tokens_goes_on_as_before(llm: LLM) -> None:
+    """A re-run (or a decode worker's import) carries the tokens already sampled: the rest
+    is what the uninterrupted request sampled."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True, seed=77, top_p=0.95)
+    done = llm.generate(PROMPT, params)[0]
+    whole = list(done.outputs[0].token_ids)
+    engine = llm.engine
+    engine.add_request("resumed", list(done.prompt_token_ids), params, output_token_ids=whole[:4])
+    rest: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            rest += out.new_token_ids
+    assert rest == whole[4:]
+
+
+def test_engine_refuses_ids_outside_the_vocabulary(llm: LLM) -> None:
+    vocab = llm.engine.config.model_config.vocab_size
+    engine = llm.engine
+    for params, field in [
+        (SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
+        (SamplingParams(allowed_token_ids=[1, vocab + 5]), "allowed_token_ids"),
+    ]:
+        with pytest.raises(RequestError, match="outside the vocabulary") as info:
+            engine.add_request("r", [1, 2, 3], params)
+        assert info.value.param == field
+    eos = next(iter(engine.eos_token_ids))
+    with pytest.raises(RequestError, match="nothing could be sampled"):
+        engine.add_request("r", [1, 2, 3], SamplingParams(allowed_token_ids=[eos], min_tokens=2))
+    assert not engine.has_unfinished_requests()
+
+
+# ---- through the cluster -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with running_cluster(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("colocated"),
+        num_prefill=0,
+        num_decode=0,
+        num_colocated=1,
+        router_args=("--served-model-name", "tiny"),
+    ) as launcher:
+        yield launcher
+
+
+@pytest.fixture(scope="module")
+def disagg(tiny_model_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with running_cluster(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("disagg"),
+        router_args=("--served-model-name", "tiny"),
+    ) as launcher:
+        yield launcher
+
+
+def _client(launcher: Any) -> openai.OpenAI:
+    return openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_the_same_tokens_colocated_disaggregated_and_offline(
+    colocated: Any, disagg: Any, llm: LLM
+) -> None:
+    """Greedy with a bias that moves the 1st and a later token, a seeded draw restricted to a
+    few ids, and a plain seeded draw: the same ids on both clusters as offline, streamed or
+    not (1P+1D's decode worker once restarted the seeded generator: its tokens were shifted
+    by one draw)."""
+    base = _ids(llm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    bias = {base[0]: -100.0, base[3]: -100.0, 40: 4.0}
+    allowed = [30, 31, 32, 33]
+    want_biased = _ids(
+        llm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias=bias)
+    )
+    want_allowed = _ids(
+        llm,
+        SamplingParams(max_tokens=8, ignore_eos=True, seed=9, allowed_token_ids=allowed),
+    )
+    want_seeded = _ids(llm, SamplingParams(max_tokens=8, ignore_eos=True, seed=5))
+    assert want_biased != base
+    for launcher in (colocated, disagg):
+        client = _client(launcher)
+        common: dict[str, Any] = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8}
+        ids = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+        biased = client.completions.create(
+            **common,
+            temperature=0,
+            logit_bias={str(k): v for k, v in bias.items()},
+            logprobs=0,
+            extra_body=ids,
+        )
+        assert _token_ids(biased.choices[0].logprobs.tokens) == want_biased
+        streamed = client.completions.create(
+            **common,
+            seed=9,
+            stream=True,
+            logprobs=0,
+            extra_body={**ids, "allowed_token_ids": allowed},
+        )
+        tokens = [t for chunk in streamed for t in chunk.choices[0].logprobs.tokens]
+        assert _token_ids(tokens) == want_allowed
+        seeded = client.completions.create(**common, seed=5, logprobs=0, extra_body=ids)
+        assert _token_ids(seeded.choices[0].logprobs.tokens) == want_seeded
+
+
+def _token_ids(tokens: list[str]) -> list[int]:
+    assert all(t.startswith("token_id:") for t in tokens), tokens
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_chat_logit_bias_with_the_openai_client_and_langchain(colocated: Any) -> None:
+    from langchain_openai import ChatOpenAI
+
+    messages = [{"role": "user", "content": "Say something"}]
+    client = _client(colocated)
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logit_bias={"17": 100},
+        logprobs=True,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    assert [t.token for t in out.choices[0].logprobs.content] == ["token_id:17"] * 5
+    model = ChatOpenAI(
+        base_url=colocated.url + "/v1",
+        api_key="unused",
+        model="tiny",
+        max_tokens=5,
+        temperature=0,
+        max_retries=0,
+        logit_bias={17: 100},
+    )
+    assert model.invoke("Say something").content == out.choices[0].message.content
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        ({"logit_bias": {"x1": 1}}, "logit_bias", "keys must be token ids"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias", "outside the vocabulary"),
+        ({"logit_bias": {"3": 100.5}}, "logit_bias", "[-100, 100]"),
+        ({"allowed_token_ids": [1, 99999999]}, "allowed_token_ids", "outside the vocabulary"),
+        ({"allowed_token_ids": []}, "allowed_token_ids", "1 to"),
+    ],
+)
+def test_bad_values_are_a_400_naming_the_field(
+    colocated: Any, body: dict[str, Any], param: str, words: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(colocated).completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=2, extra_body=body
+        )
+    assert info.value.body["param"] == param, info.value.body
+    assert words in info.value.body["message"]
