@@ -1,4 +1,5 @@
-"""``logit_bias`` (OpenAI), ``allowed_token_ids`` (vLLM) and seeded sampling across processes:
+"""``logit_bias`` (OpenAI), ``allowed_token_ids`` (vLLM), and requests that go on in another
+process (seeded sampling, stop strings):
 the sampler's arithmetic, the params' checks and wire form, the offline engine, and the whole
 path with the official ``openai`` client and LangChain against real clusters, colocated and
 1P+1D (the prefill worker samples the first token and the decode worker the rest, so the
@@ -197,6 +198,42 @@ def test_a_seeded_request_resumed_with_its_tokens_goes_on_as_before(llm: LLM) ->
         for out in engine.step():
             rest += out.new_token_ids
     assert rest == whole[4:]
+
+
+def test_a_resumed_request_finds_a_stop_string_begun_in_its_tokens(llm: LLM) -> None:
+    """A stop string whose first character came from a token made elsewhere (the prefill
+    worker's first token) and whose last comes from the next one ends the request there,
+    as it does where one process made both (the worker's check once began at the new token,
+    leaving it to the router to notice and abort)."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    done = llm.generate(PROMPT, params)[0]
+    tokens, tokenizer = list(done.outputs[0].token_ids), llm.engine.tokenizer
+    texts = [tokenizer.decode(tokens[:k]) for k in range(len(tokens) + 1)]
+
+    def spans(k: int) -> str | None:
+        """Two characters across tokens k - 2 and k - 1 (the last of texts[k - 1] and the first
+        token k - 1 adds), first found there; None if none."""
+        before, now = texts[k - 1], texts[k]
+        if not before or not now.startswith(before) or len(now) == len(before):
+            return None
+        stop = before[-1] + now[len(before)]
+        earlier = texts[k - 2]  # the stop's first character is token k - 2's own
+        clean = "\ufffd" not in stop and len(earlier) < len(before) and before.startswith(earlier)
+        return stop if clean and now.find(stop) == len(before) - 1 else None
+
+    k = next(k for k in range(2, len(tokens)) if spans(k) is not None)
+    stop = spans(k)
+    assert stop is not None
+    engine = llm.engine
+    resumed = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop])
+    prompt = list(done.prompt_token_ids)
+    engine.add_request("stop", prompt, resumed, output_token_ids=tokens[: k - 1])
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [t for out in outs for t in out.new_token_ids] == [tokens[k - 1]]
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    assert outs[-1].text == texts[k - 1][:-1]  # the whole output's text, cut at the stop
 
 
 def test_engine_refuses_ids_outside_the_vocabulary(llm: LLM) -> None:

@@ -259,7 +259,9 @@ class LLMEngine:
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.scheduler.add(seq)
-        self._stops[request_id] = StopChecker(self.tokenizer, seq.prompt_token_ids, params)
+        self._stops[request_id] = StopChecker(
+            self.tokenizer, seq.prompt_token_ids, params, seq.output_token_ids
+        )
 
     def import_request(
         self,
@@ -288,7 +290,9 @@ class LLMEngine:
         seq.num_cached_tokens = num_cached_tokens
         seq.cached_tokens_by_tier = dict(cached_tokens_by_tier or {})
         self.scheduler.add_running(seq)
-        self._stops[request_id] = StopChecker(self.tokenizer, seq.prompt_token_ids, params)
+        self._stops[request_id] = StopChecker(
+            self.tokenizer, seq.prompt_token_ids, params, seq.output_token_ids
+        )
 
     def detach_request(self, request_id: str) -> Sequence | None:
         """Takes a running request out of the engine, keeping its blocks (prefill hand-off).

@@ -19,8 +19,15 @@ if TYPE_CHECKING:
 
 class StopChecker:
     def __init__(
-        self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        tokenizer: Tokenizer | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: list[int] | None = None,
     ) -> None:
+        """``output_token_ids``: tokens the request already has, made and shown elsewhere (a
+        decode worker's import, a re-run): their text counts as shown, and a stop string
+        that begins in it and ends in a new token is found."""
         self._detok = (
             IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
             if tokenizer is not None
@@ -32,7 +39,10 @@ class StopChecker:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._text = ""
         self._num_emitted = 0
-        self._num_tokens = 0
+        self._num_tokens = len(output_token_ids or ())
+        if self._detok is not None and output_token_ids:
+            self._text = self._detok.step(list(output_token_ids))
+            self._num_emitted = len(self._text)
 
     @property
     def text(self) -> str:
