@@ -219,6 +219,7 @@ class EngineBackend(Backend):
             num_prompt_tokens=len(output.prompt_token_ids),
             num_cached_tokens=cached,
             cached_tokens_by_tier={"device": cached} if cached else {},
+            prompt_logprobs=output.prompt_logprobs if first else None,
         )
 
     def _fail_all(self, reason: str) -> None:

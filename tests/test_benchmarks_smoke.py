@@ -371,8 +371,9 @@ def test_sampling_benchmark_times_every_mode(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = re.findall(r"^\| (flat|peaked) \| ([^|]+) \| (\d+) \| ([\d.]+) \|$", proc.stdout, re.M)
-    assert len(rows) == 2 * 8 * 2, proc.stdout
-    assert {mode.strip() for _, mode, _, _ in rows} >= {"greedy", "top-k 50", "min-p 0.05"}
+    assert len(rows) == 2 * 11 * 2, proc.stdout
+    modes = {mode.strip() for _, mode, _, _ in rows}
+    assert modes >= {"greedy", "top-k 50", "min-p 0.05", "temperature 1, allowed_token_ids 50"}
 
 
 def test_peers_serve_reads_a_kvrelay_clusters_engine_steps(tiny_model_dir, tmp_path: Path) -> None:

@@ -377,3 +377,87 @@ def test_bad_values_are_a_400_naming_the_field(
         )
     assert info.value.body["param"] == param, info.value.body
     assert words in info.value.body["message"]
+
+
+# ---- prompt logprobs (completions' echo with logprobs) -------------------------------------
+
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 10
+
+
+def test_prompt_logprobs_equal_transformers_in_chunks_and_past_the_cache(
+    tiny_model_dir: Any,
+) -> None:
+    """Every prompt token's logprob, rank and top-3 equal transformers' log-softmax over one
+    forward of the whole prompt; in 48-token chunks; and again when the prompt is cached
+    (it is computed, not read from the cache)."""
+    transformers = pytest.importorskip("transformers")
+    llm = LLM(tiny_model_dir, num_blocks=128, max_num_batched_tokens=48)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+    first = llm.generate(LONG_PROMPT, params)[0]
+    again = llm.generate(LONG_PROMPT, params)[0]
+    plain = llm.generate(LONG_PROMPT, SamplingParams(temperature=0, max_tokens=1))[0]
+    assert plain.num_cached_tokens > 0 and plain.prompt_logprobs is None
+    assert again.num_cached_tokens == 0
+    ids = list(first.prompt_token_ids)
+    assert len(ids) > 100
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    reference = logits.log_softmax(dim=-1)
+    for out in (first, again):
+        entries = out.prompt_logprobs
+        assert entries is not None and len(entries) == len(ids) and entries[0] is None
+        for position, entry in enumerate(entries[1:], start=1):
+            assert entry is not None and entry.token_id == ids[position]
+            row = reference[position - 1]
+            assert entry.logprob == pytest.approx(row[ids[position]].item(), abs=1e-4)
+            value = row[ids[position]].item()  # ranks and the top allow for rounding ties
+            assert (
+                int((row > value + 1e-4).sum()) < entry.rank <= int((row > value - 1e-4).sum()) + 1
+            )
+            assert [v for _, v in entry.top] == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+            for token_id, v in entry.top:
+                assert row[token_id].item() == pytest.approx(v, abs=1e-4)
+
+
+def test_echo_with_logprobs_gives_the_prompt_tokens_theirs(
+    colocated: Any, disagg: Any, llm: LLM
+) -> None:
+    """What lm-evaluation-harness sends for a loglikelihood (echo, max_tokens 1, logprobs
+    1): every prompt token after the first has its logprob and top alternatives, the same
+    as offline, streamed or not, colocated and 1P+1D (the prefill worker computes them)."""
+    want = llm.generate(
+        LONG_PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    )[0]
+    entries = want.prompt_logprobs
+    assert entries is not None
+    for launcher in (colocated, disagg, disagg):  # the repeat: a prefix-cache hit, bypassed
+        client = _client(launcher)
+        out = client.completions.create(
+            model="tiny", prompt=LONG_PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1,
+            extra_body={"return_tokens_as_token_ids": True},
+        )  # fmt: skip
+        lp = out.choices[0].logprobs
+        n = len(entries)
+        assert _token_ids(lp.tokens[:n]) == list(want.prompt_token_ids)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:n] == pytest.approx([e.logprob for e in entries[1:]], abs=1e-4)
+        for got, entry in zip(lp.top_logprobs[1:n], entries[1:]):
+            assert f"token_id:{entry.token_id}" in got
+            assert f"token_id:{entry.top[0][0]}" in got
+        assert len(lp.tokens) == n + 1 and lp.token_logprobs[n] is not None
+        streamed = client.completions.create(
+            model="tiny", prompt=LONG_PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1,
+            stream=True, extra_body={"return_tokens_as_token_ids": True},
+        )  # fmt: skip
+        values = [v for chunk in streamed for v in chunk.choices[0].logprobs.token_logprobs]
+        assert values[1:n] == pytest.approx(lp.token_logprobs[1:n], abs=1e-6)
+
+
+def test_prompt_logprobs_cross_the_wire() -> None:
+    from kvrelay.protocol.messages import TokenEvent
+
+    event = TokenEvent("r", "i", [5], 0, prompt_logprobs=[None, [3, -1.5, 2, [[4, -0.5]]]])
+    again = decode(encode(event))
+    assert again.prompt_logprobs == [None, [3, -1.5, 2, [[4, -0.5]]]]
+    assert decode(encode(TokenEvent("r", "i", [5], 0))).prompt_logprobs is None

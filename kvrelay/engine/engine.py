@@ -121,6 +121,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # params.prompt_logprobs set: one per prompt token (None for the first), from the
+    # process that computed the prompt (a decode worker's import has none)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> EngineConfig:
@@ -477,4 +480,5 @@ class LLMEngine:
             logprobs=seq.output_logprobs,
             num_cached_tokens=seq.num_cached_tokens,
             cached_tokens_by_tier=seq.cached_tokens_by_tier,
+            prompt_logprobs=seq.prompt_logprobs,
         )

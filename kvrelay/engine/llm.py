@@ -35,6 +35,8 @@ class GenerateOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs set: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -137,6 +139,8 @@ class LLM:
                 if step_out.finished:
                     owner, index = owners[step_out.request_id]
                     owner.outputs[index] = _completion(index, step_out, params_list)
+                    if step_out.prompt_logprobs is not None:
+                        owner.prompt_logprobs = list(step_out.prompt_logprobs)
                     owner.num_cached_tokens = max(
                         owner.num_cached_tokens, step_out.num_cached_tokens
                     )

@@ -28,7 +28,7 @@ from kvrelay import envs
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.cuda_graphs import DecodeGraphs, LayerGraphs, StepGraphs
 from kvrelay.engine.models.llama import LlamaModel
-from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator
+from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator, token_logprobs
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
 from kvrelay.engine.sequence import Sequence
 from kvrelay.kernels import cpu_attention, gemv, triton_attention
@@ -39,6 +39,9 @@ from kvrelay.kernels.attention import (
     causal_mask,
     decode_groups,
 )
+
+# rows of prompt logits computed at a time: 256 x SmolLM2's 49,152 in float32 is 50 MB
+PROMPT_LOGPROB_ROWS = 256
 
 
 def kv_cache_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -141,6 +144,8 @@ class ModelRunner:
             hidden = self.layer_graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        if any(item.seq.params.prompt_logprobs is not None for item in plan.scheduled):
+            self._prompt_logprobs(plan, hidden)
         sampled = [item for item in plan.scheduled if item.needs_sample]
         token_ids: list[int | None] = [None] * len(plan.scheduled)
         logprobs: list = [None] * len(plan.scheduled)
@@ -154,6 +159,27 @@ class ModelRunner:
                     _advance_grammar(item.seq, out.token_ids[j])
                     j += 1
         return StepResult(token_ids, logprobs)
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        """Appends to each sequence that asks for prompt logprobs those of the prompt tokens
+        this step's chunk predicts (position p predicts token p + 1), from the raw logits,
+        ``PROMPT_LOGPROB_ROWS`` rows of logits at a time. A chunk computed again (after a
+        preemption) adds nothing twice."""
+        row = 0
+        for item in plan.scheduled:
+            seq, n, k = item.seq, item.num_new_tokens, item.seq.params.prompt_logprobs
+            if k is not None:
+                if seq.prompt_logprobs is None:
+                    seq.prompt_logprobs = [None]  # the first prompt token has none
+                first = max(item.start, len(seq.prompt_logprobs) - 1)
+                end = min(item.start + n, seq.num_prompt_tokens - 1)
+                shift = row - item.start  # position p's row in hidden
+                for a in range(first, end, PROMPT_LOGPROB_ROWS):
+                    b = min(end, a + PROMPT_LOGPROB_ROWS)
+                    logits = self.model.compute_logits(hidden[a + shift : b + shift])
+                    targets = torch.tensor(seq.prompt_token_ids[a + 1 : b + 1], device=self.device)
+                    seq.prompt_logprobs.extend(token_logprobs(logits, targets, [k] * (b - a)))
+            row += n
 
     def compute_logits_for(self, plan: StepPlan) -> torch.Tensor:
         """Runs a step and returns the float32 logits of its sampled rows (for tests)."""

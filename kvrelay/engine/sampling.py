@@ -416,18 +416,27 @@ def compute_logprobs(
     if not wanted:
         return result
     rows = _index(wanted, logits.device)
-    logprobs = logits[rows].log_softmax(dim=-1)
-    chosen_ids = token_ids[rows]
-    chosen = logprobs.gather(1, chosen_ids.unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=-1) + 1
-    num_top = min(max(requests[i].params.logprobs or 0 for i in wanted), logprobs.shape[1])
-    top_values, top_ids = logprobs.topk(num_top, dim=-1)
-    columns = (chosen_ids, chosen.squeeze(1), ranks, top_ids, top_values)
-    as_lists = zip(*(column.tolist() for column in columns))
-    for i, (token_id, logprob, rank, ids, values) in zip(wanted, as_lists):
-        k = requests[i].params.logprobs or 0
-        result[i] = TokenLogprobs(token_id, logprob, rank, tuple(zip(ids[:k], values[:k])))
+    tops = [requests[i].params.logprobs or 0 for i in wanted]
+    for i, entry in zip(wanted, token_logprobs(logits[rows], token_ids[rows], tops)):
+        result[i] = entry
     return result
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, tops: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Row i's logprob of ``token_ids[i]``, its rank and the row's top ``tops[i]``."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_values, top_ids = logprobs.topk(min(max(tops), logprobs.shape[1]), dim=-1)
+    columns = (token_ids, chosen.squeeze(1), ranks, top_ids, top_values)
+    return [
+        TokenLogprobs(token_id, logprob, rank, tuple(zip(ids[:k], values[:k])))
+        for k, (token_id, logprob, rank, ids, values) in zip(
+            tops, zip(*(column.tolist() for column in columns))
+        )
+    ]
 
 
 def shape_logits(scores: torch.Tensor, rows: Sequence[tuple[int, SamplingParams]]) -> None:

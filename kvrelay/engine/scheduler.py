@@ -240,7 +240,7 @@ class Scheduler:
 
     def _external_prefix(self, seq: Sequence, num_cached: int) -> ExternalPrefix | None:
         """Blocks after the device-cached prefix that lower tiers hold (fetched once)."""
-        if self.prefix_loader is None or seq.block_ids:
+        if self.prefix_loader is None or seq.block_ids or seq.params.prompt_logprobs is not None:
             return None
         limit = (seq.num_tokens - 1) // self.block_manager.block_size
         if num_cached >= limit:

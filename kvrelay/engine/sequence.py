@@ -53,6 +53,9 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of full blocks, in order
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    # params.prompt_logprobs set: entry i is prompt token i's (None for the first), filled as
+    # the prompt's chunks are computed (``ModelRunner``)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     stop_reason: int | str | None = None
     generator: Any = None  # torch.Generator for seeded sampling; owned by the runner side
     matcher: Any = None  # xgrammar GrammarMatcher; has accepted exactly the output tokens

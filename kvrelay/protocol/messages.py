@@ -185,6 +185,9 @@ class TokenEvent:
     error: str | None = None  # the worker could not run the request
     attempt: int = 0  # GenerateRequest.attempt of the run that made these tokens
     error_param: str | None = None  # set when ``error`` is the request's fault: its bad field
+    # with the first token, when params.prompt_logprobs is set: per prompt token, as logprobs
+    # (None for the first); from the worker that computed the prompt
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -137,6 +137,9 @@ class SamplingParams:
     # {id: bias} is accepted and kept as sorted pairs; biases in LOGIT_BIAS_RANGE
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled; None: any
+    # None: none; k: each prompt token's logprob (after the first) and the top k (0: none);
+    # the prompt is computed whole, not taken from the prefix cache
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop))
@@ -193,10 +196,10 @@ class SamplingParams:
             _fail("min_tokens", self.min_tokens, "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not (
-            _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            _fail("logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                _fail(name, value, f"None or an integer in [0, {MAX_LOGPROBS}]")
 
     def _check_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

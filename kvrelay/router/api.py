@@ -87,6 +87,7 @@ class ChoiceSpec(NamedTuple):
     logprobs: int | None  # SamplingParams.logprobs
     param_names: dict[str, str]  # SamplingParams field -> request field, where they differ
     structured: StructuredOutput | None = None  # the grammar every choice must match
+    prompt_logprobs: int | None = None  # SamplingParams.prompt_logprobs (completions' echo)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,8 +240,11 @@ class OpenAIApi:
             prompt_param="prompt",
             default_max_tokens=self.settings.default_max_tokens,
             logprobs=req.logprobs,
-            param_names={},
+            param_names={"prompt_logprobs": "logprobs"},
             structured=resolve_structured(req.response_format, req.structured_outputs, req.guided),
+            # echo with logprobs: the prompt's tokens get theirs too, as OpenAI's legacy
+            # completions gave them (what lm-evaluation-harness reads for loglikelihoods)
+            prompt_logprobs=req.logprobs if req.echo else None,
         )
         inputs = self._inputs(builder, req, n, spec)
         return await self._respond(request, builder, inputs, req.stream)
@@ -444,6 +448,7 @@ class OpenAIApi:
                 spec.param_names,
                 seed_offset=choice.index % n,
                 structured=spec.structured,
+                prompt_logprobs=spec.prompt_logprobs,
             )
             inputs.append(GenerateInput(builder.request_id(choice.index), prompt.token_ids, params))
         return inputs

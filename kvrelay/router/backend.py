@@ -75,6 +75,8 @@ class Delta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from a cache (set on the first delta)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # on the first delta when params.prompt_logprobs is set: one per prompt token (None first)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Backend(abc.ABC):

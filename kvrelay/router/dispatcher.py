@@ -491,6 +491,7 @@ class Dispatcher(Backend):
             num_prompt_tokens=len(tr.request.prompt_token_ids),
             num_cached_tokens=tr.num_cached_tokens if is_first else 0,
             cached_tokens_by_tier=tr.cached_tokens_by_tier if is_first else {},
+            prompt_logprobs=_prompt_logprobs(event.prompt_logprobs) if is_first else None,
         )
         if finished:
             if stop_str is not None:
@@ -593,8 +594,15 @@ def _log_send_error(what: str, sent: asyncio.Future[Any]) -> None:
 def _logprobs(wire: list[Any] | None, skip: int, count: int) -> list[TokenLogprobs] | None:
     if wire is None:
         return None
-    out = []
-    for item in wire[skip : skip + count]:
-        token_id, logprob, rank, top = item
-        out.append(TokenLogprobs(token_id, logprob, rank, tuple((t[0], t[1]) for t in top)))
-    return out
+    return [_from_wire(item) for item in wire[skip : skip + count]]
+
+
+def _prompt_logprobs(wire: list[Any] | None) -> list[TokenLogprobs | None] | None:
+    if wire is None:
+        return None
+    return [None if item is None else _from_wire(item) for item in wire]
+
+
+def _from_wire(item: list[Any]) -> TokenLogprobs:
+    token_id, logprob, rank, top = item
+    return TokenLogprobs(token_id, logprob, rank, tuple((t[0], t[1]) for t in top))

@@ -230,6 +230,7 @@ def sampling_params(
     param_names: dict[str, str],
     seed_offset: int = 0,
     structured: StructuredOutput | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The ``n == 1`` params of one choice.
 
@@ -240,6 +241,7 @@ def sampling_params(
         param_names: SamplingParams field -> request field, where the names differ.
         seed_offset: added to the request's seed (choice ``i`` of ``n`` gets ``seed + i``).
         structured: the grammar the output must match (``structured.resolve_structured``).
+        prompt_logprobs: ``SamplingParams.prompt_logprobs``.
 
     Raises:
         ApiError: 400 naming the offending request field.
@@ -255,6 +257,7 @@ def sampling_params(
             max_tokens=max_tokens,
             logprobs=logprobs,
             structured_outputs=structured,
+            prompt_logprobs=prompt_logprobs,
             **kwargs,
         )
     except ValueError as exc:

@@ -103,8 +103,11 @@ class ChoiceState:
     num_sent_chars: int = 0  # chat with tools, stream: characters of text sent as content
     calls_sent: list[int] = field(default_factory=list)  # per call streamed: argument chars sent
     started: bool = False  # a delta arrived (echo and role chunks are sent once)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # echo: the prompt tokens'
 
     def add(self, delta: Delta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs or ())
@@ -280,9 +283,8 @@ class CompletionBuilder(ResponseBuilder):
         logprobs = None
         if self.options.want_logprobs:
             choice.text_offset = 0
-            logprobs = self._logprobs(
-                choice, prompt if self.options.echo else None, choice.logprobs
-            )
+            echo = prompt if self.options.echo else None
+            logprobs = self._logprobs(choice, echo, choice.logprobs, choice.prompt_logprobs)
         return {
             "index": choice.index,
             "text": prompt.text + text if self.options.echo else text,
@@ -295,26 +297,39 @@ class CompletionBuilder(ResponseBuilder):
         echo = self.prompts[choice.prompt_index] if self.options.echo and first else None
         logprobs = None
         if self.options.want_logprobs:
-            logprobs = self._logprobs(choice, echo, delta.logprobs or ())
+            logprobs = self._logprobs(choice, echo, delta.logprobs or (), delta.prompt_logprobs)
         text = echo.text + delta.text if echo else delta.text
         return {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
     def _logprobs(
-        self, choice: ChoiceState, echo: PromptInfo | None, entries: Iterable[TokenLogprobs]
+        self,
+        choice: ChoiceState,
+        echo: PromptInfo | None,
+        entries: Iterable[TokenLogprobs],
+        prompt_entries: Sequence[TokenLogprobs | None] | None = None,
     ) -> dict[str, Any]:
+        """OpenAI's legacy logprobs; with ``echo`` the prompt's tokens first, each with its
+        logprob and top alternatives from ``prompt_entries`` (the first token has none)."""
         out: dict[str, list[Any]] = {
             "tokens": [],
             "token_logprobs": [],
             "top_logprobs": [],
             "text_offset": [],
         }
-        for token_id in echo.token_ids if echo else ():
-            self._append(out, choice, token_id, None, None)
+        for i, token_id in enumerate(echo.token_ids if echo else ()):
+            entry = prompt_entries[i] if prompt_entries and i < len(prompt_entries) else None
+            if entry is None:
+                self._append(out, choice, token_id, None, None)
+            else:
+                self._append(out, choice, token_id, _clamp(entry.logprob), self._top(entry))
         for entry in entries:
-            top = {self._token_text(i): _clamp(lp) for i, lp in entry.top}
-            top[self._token_text(entry.token_id)] = _clamp(entry.logprob)
-            self._append(out, choice, entry.token_id, _clamp(entry.logprob), top)
+            self._append(out, choice, entry.token_id, _clamp(entry.logprob), self._top(entry))
         return out
+
+    def _top(self, entry: TokenLogprobs) -> dict[str, float]:
+        top = {self._token_text(i): _clamp(lp) for i, lp in entry.top}
+        top[self._token_text(entry.token_id)] = _clamp(entry.logprob)
+        return top
 
     def _append(
         self,

@@ -199,6 +199,8 @@ def token_event(instance_id: str, out: RequestOutput, **extra: Any) -> TokenEven
     logprobs = None
     if out.logprobs and out.logprobs[-1] is not None:
         logprobs = [_logprob_wire(lp) for lp in out.logprobs[-len(out.new_token_ids) :]]
+    if out.prompt_logprobs is not None and offset == 0:  # once, with the first token
+        extra.setdefault("prompt_logprobs", [_logprob_wire(lp) for lp in out.prompt_logprobs])
     return TokenEvent(
         request_id=out.request_id,
         instance_id=instance_id,
