@@ -414,3 +414,21 @@ def test_peers_serve_passes_the_clients_sampling_to_vllm_bench_serve() -> None:
     assert module.sampling_argv(chat) == ["--temperature", "0.7", "--top-p", "0.9"]
     topk = module.parse_args(["--model", "m", "--top-k", "50"])
     assert module.sampling_argv(topk) == ["--top-k", "50"]
+
+
+def test_prompt_logprobs_benchmark_times_and_checks(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/prompt_logprobs.py on the tiny model (a smoke test, not a timing): a row
+    per length, and the comparison with transformers, which agrees."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "prompt_logprobs.py"), "--model",
+        str(tiny_model_dir), "--lengths", "16", "40", "--rounds", "1", "--top", "2", "--check",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = re.findall(r"^\| (\d+) \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", proc.stdout, re.M)
+    assert rows == ["16", "40"], proc.stdout
+    found = re.search(
+        r"max \|logprob difference\| ([\d.e+-]+).*same on (\d+) of (\d+)", proc.stdout
+    )
+    assert found is not None, proc.stdout
+    assert float(found.group(1)) < 1e-3 and found.group(2) == found.group(3) == "39"
