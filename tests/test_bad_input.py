@@ -326,7 +326,7 @@ FUZZ_FIELDS = [
     "chat_template_kwargs", "return_tokens_as_token_ids", "response_format",
     "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
     "tools", "tool_choice", "parallel_tool_calls", "chat_template", "logit_bias",
-    "allowed_token_ids", "store", "modalities", "functions", "metadata",
+    "allowed_token_ids", "store", "modalities", "functions", "metadata", "prompt_logprobs",
 ]  # fmt: skip
 
 

@@ -461,3 +461,41 @@ def test_prompt_logprobs_cross_the_wire() -> None:
     again = decode(encode(event))
     assert again.prompt_logprobs == [None, [3, -1.5, 2, [[4, -0.5]]]]
     assert decode(encode(TokenEvent("r", "i", [5], 0))).prompt_logprobs is None
+
+
+def test_vllm_prompt_logprobs_field_on_completions_and_chat(
+    colocated: Any, disagg: Any, llm: LLM
+) -> None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {"id": {logprob, rank,
+    decoded_token}} holding the token and the top k, the same as offline; on a chat, one per
+    token of the rendered prompt, beside the choices; not when streaming (a 400)."""
+    for launcher in (colocated, disagg):
+        client = _client(launcher)
+        out = client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2}
+        )
+        got = out.choices[0].model_extra["prompt_logprobs"]
+        want = llm.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=2))[
+            0
+        ].prompt_logprobs
+        assert want is not None and len(got) == len(want) and got[0] is None
+        for entry, mine in zip(got[1:], want[1:]):
+            assert mine is not None
+            assert entry[str(mine.token_id)]["logprob"] == pytest.approx(mine.logprob, abs=1e-4)
+            assert entry[str(mine.token_id)]["rank"] == mine.rank
+            assert {str(t) for t, _ in mine.top} <= set(entry) and len(entry) <= 3
+        chat = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=1,
+            extra_body={"prompt_logprobs": 0},
+        )
+        rendered = chat.model_extra["prompt_logprobs"]
+        assert rendered[0] is None and chat.usage.prompt_tokens == len(rendered)
+        assert all(len(entry) == 1 for entry in rendered[1:])  # the token alone
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(colocated).completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=1, stream=True,
+            extra_body={"prompt_logprobs": 1},
+        )  # fmt: skip
+    assert info.value.body["param"] == "prompt_logprobs"

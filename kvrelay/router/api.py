@@ -232,6 +232,8 @@ class OpenAIApi:
             want_logprobs=req.logprobs is not None,
             echo=req.echo,
             tokens_as_ids=req.return_tokens_as_token_ids,
+            num_logprobs=req.logprobs or 0,
+            prompt_logprobs=req.prompt_logprobs is not None,
         )
         builder = CompletionBuilder(model, prompts, n, self.tokens, options)
         spec = ChoiceSpec(
@@ -244,7 +246,7 @@ class OpenAIApi:
             structured=resolve_structured(req.response_format, req.structured_outputs, req.guided),
             # echo with logprobs: the prompt's tokens get theirs too, as OpenAI's legacy
             # completions gave them (what lm-evaluation-harness reads for loglikelihoods)
-            prompt_logprobs=req.logprobs if req.echo else None,
+            prompt_logprobs=_prompt_logprobs(req.prompt_logprobs, req.logprobs, req.echo),
         )
         inputs = self._inputs(builder, req, n, spec)
         return await self._respond(request, builder, inputs, req.stream)
@@ -268,6 +270,7 @@ class OpenAIApi:
             include_usage=req.include_usage,
             want_logprobs=req.logprobs,
             tokens_as_ids=req.return_tokens_as_token_ids,
+            prompt_logprobs=req.prompt_logprobs is not None,
         )
         builder = ChatBuilder(model, [prompt], n, self.tokens, options, tools)
         inputs = self._inputs(builder, req, n, _chat_spec(req, structured))
@@ -317,6 +320,15 @@ class OpenAIApi:
                 f"'{param}' must be in [0, {self.settings.max_logprobs}], got {value}", param
             )
 
+    def _check_prompt_logprobs(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        self._check_logprobs(req.prompt_logprobs, "prompt_logprobs")
+        if req.prompt_logprobs is not None and req.stream:
+            raise bad_request(
+                "'prompt_logprobs' is not supported when streaming (a completion's 'echo' with "
+                "'logprobs' streams the prompt's logprobs in its first chunk)",
+                "prompt_logprobs",
+            )
+
     def _check_token_ids(self, req: CompletionRequest | ChatCompletionRequest) -> None:
         """logit_bias and allowed_token_ids name tokens of the vocabulary."""
         vocab = self.tokenizer.vocab_size
@@ -331,6 +343,7 @@ class OpenAIApi:
 
     def _check_completion_options(self, req: CompletionRequest, n: int) -> None:
         self._check_stop(req.stop)
+        self._check_prompt_logprobs(req)
         self._check_token_ids(req)
         self._check_logprobs(req.logprobs, "logprobs")
         if not req.prompt:
@@ -342,6 +355,7 @@ class OpenAIApi:
 
     def check_chat_options(self, req: ChatCompletionRequest) -> None:
         self._check_stop(req.stop)
+        self._check_prompt_logprobs(req)
         self._check_token_ids(req)
         self._check_logprobs(req.top_logprobs, "top_logprobs")
         if req.top_logprobs is not None and not req.logprobs:
@@ -501,7 +515,17 @@ def _chat_spec(req: ChatCompletionRequest, structured: StructuredOutput | None) 
         logprobs=logprobs,
         param_names={**_CHAT_PARAM_NAMES, "max_tokens": param},
         structured=structured,
+        prompt_logprobs=req.prompt_logprobs,
     )
+
+
+def _prompt_logprobs(asked: int | None, logprobs: int | None, echo: bool) -> int | None:
+    """SamplingParams.prompt_logprobs of a completion: vLLM's field, or echo's logprobs (the
+    larger when both: each shows its own top)."""
+    echoed = logprobs if echo else None
+    if asked is None or echoed is None:
+        return asked if echoed is None else echoed
+    return max(asked, echoed)
 
 
 def parse_request(body: bytes, model: type[RequestT]) -> RequestT:

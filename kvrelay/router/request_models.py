@@ -160,6 +160,7 @@ class _GenerateRequest(_Strict):
     cache_salt: str | None = None  # vLLM's: prefix cache shared only within one salt
     logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and top k
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM: {json|regex|choice|grammar: ...}
     guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of the same

@@ -128,6 +128,8 @@ class ResponseOptions:
     want_logprobs: bool = False  # logprobs of every output token
     echo: bool = False  # completions: the prompt text (and its tokens) come first
     tokens_as_ids: bool = False  # logprob tokens as "token_id:{id}" (vLLM's extension)
+    num_logprobs: int = 0  # completions: top alternatives shown per token (echoed prompt too)
+    prompt_logprobs: bool = False  # vLLM's ``prompt_logprobs`` field in the response
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +251,22 @@ class ResponseBuilder(abc.ABC):
 
     # ---- per-endpoint shape
 
+    def _prompt_logprobs(self, choice: ChoiceState) -> list[dict[str, Any] | None]:
+        """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else the token's
+        and the top alternatives' {"token id": {logprob, rank, decoded_token}}."""
+        out: list[dict[str, Any] | None] = []
+        for entry in choice.prompt_logprobs or ():
+            if entry is None:
+                out.append(None)
+                continue
+            ranked = {t: (lp, r) for r, (t, lp) in enumerate(entry.top, start=1)}
+            ranked[entry.token_id] = (entry.logprob, entry.rank)
+            out.append({
+                str(t): {"logprob": _clamp(lp), "rank": r, "decoded_token": self.tokens.text(t)}
+                for t, (lp, r) in ranked.items()
+            })  # fmt: skip
+        return out
+
     def _token_text(self, token_id: int) -> str:
         if self.options.tokens_as_ids:
             return f"token_id:{token_id}"
@@ -285,13 +303,16 @@ class CompletionBuilder(ResponseBuilder):
             choice.text_offset = 0
             echo = prompt if self.options.echo else None
             logprobs = self._logprobs(choice, echo, choice.logprobs, choice.prompt_logprobs)
-        return {
+        body = {
             "index": choice.index,
             "text": prompt.text + text if self.options.echo else text,
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
+        if self.options.prompt_logprobs:
+            body["prompt_logprobs"] = self._prompt_logprobs(choice)
+        return body
 
     def _delta_choice(self, choice: ChoiceState, delta: Delta, first: bool) -> dict[str, Any]:
         echo = self.prompts[choice.prompt_index] if self.options.echo and first else None
@@ -321,7 +342,8 @@ class CompletionBuilder(ResponseBuilder):
             if entry is None:
                 self._append(out, choice, token_id, None, None)
             else:
-                self._append(out, choice, token_id, _clamp(entry.logprob), self._top(entry))
+                top = self._top(entry._replace(top=entry.top[: self.options.num_logprobs]))
+                self._append(out, choice, token_id, _clamp(entry.logprob), top)
         for entry in entries:
             self._append(out, choice, entry.token_id, _clamp(entry.logprob), self._top(entry))
         return out
@@ -386,6 +408,12 @@ class ChatBuilder(ResponseBuilder):
     ) -> None:
         super().__init__(model, prompts, n, tokens, options)
         self.tools = tools or ToolPlan("none")
+
+    def response(self) -> dict[str, Any]:
+        body = super().response()
+        if self.options.prompt_logprobs:  # vLLM's: the one prompt's, beside the choices
+            body["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
+        return body
 
     def start_chunks(self) -> list[dict[str, Any]]:
         role = {"role": "assistant", "content": ""}
