@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
@@ -29,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvrelay.protocol.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, StructuredOutput
-from kvrelay.router.backend import Backend, GenerateInput
+from kvrelay.router.backend import Backend, Delta, GenerateInput
 from kvrelay.router.errors import (
     ApiError,
     BodyLimitMiddleware,
@@ -71,6 +72,8 @@ from kvrelay.text.tool_parsers import ToolParser, create_tool_parser, detect_too
 logger = logging.getLogger(__name__)
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
+# an SSE body from the first delta, the choices' stream and the builder (``sse.sse_events``)
+EventsFn = Callable[[tuple[int, Delta], ChoiceStream, Any], AsyncIterator[bytes]]
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     {"self", "messages", "add_generation_prompt", "tools", "chat_template"}
 )
@@ -167,6 +170,9 @@ def create_app(
     from kvrelay.router.tokenize import add_tokenize_routes  # it imports this module
 
     add_tokenize_routes(app, api)
+    from kvrelay.router.responses_api import add_responses_routes
+
+    add_responses_routes(app, api)
     return app
 
 
@@ -249,10 +255,17 @@ class OpenAIApi:
             prompt_logprobs=_prompt_logprobs(req.prompt_logprobs, req.logprobs, req.echo),
         )
         inputs = self._inputs(builder, req, n, spec)
-        return await self._respond(request, builder, inputs, req.stream)
+        return await self.respond(request, builder, inputs, req.stream)
 
     async def chat_completions(self, request: Request) -> Response:
         req = parse_request(await request.body(), ChatCompletionRequest)
+        builder, inputs = await self.prepare_chat(req)
+        return await self.respond(request, builder, inputs, req.stream)
+
+    async def prepare_chat(
+        self, req: ChatCompletionRequest, builder_type: type[ChatBuilder] = ChatBuilder
+    ) -> tuple[ChatBuilder, list[GenerateInput]]:
+        """A validated chat request's builder (of ``builder_type``) and its choices' inputs."""
         model = self.model_name(req.model)
         n = self._check_n(req.n, 1)
         self.check_chat_options(req)
@@ -272,9 +285,8 @@ class OpenAIApi:
             tokens_as_ids=req.return_tokens_as_token_ids,
             prompt_logprobs=req.prompt_logprobs is not None,
         )
-        builder = ChatBuilder(model, [prompt], n, self.tokens, options, tools)
-        inputs = self._inputs(builder, req, n, _chat_spec(req, structured))
-        return await self._respond(request, builder, inputs, req.stream)
+        builder = builder_type(model, [prompt], n, self.tokens, options, tools)
+        return builder, self._inputs(builder, req, n, _chat_spec(req, structured))
 
     # ---- checks
 
@@ -469,14 +481,16 @@ class OpenAIApi:
 
     # ---- responses
 
-    async def _respond(
+    async def respond(
         self,
         request: Request,
         builder: ResponseBuilder,
         inputs: list[GenerateInput],
         stream: bool,
+        events: EventsFn = sse_events,
     ) -> Response:
-        """Runs the choices; returns the JSON body, or an SSE stream once the first delta came.
+        """Runs the choices; returns the JSON body, or an SSE stream (``events`` of the first
+        delta, the rest and the builder) once the first delta came.
 
         Errors before the first delta (``Overloaded``...) are real HTTP errors; later ones
         become an SSE error event.
@@ -489,9 +503,9 @@ class OpenAIApi:
                 return _json(builder.response())
             first = await until_disconnected(request, choices.next())
             assert first is not None  # every request has at least one choice
-            events = sse_events(first, choices, builder)
+            body = events(first, choices, builder)
             handed_off = True
-            return EventStreamResponse(events, choices.close)
+            return EventStreamResponse(body, choices.close)
         except ClientDisconnected:
             logger.info("client disconnected before %s was ready; aborted", builder.id)
             return Response(status_code=499)
@@ -538,6 +552,11 @@ def parse_request(body: bytes, model: type[RequestT]) -> RequestT:
     data = parse_json_object(body)
     if issubclass(model, (CompletionRequest, ChatCompletionRequest)):
         check_fields(data, model)
+    return validate_request(data, model)
+
+
+def validate_request(data: dict[str, Any], model: type[RequestT]) -> RequestT:
+    """``model`` from a parsed body; 400 naming the field for a wrong type or value."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:

@@ -91,6 +91,9 @@ class ChatMessage(BaseModel):
         """The message as chat templates expect it: OpenAI's serialised tool-call
         ``arguments`` become objects (as vLLM and transformers' templates want them)."""
         message = self.model_dump(exclude_none=True)
+        # an assistant turn of tool calls may come with content null: templates read
+        # message.content, and a missing key fails them where an empty string does not
+        message.setdefault("content", "")
         if self.role == "developer":  # OpenAI's newer name for the system role
             message["role"] = "system"
         calls = message.get("tool_calls")
