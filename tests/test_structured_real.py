@@ -67,3 +67,60 @@ def test_tool_calls_stream_openai_shaped_deltas(cluster):  # noqa: F811
     """As on the random model, with one call allowed: with parallel calls this small model may
     repeat its call (sampled) until ``max_tokens`` and cut the last one off."""
     check_tool_call_stream(cluster, parallel_tool_calls=False)
+
+
+def test_openai_agents_sdk_over_the_responses_api(disagg):  # noqa: F811
+    """The OpenAI Agents SDK's default model (``OpenAIResponsesModel``: /v1/responses) through
+    1P+1D: an agent that must call its function tool, whose result the SDK runs and returns,
+    and a plain agent, run and streamed, whose answers are the same text."""
+    import asyncio
+
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather of a city."""
+        calls.append(city)
+        return f"sunny in {city}"
+
+    async def run() -> tuple[str, str, str]:
+        client = AsyncOpenAI(base_url=disagg.url + "/v1", api_key="unused", max_retries=0)
+        model = OpenAIResponsesModel(model="tiny", openai_client=client)
+        tool_agent = Agent(
+            name="weather",
+            instructions="Use your tools.",
+            model=model,
+            tools=[get_weather],
+            model_settings=ModelSettings(tool_choice="required", max_tokens=60, temperature=0),
+            tool_use_behavior="stop_on_first_tool",
+        )
+        plain = Agent(
+            name="plain",
+            instructions="Be brief.",
+            model=model,
+            model_settings=ModelSettings(max_tokens=120, temperature=0),
+        )
+        try:
+            called = (await Runner.run(tool_agent, "What is the weather in Paris?")).final_output
+            answer = (await Runner.run(plain, "Say hi")).final_output
+            streamed = Runner.run_streamed(plain, "Say hi")
+            async for _ in streamed.stream_events():
+                pass
+            return called, answer, streamed.final_output
+        finally:
+            await client.close()
+
+    called, answer, streamed = asyncio.run(run())
+    assert len(calls) == 1 and called == f"sunny in {calls[0]}"
+    assert isinstance(answer, str) and answer and streamed == answer
