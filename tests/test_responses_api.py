@@ -210,7 +210,9 @@ def test_json_schema_format(client: openai.OpenAI) -> None:
         ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
         ({"input": [{"role": "wizard", "content": "hi"}]}, "input[0]"),
         ({"temprature": 0.5}, "temprature"),
-        ({"max_output_tokens": 0}, "max_completion_tokens"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"max_output_tokens": 10_000}, "max_output_tokens"),
+        ({"text": {"format": {"type": "xml"}}}, "text.format"),
         ({"input": 5}, "input"),
     ],
 )

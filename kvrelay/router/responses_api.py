@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvrelay.router.backend import BackendError, Delta
-from kvrelay.router.errors import bad_request, from_backend_error
+from kvrelay.router.errors import ApiError, bad_request, from_backend_error
 from kvrelay.router.request_models import ChatCompletionRequest, _Strict, check_fields
 from kvrelay.router.responses import ChatBuilder
 
@@ -88,13 +88,37 @@ def add_responses_routes(app: FastAPI, api: OpenAIApi) -> None:
         data = parse_json_object(await request.body())
         _check_fields(data)
         req = validate_request(data, ResponsesRequest)
-        chat = validate_request(to_chat(req), ChatCompletionRequest)
-        builder, inputs = await api.prepare_chat(chat, ResponsesBuilder)
+        try:
+            chat = validate_request(to_chat(req), ChatCompletionRequest)
+            builder, inputs = await api.prepare_chat(chat, ResponsesBuilder)
+        except ApiError as exc:  # the chat request's field names -> this request's
+            exc.param = _responses_param(exc.param)
+            raise
         assert isinstance(builder, ResponsesBuilder)
         builder.request = req
         return await api.respond(request, builder, inputs, req.stream, response_events)
 
     app.add_api_route("/v1/responses", responses, methods=["POST"])
+
+
+_CHAT_NAMES = {
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text.format",
+}
+
+
+def _responses_param(param: str | None) -> str | None:
+    """A chat request's field as the Responses request names it (``messages[..]`` is
+    ``input``: instructions shift the indices, so no index is given)."""
+    if param is None:
+        return None
+    head, dot, rest = param.partition(".")
+    head = head.split("[", 1)[0] if head.startswith("messages") else head
+    name = _CHAT_NAMES.get(head)
+    if name is None:
+        return param
+    return name if head == "messages" else name + dot + rest
 
 
 def _check_fields(data: dict[str, Any]) -> None:
