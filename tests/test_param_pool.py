@@ -243,6 +243,29 @@ def test_model_on_pool_weights_generates_the_disk_tokens(tiny_model_dir, scope):
     assert _segments(scope) == []
 
 
+def test_weights_outlive_the_pool_closed_under_them(tiny_model_dir, scope):
+    """Tensors over the pool stay readable after ``close`` and after the pool is removed
+    (an engine's background packing still reads them): the mapping goes with the last
+    tensor. In a child process: before the fix the read was a SIGSEGV."""
+    code = f"""
+import sys, torch
+from kvrelay.cachetier import param_ops
+from kvrelay.cachetier.param_pool import ParamPool
+pool = ParamPool.attach_or_create({str(tiny_model_dir)!r}, "float32", scope={scope!r})
+kept = dict(pool.weights)
+want = {{k: v.clone() for k, v in kept.items()}}
+pool.close()
+param_ops.remove(pool.name)
+del pool
+same = all(torch.equal(kept[k], want[k]) for k in want)
+print("same" if same else "differs")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.split()[-1] == "same"
+    assert _segments(scope) == []
+
+
 def _shm_memory_kb(pid: int, name: str) -> tuple[int, int]:
     """(Rss, Pss) in kB of ``pid``'s mappings of segment ``name`` (/proc/<pid>/smaps)."""
     rss = pss = 0

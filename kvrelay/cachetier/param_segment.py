@@ -283,8 +283,12 @@ def _tensors(mapping: mmap.mmap, data_off: int, manifest: Manifest) -> dict[str,
         }
     with warnings.catch_warnings():  # read-only mapping: writes fault, see ``param_pool``
         warnings.filterwarnings("ignore", "The given buffer is not writable", UserWarning)
+        # through a memoryview: torch keeps a reference to the object it is given but not a
+        # buffer export, so over the mmap itself ``mmap.close()`` unmapped the weights under
+        # live tensors (an engine's background packing read them and died with SIGSEGV);
+        # the view's export makes that close a BufferError until the last tensor goes
         flat = torch.frombuffer(
-            mapping, dtype=torch.uint8, count=manifest.total_bytes, offset=data_off
+            memoryview(mapping), dtype=torch.uint8, count=manifest.total_bytes, offset=data_off
         )
     return {
         e.name: flat[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape)
