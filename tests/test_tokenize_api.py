@@ -56,6 +56,26 @@ def test_tokenize_messages_counts_what_chat_completions_sends(api_server: ApiSer
     assert no_gen["tokens"] == tok.encode(rendered, False)
 
 
+def test_tokenize_messages_with_tools_counts_what_chat_completions_sends(
+    api_server: ApiServer,
+) -> None:
+    """Tools are part of the rendered prompt: /tokenize renders them as the chat endpoint
+    does (they were dropped without a word before)."""
+    tool = {
+        "type": "function",
+        "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
+    }
+    messages = [{"role": "user", "content": "hi"}]
+    with_tools = post(api_server, "/tokenize", {"messages": messages, "tools": [tool]}).json()
+    without = post(api_server, "/tokenize", {"messages": messages}).json()
+    client = openai.OpenAI(base_url=f"{api_server.base_url}/v1", api_key="x", max_retries=0)
+    chat = client.chat.completions.create(
+        model="tiny", messages=messages, tools=[tool], tool_choice="none", max_tokens=1
+    )  # type: ignore[arg-type]
+    assert chat.usage is not None and with_tools["count"] == chat.usage.prompt_tokens
+    assert with_tools["count"] > without["count"]
+
+
 def test_tokenize_returns_token_strings_when_asked(api_server: ApiServer) -> None:
     body = post(api_server, "/tokenize", {"prompt": TEXT, "return_token_strs": True}).json()
     tok = api_server.tokenizer
@@ -84,6 +104,9 @@ def test_bad_requests_name_the_parameter(api_server: ApiServer) -> None:
         ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
         ("/detokenize", {}, 400, "tokens"),
         ("/detokenize", {"tokens": [1], "model": "nope"}, 404, "model"),
+        ("/tokenize", {"prompt": TEXT, "add_special_token": True}, 400, "add_special_token"),
+        ("/detokenize", {"tokens": [1], "skip_special_tokens": True}, 400, "skip_special_tokens"),
+        ("/tokenize", {"messages": MESSAGES, "chat_template": "{{ 1 }}"}, 400, "chat_template"),
     ]
     for path, body, status, param in cases:
         r = post(api_server, path, body)

@@ -550,8 +550,7 @@ def parse_request(body: bytes, model: type[RequestT]) -> RequestT:
             surrogates in strings, or a field of the wrong type.
     """
     data = parse_json_object(body)
-    if issubclass(model, (CompletionRequest, ChatCompletionRequest)):
-        check_fields(data, model)
+    check_fields(data, model)
     return validate_request(data, model)
 
 

@@ -32,6 +32,8 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # as the chat endpoint: needs the router's trust flag
+    tools: list[Any] | None = None  # rendered as the chat endpoint renders them
     return_token_strs: bool = False
 
 
@@ -87,6 +89,9 @@ class TokenizeRoutes:
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             chat_template_kwargs=req.chat_template_kwargs,
+            chat_template=req.chat_template,
+            tools=req.tools,
+            tool_choice="none" if req.tools else None,  # rendered alike; no parser needed
         )
         self.api.check_chat_options(chat)
         prompt = await self.api.chat_prompt(chat)
