@@ -231,7 +231,7 @@ def test_no_op_fields_are_accepted(api_server: ApiServer) -> None:
     body = {
         "model": "tiny", "input": "hi", "max_output_tokens": 2, "store": False,
         "metadata": {"a": "b"}, "include": [], "truncation": "disabled", "user": "u",
-        "service_tier": "auto",
+        "service_tier": "auto", "stream_options": {"include_obfuscation": False},
         "previous_response_id": None, "reasoning": None,
     }  # fmt: skip
     response = httpx.post(f"{api_server.base_url}/v1/responses", json=body)

@@ -59,6 +59,7 @@ _NO_OP = frozenset(
         "prompt_cache_key",
         "prompt_cache_retention",
         "user",
+        "stream_options",  # include_obfuscation: no padding is added to the events here
     )
 )
 
