@@ -120,6 +120,35 @@ def test_stream_events_build_the_same_response(client: openai.OpenAI) -> None:
     assert len({e.response.id for e in events if hasattr(e, "response")}) == 1
 
 
+def test_output_text_logprobs_as_the_chat_endpoints(client: openai.OpenAI) -> None:
+    """``include: ["message.output_text.logprobs"]`` with ``top_logprobs``: the text part's
+    logprobs are the chat's, entry for entry, and a stream's deltas carry the same."""
+    kwargs: dict[str, Any] = dict(
+        model="tiny", input="Hello there", max_output_tokens=6, temperature=0, top_logprobs=2,
+        include=["message.output_text.logprobs"],
+    )  # fmt: skip
+    out = _create(client, **kwargs)
+    part = out.output[0].content[0]
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+        max_completion_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    want = chat.choices[0].logprobs.content
+    assert len(part.logprobs) == len(want) == out.usage.output_tokens
+    for got, entry in zip(part.logprobs, want):
+        assert (got.token, got.bytes) == (entry.token, entry.bytes)
+        assert got.logprob == pytest.approx(entry.logprob, abs=1e-5)
+        assert [t.token for t in got.top_logprobs] == [t.token for t in entry.top_logprobs]
+        assert len(got.top_logprobs) == 2
+    events = list(client.responses.create(**kwargs, stream=True))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in part.logprobs]
+    plain = _create(client, **{k: v for k, v in kwargs.items() if k != "include"})
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_required_and_named_function_calls_stream_and_not(client: openai.OpenAI) -> None:
     for choice in ("required", {"type": "function", "name": "get_weather"}):
         kwargs: dict[str, Any] = dict(
@@ -201,6 +230,8 @@ def test_json_schema_format(client: openai.OpenAI) -> None:
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": -1}, "top_logprobs"),
         ({"truncation": "auto"}, "truncation"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
         (

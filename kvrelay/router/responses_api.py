@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvrelay.protocol.sampling_params import MAX_LOGPROBS
 from kvrelay.router.errors import ApiError, bad_request
 from kvrelay.router.request_models import ChatCompletionRequest, _Strict, check_fields
 from kvrelay.router.responses_output import ResponsesBuilder, response_events
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 
     from kvrelay.router.api import OpenAIApi
 
+LOGPROBS = "message.output_text.logprobs"  # the one ``include`` kvrelay can add
 # Fields of OpenAI's Responses requests kvrelay cannot honour, and why.
 _UNSUPPORTED = {
     "previous_response_id": "not supported: kvrelay keeps no responses (send the whole "
@@ -39,7 +41,6 @@ _UNSUPPORTED = {
     "reasoning": "not supported: the served models have no reasoning mode",
     "prompt": "not supported (stored prompt templates)",
     "max_tool_calls": "not supported",
-    "top_logprobs": "not supported on /v1/responses (use /v1/chat/completions)",
 }
 _NO_OP = frozenset(
     (
@@ -68,6 +69,7 @@ class ResponsesRequest(_Strict):
     stream: bool = False
     store: bool | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = None
     truncation: str | None = None
     metadata: dict[str, str] | None = None
 
@@ -121,9 +123,12 @@ def _check_fields(data: dict[str, Any]) -> None:
             "'store' is not supported: kvrelay keeps no responses (send false or leave it out)",
             "store",
         )
-    if data.get("include"):
+    extra = (
+        set(data.get("include") or ()) - {LOGPROBS} if isinstance(data.get("include"), list) else ()
+    )
+    if extra:
         raise bad_request(
-            "'include' is not supported: nothing can be added to the output", "include"
+            f"'include' may hold only {LOGPROBS!r}, got {sorted(map(str, extra))}", "include"
         )
     if data.get("truncation") not in (None, "disabled"):
         raise bad_request(
@@ -161,6 +166,13 @@ def to_chat(req: ResponsesRequest) -> dict[str, Any]:
         chat["response_format"] = _chat_format(req.text)
     if req.stream:
         chat["stream_options"] = {"include_usage": True}
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(
+            f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs"
+        )
+    if LOGPROBS in (req.include or ()):  # OpenAI's: the output text's logprobs, top k each
+        chat["logprobs"] = True
+        chat["top_logprobs"] = req.top_logprobs or 0
     return chat
 
 

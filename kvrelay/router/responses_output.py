@@ -40,7 +40,8 @@ class ResponsesBuilder(ChatBuilder):
     def response(self) -> dict[str, Any]:
         chat = super().response()
         choice = chat["choices"][0]
-        items = _output_items(choice["message"])
+        logprobs = (choice.get("logprobs") or {}).get("content") or []
+        items = _output_items(choice["message"], logprobs)
         return self.response_object(_status(choice["finish_reason"]), items, _usage(chat["usage"]))
 
     def response_object(
@@ -66,6 +67,7 @@ class ResponsesBuilder(ChatBuilder):
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [],
             "text": req.text or {"format": {"type": "text"}},
+            "top_logprobs": req.top_logprobs,
             "truncation": "disabled",
             "usage": usage,
             "metadata": req.metadata or {},
@@ -90,28 +92,32 @@ def _usage(chat: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _output_items(message: dict[str, Any]) -> list[dict[str, Any]]:
+def _output_items(message: dict[str, Any], logprobs: list[Any]) -> list[dict[str, Any]]:
     items = []
     if message.get("content"):
-        items.append(_message_item(_new_id("msg"), message["content"], "completed"))
+        items.append(_message_item(_new_id("msg"), message["content"], "completed", logprobs))
     for call in message.get("tool_calls") or ():
         function = call["function"]
         items.append(_call_item(_new_id("fc"), call["id"], function["name"], function["arguments"]))
     return items
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def _message_item(
+    item_id: str, text: str, status: str, logprobs: list[Any] | None = None
+) -> dict[str, Any]:
     return {
         "type": "message",
         "id": item_id,
         "status": status,
         "role": "assistant",
-        "content": [_text_part(text)] if status == "completed" else [],
+        "content": [_text_part(text, logprobs)] if status == "completed" else [],
     }
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """An ``output_text`` part; its logprobs are the chat's entries (token, logprob, bytes,
+    top_logprobs: the same shape)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _call_item(
@@ -145,6 +151,7 @@ class _Events:
         self.calls: dict[int, dict[str, Any]] = {}  # open function calls by chat index
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
+        self.pending: list[Any] = []  # logprobs of tokens whose text is not shown yet
 
     def event(self, kind: str, **body: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence, **body}
@@ -165,6 +172,7 @@ class _Events:
         out: list[bytes] = []
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") or {}
+            self.pending += (choice.get("logprobs") or {}).get("content") or []
             if delta.get("content"):
                 out += self._text_delta(delta["content"])
             for call in delta.get("tool_calls") or ():
@@ -179,7 +187,7 @@ class _Events:
     def _text_delta(self, text: str) -> list[bytes]:
         out = []
         if self.text is None:
-            self.text = {"id": _new_id("msg"), "index": self._index(), "text": ""}
+            self.text = {"id": _new_id("msg"), "index": self._index(), "text": "", "logprobs": []}
             item = _message_item(self.text["id"], "", "in_progress")
             where = {"item_id": self.text["id"], "output_index": self.text["index"]}
             out.append(
@@ -193,6 +201,8 @@ class _Events:
                 )
             )
         self.text["text"] += text
+        logprobs, self.pending = self.pending, []  # with the text they came with (or before)
+        self.text["logprobs"] += logprobs
         out.append(
             self.event(
                 "response.output_text.delta",
@@ -200,7 +210,7 @@ class _Events:
                 output_index=self.text["index"],
                 content_index=0,
                 delta=text,
-                logprobs=[],
+                logprobs=logprobs,
             )
         )
         return out
@@ -238,8 +248,9 @@ class _Events:
         if self.text is None:
             return []
         text, self.text = self.text, None
+        logprobs, self.pending = text["logprobs"] + self.pending, []
         where = {"item_id": text["id"], "output_index": text["index"]}
-        item = _message_item(text["id"], text["text"], "completed")
+        item = _message_item(text["id"], text["text"], "completed", logprobs)
         self.output.append(item)
         return [
             self.event(
@@ -247,13 +258,13 @@ class _Events:
                 **where,
                 content_index=0,
                 text=text["text"],
-                logprobs=[],
+                logprobs=logprobs,
             ),
             self.event(
                 "response.content_part.done",
                 **where,
                 content_index=0,
-                part=_text_part(text["text"]),
+                part=_text_part(text["text"], logprobs),
             ),
             self.event("response.output_item.done", output_index=text["index"], item=item),
         ]
