@@ -3,7 +3,7 @@
 Decides which request bodies are accepted and what they mean to the engine. Requests are
 pydantic models in strict mode: a known field with the wrong JSON type is a 400, and ``null``
 means "not set". A field the server does not know is a 400 naming it, as OpenAI answers one
-(``unrecognized_fields``): ignored silently, a ``logit_bias`` or a ``functions`` would change
+(``unrecognized_field``): ignored silently, a ``logit_bias`` or a ``functions`` would change
 nothing while the client trusted it. OpenAI's fields that do not change the output
 (``metadata``, ``store: false``, ``service_tier``...) are accepted; those it defines that
 kvrelay cannot honour (``audio``, ``prediction``, ``functions``...) get a 400 that says so.
