@@ -499,3 +499,42 @@ def test_vllm_prompt_logprobs_field_on_completions_and_chat(
             extra_body={"prompt_logprobs": 1},
         )  # fmt: skip
     assert info.value.body["param"] == "prompt_logprobs"
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(
+    colocated: Any, disagg: Any, llm: LLM
+) -> None:
+    """As vLLM takes it: the prompt's text, tokens and logprobs, no output token, finish
+    ``length``, no completion tokens in the usage; streamed alike. Without echo it is a 400."""
+    want = llm.generate(LONG_PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    entries = want.prompt_logprobs
+    assert entries is not None
+    kwargs: dict[str, Any] = dict(
+        model="tiny", prompt=LONG_PROMPT, max_tokens=0, echo=True, logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    for launcher in (colocated, disagg):
+        client = _client(launcher)
+        out = client.completions.create(**kwargs)
+        choice = out.choices[0]
+        assert choice.text == LONG_PROMPT and choice.finish_reason == "length"
+        assert _token_ids(choice.logprobs.tokens) == list(want.prompt_token_ids)
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(
+            [e.logprob for e in entries[1:]], abs=1e-4
+        )
+        assert out.usage.completion_tokens == 0
+        assert out.usage.prompt_tokens == len(want.prompt_token_ids)
+        chunks = list(client.completions.create(**kwargs, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == LONG_PROMPT
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        tokens = [
+            t
+            for c in chunks
+            if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.tokens
+        ]
+        assert _token_ids(tokens) == list(want.prompt_token_ids)
+    with pytest.raises(openai.BadRequestError) as info:
+        _client(colocated).completions.create(model="tiny", prompt=PROMPT, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"

@@ -240,10 +240,13 @@ class OpenAIApi:
             tokens_as_ids=req.return_tokens_as_token_ids,
             num_logprobs=req.logprobs or 0,
             prompt_logprobs=req.prompt_logprobs is not None,
+            prompt_only=req.echo and req.max_tokens == 0,
         )
         builder = CompletionBuilder(model, prompts, n, self.tokens, options)
         spec = ChoiceSpec(
-            max_tokens=req.max_tokens,
+            # echo with max_tokens 0 scores the prompt alone: the engine makes one token,
+            # which the builder drops (``ResponseOptions.prompt_only``)
+            max_tokens=1 if options.prompt_only else req.max_tokens,
             max_tokens_param="max_tokens",
             prompt_param="prompt",
             default_max_tokens=self.settings.default_max_tokens,

@@ -11,7 +11,7 @@ import abc
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -129,6 +129,7 @@ class ResponseOptions:
     echo: bool = False  # completions: the prompt text (and its tokens) come first
     tokens_as_ids: bool = False  # logprob tokens as "token_id:{id}" (vLLM's extension)
     num_logprobs: int = 0  # completions: top alternatives shown per token (echoed prompt too)
+    prompt_only: bool = False  # completions' echo with max_tokens 0: the prompt, no output
     prompt_logprobs: bool = False  # vLLM's ``prompt_logprobs`` field in the response
 
 
@@ -294,6 +295,22 @@ class CompletionBuilder(ResponseBuilder):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
     id_prefix = "cmpl-"
+
+    def add(self, index: int, delta: Delta) -> None:
+        super().add(index, self._shown(delta))
+
+    def delta_chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
+        return super().delta_chunk(index, self._shown(delta))
+
+    def _shown(self, delta: Delta) -> Delta:
+        """The delta as the response shows it: with ``prompt_only`` (echo, max_tokens 0, as
+        vLLM and OpenAI's legacy completions take it) the one token the engine had to make is
+        dropped, and the choice ends on ``length``."""
+        if not self.options.prompt_only:
+            return delta
+        reason = "length" if delta.finished else None
+        return replace(delta, token_ids=[], text="", logprobs=None, finish_reason=reason,
+                       stop_reason=None)  # fmt: skip
 
     def _final_choice(self, choice: ChoiceState) -> dict[str, Any]:
         prompt = self.prompts[choice.prompt_index]
