@@ -345,14 +345,9 @@ class LLMEngine:
 
     def _validate_params(self, params: SamplingParams) -> None:
         """The params' token ids against this model's vocabulary and eos."""
-        vocab = self.config.model_config.vocab_size
-        outside = params.token_ids_over(vocab)
-        if outside is not None:
-            field, token_id = outside
-            raise RequestError(
-                f"'{field}' has token id {token_id}, outside the vocabulary [0, {vocab})",
-                param=field,
-            )
+        error = params.vocab_error(self.config.model_config.vocab_size)
+        if error is not None:
+            raise RequestError(error[1], param=error[0])
         allowed = params.allowed_token_ids
         if allowed is not None and params.min_tokens:
             ends = {*self.eos_token_ids, *params.stop_token_ids}

@@ -261,6 +261,16 @@ class SamplingParams:
                 return "allowed_token_ids", token_id
         return None
 
+    def vocab_error(self, vocab_size: int) -> tuple[str, str] | None:
+        """(field, message) for a token id outside ``[0, vocab_size)``, None when all are
+        inside: what the router (its tokenizer's vocabulary) and the engine (the model's)
+        answer."""
+        outside = self.token_ids_over(vocab_size)
+        if outside is None:
+            return None
+        field, token_id = outside
+        return field, f"'{field}' has token id {token_id}, outside the vocabulary [0, {vocab_size})"
+
     @property
     def shapes_logits(self) -> bool:
         """Whether logit_bias or allowed_token_ids change the logits before sampling."""

@@ -44,7 +44,6 @@ from kvrelay.router.request_models import (
     CompletionRequest,
     check_fields,
     context_length_error,
-    logit_bias_ids,
     resolve_max_tokens,
     sampling_params,
 )
@@ -344,22 +343,9 @@ class OpenAIApi:
                 "prompt_logprobs",
             )
 
-    def _check_token_ids(self, req: CompletionRequest | ChatCompletionRequest) -> None:
-        """logit_bias and allowed_token_ids name tokens of the vocabulary."""
-        vocab = self.tokenizer.vocab_size
-        named = [("allowed_token_ids", t) for t in req.allowed_token_ids or ()]
-        named += [("logit_bias", t) for t in logit_bias_ids(req.logit_bias or {})]
-        for param, token_id in named:
-            if not 0 <= token_id < vocab:
-                raise bad_request(
-                    f"'{param}' has token id {token_id}, outside the vocabulary [0, {vocab})",
-                    param,
-                )
-
     def _check_completion_options(self, req: CompletionRequest, n: int) -> None:
         self._check_stop(req.stop)
         self._check_prompt_logprobs(req)
-        self._check_token_ids(req)
         self._check_logprobs(req.logprobs, "logprobs")
         if not req.prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
@@ -371,7 +357,6 @@ class OpenAIApi:
     def check_chat_options(self, req: ChatCompletionRequest) -> None:
         self._check_stop(req.stop)
         self._check_prompt_logprobs(req)
-        self._check_token_ids(req)
         self._check_logprobs(req.top_logprobs, "top_logprobs")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("'top_logprobs' needs 'logprobs' set to true", "top_logprobs")
@@ -479,6 +464,9 @@ class OpenAIApi:
                 structured=spec.structured,
                 prompt_logprobs=spec.prompt_logprobs,
             )
+            error = params.vocab_error(self.tokenizer.vocab_size)  # logit_bias, allowed ids
+            if error is not None:
+                raise bad_request(error[1], error[0])
             inputs.append(GenerateInput(builder.request_id(choice.index), prompt.token_ids, params))
         return inputs
 
