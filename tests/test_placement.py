@@ -18,7 +18,7 @@ import msgpack
 import openai
 import pytest
 
-from kvrelay.protocol import messages
+from kvrelay.protocol import messages, sampling_params
 from kvrelay.protocol.messages import (
     WIRE_TYPES,
     KvLayout,
@@ -29,6 +29,7 @@ from kvrelay.protocol.messages import (
     decode,
     encode,
 )
+from kvrelay.protocol.sampling_params import SamplingParams
 from kvrelay.router.dispatcher import DispatcherSettings
 from kvrelay.router.prefix_index import PrefixMatch
 from kvrelay.router.registry import Registry
@@ -333,3 +334,85 @@ def test_a_decode_worker_computes_a_prompt_while_the_prefill_worker_is_stuck(
             decode_metrics = read_text(info["status_url"].rstrip("/") + "/metrics")
             assert metric_value(decode_metrics, "kvrelay_cpu_priority_raises_total") == 1
             assert autogroup_nice(decode.popen.pid) == 19  # lowered again once idle
+
+
+# ------------------------------------------------------------- sampling fields (rolling upgrade)
+
+NEWER = frozenset({"logit_bias"})  # a field the workers of the first wire format do not know
+
+
+def old_register_bytes(info: PeerInfo, pid: int = 1) -> bytes:
+    """A ``Register`` as a worker older than ``sampling_fields`` sends it: without the field."""
+    values = [info, "tiny", 4096, pid]
+    ext = msgpack.ExtType(
+        1, msgpack.packb([WIRE_TYPES.index(Register), *values], default=messages._default)
+    )
+    return msgpack.packb(ext)
+
+
+def _old_register(info: PeerInfo) -> Register:
+    return decode(old_register_bytes(info), Register)
+
+
+def test_a_register_without_sampling_fields_decodes_as_the_first_wire_formats() -> None:
+    info = PeerInfo("p0", Role.PREFILL, "A", "tcp://x:1", "", None, LAYOUT, b"f")
+    new = Register(info, "tiny", 4096, 1)
+    fields = list(new.sampling_fields)
+    assert decode(encode(new)) == dataclasses.replace(new, sampling_fields=fields)
+    assert set(new.sampling_fields) >= {"logit_bias", "cache_salt", "prompt_logprobs"}
+    assert set(_old_register(info).sampling_fields) == sampling_params.BASE_FIELDS
+    assert "logit_bias" not in _old_register(info).sampling_fields
+
+
+def test_fields_set_names_the_later_fields_a_request_changes() -> None:
+    assert SamplingParams(temperature=0, max_tokens=5, stop=["x"]).fields_set() == frozenset()
+    params = SamplingParams(logit_bias={3: 1.0}, cache_salt="t", prompt_logprobs=0)
+    assert params.fields_set() == {"logit_bias", "cache_salt", "prompt_logprobs"}
+    assert SamplingParams(allowed_token_ids=[1]).fields_set() == {"allowed_token_ids"}
+
+
+def _mixed(*workers: tuple[str, Role, bool]) -> Registry:
+    """Instances (id, role, old): an old one registers as a worker before sampling_fields."""
+    registry = Registry()
+    for port, (instance_id, role, old) in enumerate(workers):
+        info = PeerInfo(instance_id, role, "A", f"tcp://x:{port}", "", None, LAYOUT, b"f")
+        registry.register(_old_register(info) if old else Register(info, "tiny", 4096, 1))
+    return registry
+
+
+def test_a_request_with_a_newer_field_goes_only_to_workers_that_know_it() -> None:
+    # colocated: the old one is first registered, so it wins every tie but this one
+    registry = _mixed(("old", Role.COLOCATED, True), ("new", Role.COLOCATED, False))
+    placement = registry.place(num_prompt_tokens=8)
+    assert placement is not None and placement.prefill.instance_id == "old"
+    placement = registry.place(num_prompt_tokens=8, needs=NEWER)
+    assert placement is not None and placement.prefill.instance_id == "new"
+    assert registry.unknown_field(NEWER) == "logit_bias"  # a worker lacks it (not a refusal)
+    assert registry.get("old").as_dict()["unknown_sampling_fields"] == [  # type: ignore[union-attr]
+        "cache_salt", "structured_outputs", "logit_bias", "allowed_token_ids", "prompt_logprobs",
+    ]  # fmt: skip
+    assert registry.get("new").as_dict()["unknown_sampling_fields"] == []  # type: ignore[union-attr]
+
+
+def test_an_old_decode_worker_is_passed_over_and_the_new_prefill_runs_end_to_end() -> None:
+    registry = _mixed(("p0", Role.PREFILL, False), ("d0", Role.DECODE, True))
+    plain = registry.place(num_prompt_tokens=8)
+    assert plain is not None and (plain.prefill.instance_id, plain.decode) == (
+        "p0",
+        registry.get("d0"),
+    )
+    placement = registry.place(num_prompt_tokens=8, needs=NEWER)
+    assert placement is not None
+    assert (placement.prefill.instance_id, placement.decode) == ("p0", None)
+    # an old prefill with a new decode: the decode runs it end to end
+    registry = _mixed(("p0", Role.PREFILL, True), ("d0", Role.DECODE, False))
+    placement = registry.place(num_prompt_tokens=8, needs=NEWER)
+    assert placement is not None
+    assert (placement.prefill.instance_id, placement.decode) == ("d0", None)
+
+
+def test_only_old_workers_place_nothing_and_name_the_field() -> None:
+    registry = _mixed(("p0", Role.PREFILL, True), ("d0", Role.DECODE, True))
+    assert registry.place(num_prompt_tokens=8, needs=frozenset({"cache_salt"})) is None
+    assert registry.unknown_field(frozenset({"prompt_logprobs", "cache_salt"})) == "cache_salt"
+    assert registry.place(num_prompt_tokens=8) is not None

@@ -36,7 +36,9 @@ Versions mix during a rolling upgrade, in either order: a field is only ever add
 a default; a message from an older process lacks the trailing fields and decodes with their
 defaults, and one from a newer process has trailing fields this one does not know, which
 it ignores (as protobuf does with unknown fields). A change an older peer must not get wrong
-by ignoring a field takes a new type or a version it checks (``KV_HANDOFF_VERSION``).
+by ignoring a field takes a new type or a version it checks (``KV_HANDOFF_VERSION``); for
+``SamplingParams``, whose every later field changes the output, a worker lists the fields it
+knows (``Register.sampling_fields``) and the router sends it no request that sets another.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from typing import Any, Literal, TypeVar
 
 import msgpack
 
+from kvrelay.protocol import sampling_params
 from kvrelay.protocol.errors import ProtocolError
 from kvrelay.protocol.sampling_params import SamplingParams, StructuredOutput
 
@@ -106,6 +109,9 @@ class Register:
     model_name: str
     max_model_len: int
     pid: int
+    # the SamplingParams fields it knows (it would drop later ones): the router sends it no
+    # request that sets another; absent (an older worker): sampling_params.BASE_FIELDS
+    sampling_fields: tuple[str, ...] = sampling_params.FIELDS
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -307,7 +313,10 @@ _NUM_REQUIRED = {
 }
 
 # Where a field absent from an older process's message means something else than its default.
-_ABSENT: dict[type, dict[str, Any]] = {PeerInfo: {"kv_version": 1}}
+_ABSENT: dict[type, dict[str, Any]] = {
+    PeerInfo: {"kv_version": 1},
+    Register: {"sampling_fields": tuple(sorted(sampling_params.BASE_FIELDS))},
+}
 
 T = TypeVar("T")
 

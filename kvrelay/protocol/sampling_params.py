@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from typing import NamedTuple, NoReturn
 
 MAX_N = 128  # completions per request
@@ -271,6 +271,13 @@ class SamplingParams:
         field, token_id = outside
         return field, f"'{field}' has token id {token_id}, outside the vocabulary [0, {vocab_size})"
 
+    def fields_set(self) -> frozenset[str]:
+        """The fields that differ from their defaults, beyond ``BASE_FIELDS``: the ones a
+        worker must know to run this request as asked (``Register.sampling_fields``)."""
+        return frozenset(
+            name for name, default in _LATER_DEFAULTS if getattr(self, name) != default
+        )
+
     @property
     def shapes_logits(self) -> bool:
         """Whether logit_bias or allowed_token_ids change the logits before sampling."""
@@ -299,3 +306,43 @@ class TokenLogprobs(NamedTuple):
     logprob: float  # from the raw logits, before penalties and temperature
     rank: int  # 1 + number of tokens with a strictly higher logprob
     top: tuple[tuple[int, float], ...]  # (id, logprob), most likely first; () for logprobs=0
+
+
+BASE_FIELDS = frozenset(
+    (
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "max_tokens",
+        "min_tokens",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "logprobs",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+    )
+)
+"""The fields every kvrelay worker knows, from the first release of this wire format on.
+
+A worker drops the trailing fields of a newer router's ``SamplingParams`` that it does not
+know (the codec's rule for every message), which for sampling would run a request other than
+the one asked for. So a worker lists the fields it knows when it registers
+(``Register.sampling_fields``), and the router sends a request that sets a later field only to
+workers that list it; a worker whose ``Register`` lacks the list (one older than the list)
+is taken to know these alone."""
+
+FIELDS = tuple(f.name for f in fields(SamplingParams))
+"""Every field this version knows, in wire order: what its workers register."""
+
+_LATER_DEFAULTS = tuple(
+    (f.name, f.default if f.default_factory is MISSING else f.default_factory())
+    for f in fields(SamplingParams)
+    if f.name not in BASE_FIELDS
+)

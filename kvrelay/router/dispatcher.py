@@ -238,8 +238,16 @@ class Dispatcher(Backend):
             self.admission.release()
 
     async def _generate(self, request: GenerateInput) -> AsyncGenerator[Delta, None]:
-        placement = self._place(request.prompt_token_ids, request.params.cache_salt)
+        placement = self._place(request)
         if placement is None:
+            unknown = self.registry.unknown_field(request.params.fields_set())
+            if unknown is not None:
+                raise InvalidRequest(
+                    f"'{unknown}' is not supported by this cluster's workers: they run an"
+                    " older kvrelay than the router (a rolling upgrade); retry without it, or"
+                    " once they are upgraded",
+                    unknown,
+                )
             raise Unavailable("no worker instance is ready", self.settings.retry_after)
         tr = _Tracked(
             request,
@@ -266,10 +274,14 @@ class Dispatcher(Backend):
             self._tracked.pop(request.request_id, None)
             self.metrics.inflight.dec()
 
-    def _place(self, token_ids: list[int], cache_salt: str | None) -> Placement | None:
-        """Cache-aware placement; counts the chosen prefill instance's expected hits."""
-        matched = self._matched(token_ids, cache_salt)
-        placement = self.registry.place(matched=matched, num_prompt_tokens=len(token_ids))
+    def _place(self, request: GenerateInput) -> Placement | None:
+        """Cache-aware placement on workers that know the request's sampling fields; counts
+        the chosen prefill instance's expected hits."""
+        token_ids = request.prompt_token_ids
+        matched = self._matched(token_ids, request.params.cache_salt)
+        placement = self.registry.place(
+            matched=matched, num_prompt_tokens=len(token_ids), needs=request.params.fields_set()
+        )
         if placement is not None:
             match = matched.get(placement.prefill.instance_id)
             if match is not None:
@@ -568,7 +580,7 @@ class Dispatcher(Backend):
             if connection is not None:
                 self._send_to(connection, abort)
         tr.early.clear()
-        placement = self._place(tr.request.prompt_token_ids, tr.request.params.cache_salt)
+        placement = self._place(tr.request)
         if placement is None or tr.num_retries >= self.settings.max_retries:
             tr.done = True
             why = "no worker instance left" if placement is None else "too many retries"

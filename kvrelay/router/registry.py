@@ -32,6 +32,10 @@ Placement (DistServe-style, decode pulls):
   every byte of the weights, config and tokenizer, and the dtype); instances of different
   weights never pair, and ``register`` logs it when such a one joins.
 - no prefill/decode pair: a colocated instance, else any surviving worker, end to end.
+- a request that sets a sampling field some workers do not know (``SamplingParams.
+  fields_set``: a router newer than them, in a rolling upgrade) goes only to workers that
+  list it (``Register.sampling_fields``); an older worker would drop the field and run
+  another request than the one asked for.
 - ties left: the first registered (a re-registered id keeps its place).
 
 Cost per request: O(matched + log instances), not O(instances). Each role's instances are
@@ -52,6 +56,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 from kvrelay.protocol.messages import LoadReport, PeerInfo, Register, Role
+from kvrelay.protocol.sampling_params import FIELDS as SAMPLING_FIELDS
 from kvrelay.router.load_order import LoadOrder
 from kvrelay.router.prefix_index import PrefixMatch
 
@@ -70,6 +75,7 @@ class Instance:
     num_assigned: int = 0  # requests sent since the last load report (not yet counted by it)
     num_assigned_tokens: int = 0  # their prompt tokens to compute (Placement.num_new_tokens)
     draining: bool = False  # the router asked it to drain (its reports will say so too)
+    sampling_fields: frozenset[str] = frozenset(SAMPLING_FIELDS)  # Register.sampling_fields
 
     @property
     def instance_id(self) -> str:
@@ -112,6 +118,10 @@ class Instance:
             "num_assigned": self.num_assigned,
             "num_assigned_tokens": self.num_assigned_tokens,
             "draining": self.draining or self.load.draining,
+            # this router's sampling fields the worker does not know (a rolling upgrade)
+            "unknown_sampling_fields": [
+                name for name in SAMPLING_FIELDS if name not in self.sampling_fields
+            ],
         }
 
 
@@ -182,6 +192,7 @@ class Registry:
             return None
         empty = LoadReport(info.instance_id, 0, 0, info.layout.num_blocks, info.layout.num_blocks)
         inst = Instance(info, msg.model_name, msg.max_model_len, msg.pid, empty, now, connection)
+        inst.sampling_fields = frozenset(msg.sampling_fields)
         if live is not None:
             self._forget(live)
         self._instances[info.instance_id] = inst
@@ -293,6 +304,7 @@ class Registry:
         exclude: Iterable[str] = (),
         matched: Mapping[str, PrefixMatch] | None = None,
         num_prompt_tokens: int = 0,
+        needs: frozenset[str] = frozenset(),
     ) -> Placement | None:
         """Chooses where a new request runs; None when no instance can take it.
 
@@ -305,8 +317,10 @@ class Registry:
             matched: per instance, the prompt blocks it holds (``CacheIndex.match``).
             num_prompt_tokens: the prompt's length (the new tokens the chosen prefill is
                 charged until its next report; ranking does not depend on it).
+            needs: the request's sampling fields a worker must know (``SamplingParams.
+                fields_set``); instances that do not list one are passed over.
         """
-        request = _Request(set(exclude), matched or {}, num_prompt_tokens)
+        request = _Request(set(exclude), matched or {}, num_prompt_tokens, needs)
         # a pair must share the KV hand-off version (a rolling upgrade mixes them) and the
         # model identity: the cheapest prefill that has such a decode, else no hand-off
         decodes: dict[PairKey, Instance | None] = {}
@@ -397,6 +411,19 @@ class Registry:
             return None
         return next((d for d in order.in_order() if request.is_usable(d)), None)
 
+    def unknown_field(self, needs: frozenset[str]) -> str | None:
+        """The first of ``needs`` (in wire order) that a live, usable worker does not know,
+        None when each one knows them all: why a request ``place`` found no worker for
+        would have found one without its fields."""
+        request = _Request(set(), {}, 0)
+        for name in SAMPLING_FIELDS:
+            if name in needs and any(
+                request.is_usable(i) and name not in i.sampling_fields
+                for i in self._instances.values()
+            ):
+                return name
+        return None
+
     def check_integrity(self) -> None:
         """Every instance filed once in its role's load orders, under its current load."""
         for role, order in self._by_work.items():
@@ -415,10 +442,15 @@ class _Request(NamedTuple):
     exclude: set[str]
     matched: Mapping[str, PrefixMatch]
     num_prompt_tokens: int
+    needs: frozenset[str] = frozenset()  # sampling fields the worker must know
 
     def is_usable(self, inst: Instance) -> bool:
-        """Not draining and not excluded."""
-        return not (inst.load.draining or inst.draining) and inst.instance_id not in self.exclude
+        """Not draining, not excluded, and it knows the request's sampling fields."""
+        return (
+            not (inst.load.draining or inst.draining)
+            and inst.instance_id not in self.exclude
+            and self.needs <= inst.sampling_fields
+        )
 
     def placed(self, prefill: Instance, decode: Instance | None) -> Placement:
         match = self.matched.get(prefill.instance_id)
