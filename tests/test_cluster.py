@@ -234,10 +234,12 @@ def test_messages_from_an_older_process_lack_the_origin():
         ext = msgpack.ExtType(1, msgpack.packb([tag, *fields], default=messages._default))
         return msgpack.packb(ext)
 
-    # an older process sends neither ``origin`` nor (older still than that) ``attempt``
-    assert decode(packed(values[:-2])) == dataclasses.replace(msg, origin="", attempt=0)
-    assert decode(packed(values[:-1])) == dataclasses.replace(msg, attempt=0)
-    with pytest.raises(ProtocolError, match="GenerateRequest: expected 7 fields, got 2"):
+    # an older process sends no ``seq``, nor (older still) ``attempt``, nor ``origin``
+    assert values[-3:] == ["router-a", 2, 0]
+    assert decode(packed(values[:-3])) == dataclasses.replace(msg, origin="", attempt=0)
+    assert decode(packed(values[:-2])) == dataclasses.replace(msg, attempt=0)
+    assert decode(packed(values[:-1])) == msg
+    with pytest.raises(ProtocolError, match="GenerateRequest: expected 8 fields, got 2"):
         decode(packed(values[:2]))
     # a newer process adds fields last (a rolling upgrade that starts with the routers)
     assert decode(packed([*values, "a later field", {"nested": [1, 2]}])) == msg

@@ -21,6 +21,7 @@ import pytest
 from kvrelay.protocol import messages, sampling_params
 from kvrelay.protocol.messages import (
     WIRE_TYPES,
+    GenerateRequest,
     KvLayout,
     LoadReport,
     PeerInfo,
@@ -198,9 +199,9 @@ def test_a_load_report_from_an_older_worker_decodes_with_no_queued_tokens() -> N
     report = LoadReport("p0", 2, 1, 60, 64, 0, 0, False, num_prefill_tokens=123)
     assert decode(encode(report)) == report
     values = [getattr(report, f.name) for f in dataclasses.fields(LoadReport)]
-    assert values[-1] == 123  # the new field is the last one: older senders just lack it
+    assert values[-2:] == [123, None]  # the newer fields are the last: older senders lack them
     ext = msgpack.ExtType(
-        1, msgpack.packb([WIRE_TYPES.index(LoadReport), *values[:-1]], default=messages._default)
+        1, msgpack.packb([WIRE_TYPES.index(LoadReport), *values[:-2]], default=messages._default)
     )
     assert decode(msgpack.packb(ext)) == dataclasses.replace(report, num_prefill_tokens=0)
 
@@ -416,3 +417,93 @@ def test_only_old_workers_place_nothing_and_name_the_field() -> None:
     assert registry.place(num_prompt_tokens=8, needs=frozenset({"cache_salt"})) is None
     assert registry.unknown_field(frozenset({"prompt_logprobs", "cache_salt"})) == "cache_salt"
     assert registry.place(num_prompt_tokens=8) is not None
+
+
+# ----------------------------------------------------- requests a report does not count yet
+
+
+def test_a_report_made_before_a_request_arrived_keeps_it_counted() -> None:
+    """The heartbeat thread sends the snapshot made before a long step while the requests
+    sent meanwhile wait unread; the router keeps each counted until a report took it in."""
+    registry = Registry(router_id="r1")
+    for instance_id in ("p0", "p1"):
+        info = PeerInfo(instance_id, Role.COLOCATED, "A", "tcp://x:1", "", None, LAYOUT, b"f")
+        registry.register(Register(info, "tiny", 4096, 1))
+    p0, p1 = registry.get("p0"), registry.get("p1")
+    assert p0 is not None and p1 is not None
+    seqs = []
+    for inst, tokens in ((p0, 100), (p1, 150), (p0, 30)):
+        placement = registry.place(num_prompt_tokens=tokens)
+        assert placement is not None and placement.prefill is inst  # least queued work
+        seqs.append(registry.assign(placement))
+    assert seqs == [1, 2, 3]  # one count per router, across its instances
+    assert (p0.num_assigned, p0.queued_tokens()) == (2, 130)
+
+    def report(taken: dict[str, int] | None, running: int, prefill_tokens: int) -> None:
+        registry.report(LoadReport("p0", 0, running, 64, 64, num_prefill_tokens=prefill_tokens,
+                                   last_taken=taken))  # fmt: skip
+
+    report({}, 0, 0)  # made before either arrived (a long step): both still counted
+    assert (p0.num_assigned, p0.queued_tokens()) == (2, 130)
+    report({"r1": 1, "other-router": 9}, 1, 100)  # the first taken in, the third not yet
+    assert (p0.num_assigned, p0.queued_tokens()) == (1, 130)
+    report({"r1": 3}, 2, 130)
+    assert (p0.num_assigned, p0.queued_tokens()) == (0, 130)
+    registry.report(LoadReport("p1", 0, 1, 64, 64, num_prefill_tokens=150))  # an older worker
+    assert (p1.num_assigned, p1.queued_tokens()) == (0, 150)  # its report counts everything
+
+
+def test_a_generate_request_and_a_load_report_from_an_older_process_lack_the_new_fields() -> None:
+    report = LoadReport("p0", 2, 1, 60, 64, 0, 0, False, 123, {"r": 4})
+    assert decode(encode(report)) == report
+    request = GenerateRequest("q", [1, 2], SamplingParams(), [], None, "r", 1, 4)
+    assert decode(encode(request)) == request
+    for msg, num_old in ((report, 9), (request, 7)):
+        values = [getattr(msg, f.name) for f in dataclasses.fields(type(msg))]
+        ext = msgpack.ExtType(
+            1,
+            msgpack.packb(
+                [WIRE_TYPES.index(type(msg)), *values[:num_old]], default=messages._default
+            ),
+        )
+        old = decode(msgpack.packb(ext))
+        assert old == (
+            dataclasses.replace(report, last_taken=None)
+            if msg is report
+            else dataclasses.replace(request, seq=0)
+        )
+
+
+def test_a_request_sent_during_a_long_step_stays_counted_until_a_report_takes_it_in(
+    real_model_dir: Any, tmp_path: Any
+) -> None:
+    """SmolLM2 on one thread: a 3,000-token prompt is two long prefill steps, during which
+    the heartbeat thread keeps sending the report made before the request arrived. Sampled
+    from the router until the first token, the request is counted exactly once at every
+    sample (in the report's numbers or as sent but not yet taken in); a report that reset
+    the router's count on arrival would have made it zero there."""
+    worker_args = ("--num-blocks", "512", "--threads", "1")
+    spec = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1, "worker_args": worker_args}
+    with running_cluster(real_model_dir, tmp_path, **spec) as launcher:
+        c = openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
+        prompt = " ".join(f"item{i}" for i in range(1000))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first_token = pool.submit(
+                lambda: next(
+                    iter(
+                        c.completions.create(model="tiny", prompt=prompt, max_tokens=1, stream=True)
+                    )
+                )
+            )
+            samples = []
+            while not first_token.done():
+                i = _instance(launcher)
+                samples.append((i["num_waiting"] + i["num_running"], i["num_assigned"]))
+                time.sleep(0.02)
+            first_token.result()
+        placed = [s for s in samples if s != (0, 0)]
+        assert placed, "never saw the request placed"
+        assert samples.index(placed[0]) + len(placed) == len(samples), samples  # placed to the end
+        assert all(sum(s) == 1 for s in placed), samples
+        # reports came while it waited unread, and the router kept it counted
+        assert (0, 1) in placed and (1, 0) in placed, samples

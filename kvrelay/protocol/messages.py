@@ -141,6 +141,10 @@ class LoadReport:
     # prompt tokens still to compute: the rest of running prompts, and waiting prompts less
     # their device-cached prefix (placement's queue, in prefill work; 0 from older workers)
     num_prefill_tokens: int = 0
+    # per router id: the ``seq`` of the last GenerateRequest taken in from it when this
+    # report was made: the router's requests up to it are in this report's numbers, later
+    # ones are not yet (None: an older worker)
+    last_taken: dict[str, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -173,6 +177,7 @@ class GenerateRequest:
     decode: PeerInfo | None = None  # where the KV goes; None: generate here (colocated)
     origin: str = ""  # id of the router that sent it ("": unknown, answer every router)
     attempt: int = 0  # the router's re-run count of this request (its events carry it back)
+    seq: int = 0  # the router's count of requests sent, this one's (LoadReport.last_taken)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

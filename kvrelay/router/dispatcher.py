@@ -149,7 +149,7 @@ class Dispatcher(Backend):
         self.settings = settings
         self.router_id = f"router-{uuid.uuid4().hex[:12]}"  # what requests carry as origin
         self.registry = Registry(
-            settings.dead_after, settings.cache_weight, settings.prefill_queue_limit
+            settings.dead_after, settings.cache_weight, settings.prefill_queue_limit, self.router_id
         )
         self._is_stopping = False
         self.cache_index = CacheIndex()
@@ -307,7 +307,7 @@ class Dispatcher(Backend):
         if placement.decode is not None:
             decode_info = placement.decode.info
             tr.watch.add(placement.decode.instance_id)
-        self.registry.assign(placement)
+        seq = self.registry.assign(placement)
         worker_params = dataclasses.replace(tr.request.params, stop=(), n=1)
         msg = GenerateRequest(
             tr.request.request_id,
@@ -317,6 +317,7 @@ class Dispatcher(Backend):
             decode_info,
             origin=self.router_id,
             attempt=tr.attempt,
+            seq=seq,
         )
         self._send(placement.prefill, msg)
 

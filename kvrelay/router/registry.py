@@ -10,7 +10,8 @@ Placement (DistServe-style, decode pulls):
       cost = queued_tokens + num_prompt_tokens - cache_weight * block_size * credit
 
   ``queued_tokens``: the prompt tokens it still has to compute (``LoadReport.
-  num_prefill_tokens``) plus those of the requests sent since that report; ``credit``: the
+  num_prefill_tokens``) plus those of the requests sent that the report does not count yet
+  (``LoadReport.last_taken``: the ``seq`` of the last request it had taken in); ``credit``: the
   prompt blocks it would not compute, device hits plus the L1 hits on its host after them,
   weighted by tier (``prefix_index.TIER_WEIGHTS``). The request waits for the queue, then
   computes what is not cached, so with ``cache_weight`` 1 both terms are time at one
@@ -48,6 +49,7 @@ the others in order, which is the same choice as ranking them all.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -72,8 +74,12 @@ class Instance:
     load: LoadReport
     last_seen: float
     connection: bytes = b""  # the ZMQ routing id it registered from: its only voice
-    num_assigned: int = 0  # requests sent since the last load report (not yet counted by it)
+    num_assigned: int = 0  # requests sent that its last load report does not count yet
     num_assigned_tokens: int = 0  # their prompt tokens to compute (Placement.num_new_tokens)
+    # (GenerateRequest.seq, tokens) of the requests sent to it that no report counts yet
+    unreported: collections.deque[tuple[int, int]] = dataclasses.field(
+        default_factory=collections.deque
+    )
     draining: bool = False  # the router asked it to drain (its reports will say so too)
     sampling_fields: frozenset[str] = frozenset(SAMPLING_FIELDS)  # Register.sampling_fields
 
@@ -87,11 +93,12 @@ class Instance:
 
     def queued_tokens(self) -> int:
         """Prompt tokens it computes before a new request's: as last reported, plus the
-        router's estimate for the requests sent since."""
+        router's estimate for the requests sent that the report does not count."""
         return self.load.num_prefill_tokens + self.num_assigned_tokens
 
     def load_score(self) -> float:
-        """Requests on it (waiting, running, hand-offs, sent since the report) plus KV usage."""
+        """Requests on it (waiting, running, hand-offs, sent but not in the report) plus KV
+        usage."""
         load = self.load
         queued = load.num_waiting + load.num_running + load.num_pending_kv + self.num_assigned
         usage = 1.0 - load.num_free_blocks / max(1, load.num_total_blocks)
@@ -169,8 +176,11 @@ class Registry:
         dead_after: float = 2.0,
         cache_weight: float = 1.0,
         prefill_queue_limit: float = DEFAULT_PREFILL_QUEUE_LIMIT,
+        router_id: str = "",
     ) -> None:
         self.dead_after = dead_after
+        self.router_id = router_id  # the origin its requests carry (LoadReport.last_taken)
+        self._num_sent = 0  # GenerateRequests sent to any instance: the last one's seq
         self.cache_weight = cache_weight
         self.prefill_queue_limit = prefill_queue_limit
         self._instances: dict[str, Instance] = {}
@@ -229,8 +239,17 @@ class Registry:
             return None
         inst.load = load
         inst.last_seen = time.monotonic() if now is None else now
-        inst.num_assigned = 0
-        inst.num_assigned_tokens = 0
+        # what the report counts leaves the router's estimate: the requests it took in (a
+        # report made before a request arrived, say sent by the heartbeat thread during a
+        # long step, keeps that request counted); an older worker's: all of them
+        last = load.last_taken
+        taken = self._num_sent if last is None else last.get(self.router_id, 0)
+        unreported = inst.unreported
+        while unreported and unreported[0][0] <= taken:
+            inst.num_assigned_tokens -= unreported.popleft()[1]
+        inst.num_assigned = len(unreported)  # hand-offs to a decode: counted by any report
+        if not unreported:
+            inst.num_assigned_tokens = 0
         self._file(inst)
         return inst
 
@@ -289,15 +308,20 @@ class Registry:
     def is_ready(self) -> bool:
         return self.place() is not None
 
-    def assign(self, placement: Placement) -> None:
-        """Counts a request sent to the placement's instances (in their load until their
-        next report): one more request on each, its new tokens in the prefill's queue."""
-        placement.prefill.num_assigned += 1
-        placement.prefill.num_assigned_tokens += placement.num_new_tokens
+    def assign(self, placement: Placement) -> int:
+        """Counts a request sent to the placement's instances (in their load until a report
+        counts it): one more request on each, its new tokens in the prefill's queue. Returns
+        the ``GenerateRequest.seq`` to send it with."""
+        self._num_sent += 1
+        prefill = placement.prefill
+        prefill.num_assigned += 1
+        prefill.num_assigned_tokens += placement.num_new_tokens
+        prefill.unreported.append((self._num_sent, placement.num_new_tokens))
         self._file(placement.prefill)
         if placement.decode is not None:
             placement.decode.num_assigned += 1
             self._file(placement.decode)
+        return self._num_sent
 
     def place(
         self,

@@ -141,6 +141,7 @@ class Worker:
         self.draining = False
         self._exit_deadline: float | None = None  # set by SIGTERM: drain, then exit
         self._last_report = 0.0
+        self._last_taken: dict[str, int] = {}  # per router: the last GenerateRequest's seq
         self._last_orphan_check = 0.0
         self._last_loop_tick = time.monotonic()
 
@@ -350,6 +351,8 @@ class Worker:
             if isinstance(msg, GenerateRequest):
                 self.routers.origin[msg.request_id] = sock
                 self.routers.attempts[msg.request_id] = msg.attempt
+                if msg.seq:
+                    self._last_taken[msg.origin] = msg.seq
             elif isinstance(msg, Abort) and not self.routers.is_current(
                 msg.request_id, msg.attempt
             ):
@@ -517,6 +520,7 @@ class Worker:
             num_leaked_blocks=self.num_leaked_blocks(),
             draining=self.is_draining,
             num_prefill_tokens=self.engine.scheduler.num_prefill_tokens(),
+            last_taken=dict(self._last_taken),
         )
 
     def num_pending_kv(self) -> int:
