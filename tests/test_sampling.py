@@ -9,15 +9,17 @@ import torch
 from kvrelay.engine.sampling import (
     Sampler,
     SampleRequest,
-    _filter_nucleus,
-    _filter_sorted,
-    _filter_whole,
-    _keep_counts,
     apply_penalties,
     create_generator,
+    inverse_cdf,
+)
+from kvrelay.engine.sampling_filters import (
+    _filter_nucleus,
+    _filter_sorted,
     filter_candidates,
     filter_logits,
-    inverse_cdf,
+    filter_whole,
+    keep_counts,
 )
 from kvrelay.protocol.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
 
@@ -236,7 +238,7 @@ def test_candidate_filters_equal_the_full_sort(scale: float) -> None:
     logits = _wide_logits(len(FILTERS) * 3, vocab_size, seed=int(scale), scale=scale)
     rows = FILTERS * 3
     top_k, top_p, min_p = ([row[i] for row in rows] for i in range(3))
-    keep = _keep_counts(top_k, vocab_size)
+    keep = keep_counts(top_k, vocab_size)
     expected = _filter_sorted(logits, keep, top_p, min_p)
     candidates = filter_candidates(logits, keep, top_p, min_p)
     assert candidates is not None
@@ -244,7 +246,7 @@ def test_candidate_filters_equal_the_full_sort(scale: float) -> None:
     assert torch.equal(torch.isfinite(filter_logits(logits, top_k, top_p, min_p)),
                        torch.isfinite(expected))  # fmt: skip
     # whole rows: min-p alone as a threshold, without the sort
-    assert torch.equal(torch.isfinite(_filter_whole(logits, keep, top_p, min_p)),
+    assert torch.equal(torch.isfinite(filter_whole(logits, keep, top_p, min_p)),
                        torch.isfinite(expected))  # fmt: skip
     if scale == 8.0:  # a peaked spread: the candidates decide every row
         assert bool(decided.all())
@@ -304,7 +306,7 @@ def test_flat_top_p_rows_are_not_sorted_whole(monkeypatch: pytest.MonkeyPatch) -
     def no_sort(*_: Any) -> torch.Tensor:
         raise AssertionError("sorted a whole row")
 
-    monkeypatch.setattr("kvrelay.engine.sampling._filter_sorted", no_sort)
+    monkeypatch.setattr("kvrelay.engine.sampling_filters._filter_sorted", no_sort)
     assert torch.equal(filter_logits(logits, [0] * 4, top_p, [0.0] * 4), expected)
 
 

@@ -28,6 +28,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kvrelay.engine.sampling_filters import (
+    as_column,
+    as_index,
+    filter_whole,
+    keep_counts,
+    pick,
+    split_by_candidates,
+)
 from kvrelay.protocol.sampling_params import (
     SamplingParams,
     TokenLogprobs,
@@ -70,14 +78,6 @@ class SampleOutput(NamedTuple):
     logprobs: list[TokenLogprobs | None]  # None where params.logprobs is None
 
 
-def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-
-def _index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=device)
-
-
 def _flat_ids(
     token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
@@ -109,7 +109,7 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> 
             for r in requests
         ]
         seen = _flat_ids(seen_ids, vocab_size, device).unique()
-        factor = _column(repetition, device).squeeze(1)[seen // vocab_size]
+        factor = as_column(repetition, device).squeeze(1)[seen // vocab_size]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / factor, values * factor)
     output, counts = _flat_ids([r.output_token_ids for r in requests], vocab_size, device).unique(
@@ -117,254 +117,10 @@ def apply_penalties(logits: torch.Tensor, requests: Sequence[SampleRequest]) -> 
     )
     if output.numel():
         row = output // vocab_size
-        frequency = _column([r.params.frequency_penalty for r in requests], device).squeeze(1)
-        presence = _column([r.params.presence_penalty for r in requests], device).squeeze(1)
+        frequency = as_column([r.params.frequency_penalty for r in requests], device).squeeze(1)
+        presence = as_column([r.params.presence_penalty for r in requests], device).squeeze(1)
         flat[output] = flat[output] - frequency[row] * counts.to(out.dtype) - presence[row]
     return out
-
-
-FILTER_CANDIDATES = 256  # tokens ``filter_logits`` ranks before it filters a row whole
-
-
-def filter_logits(
-    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
-) -> torch.Tensor:
-    """Returns a new [M, V] tensor with tokens outside each row's kept set at -inf.
-
-    Works in stably sorted order, so equal logits keep the lowest id first: top-k keeps exactly
-    the first k (k <= 0: all); top-p keeps a token while the probability mass (after top-k)
-    before it is below p; min-p drops tokens whose probability is below min_p times the most
-    likely token's. The most likely token always survives.
-    """
-    keep = _keep_counts(top_k, logits.shape[1])
-    candidates, _, undecided = _split_by_candidates(logits, keep, top_p, min_p)
-    if candidates is None:
-        return _filter_whole(logits, keep, top_p, min_p)
-    values, ids = candidates
-    out = torch.full_like(logits, -math.inf).scatter_(1, ids, values)
-    if undecided:
-        rows = _index(undecided, logits.device)
-        out[rows] = _filter_whole(logits[rows], *_pick(undecided, keep, top_p, min_p))
-    return out
-
-
-def _split_by_candidates(
-    logits: torch.Tensor, keep: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
-) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, list[int], list[int]]:
-    """``filter_candidates``' (values, ids) (None where it takes none), and the rows they
-    decide and the rows that need the whole row (``_filter_whole``)."""
-    candidates = filter_candidates(logits, keep, top_p, min_p)
-    if candidates is None:
-        return None, [], list(range(len(keep)))
-    values, ids, decided = candidates
-    flags = decided.tolist()
-    return (
-        (values, ids),
-        [i for i, d in enumerate(flags) if d],
-        [i for i, d in enumerate(flags) if not d],
-    )
-
-
-def _keep_counts(top_k: Sequence[int], vocab_size: int) -> list[int]:
-    """Tokens each row's top-k keeps (the vocabulary where it keeps all)."""
-    return [k if 0 < k < vocab_size else vocab_size for k in top_k]
-
-
-def _pick(rows: Sequence[int], *columns: Sequence[Any]) -> list[list[Any]]:
-    return [[column[i] for i in rows] for column in columns]
-
-
-def filter_candidates(
-    logits: torch.Tensor, keep: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``filter_logits`` on each row's largest ``FILTER_CANDIDATES`` logits (more where a
-    top-k keeps more): ``(values, ids, decided)``, [M, W] logits with the dropped at -inf, their
-    token ids, and [M] whether the row's kept tokens are all among them (a flat distribution
-    under top-p 0.99 is not: `filter_logits` filters such a row whole). None where W would be a
-    quarter of the vocabulary or more. A stable sort of [32, 49,152] logits took 62 ms on CPU,
-    the candidates ~3 (BENCHMARKS.md "Sampling").
-
-    Exact: the candidates are put in the row's stable order (by id, then stably by value);
-    the first ``exact`` + 1 of them are the row's first in that order by position and value
-    (later ones may tie with a lower id left out, but have the same value: so the top-k's
-    mass, its first k < W values, is the row's too), and each filter drops a suffix, deciding
-    by position, by the mass before a position, or by value; so a row whose first dropped
-    position is at most ``exact`` is decided; so is a row whose W-th candidate is -inf (a
-    grammar's mask): every token outside is -inf whether kept or dropped.
-    """
-    vocab_size = logits.shape[1]
-    width = max([FILTER_CANDIDATES] + [k + 1 for k in keep if k < vocab_size])
-    if 4 * width >= vocab_size:
-        return None
-    values, ids = logits.topk(width, dim=-1)
-    ids, by_id = ids.sort(dim=-1)
-    values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(1, order)
-    exact = (values > values[:, -1:]).sum(dim=-1)
-    keep_k = _index(keep, logits.device)
-    total = _totals(logits, values, keep_k)
-    removed = _removed(values, _probs(values, total), keep_k, top_p, min_p)
-    first = torch.where(removed.any(dim=-1), removed.int().argmax(dim=-1), width)
-    # a row with fewer finite logits than candidates (a grammar's mask) has them all here
-    decided = (first <= exact) | (values[:, -1] == -math.inf)
-    return values.masked_fill(removed, -math.inf), ids, decided
-
-
-def _first_logsumexp(values: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-    """Each row's log-sum-exp of its first ``count`` values."""
-    position = torch.arange(values.shape[1], device=values.device)
-    return values.masked_fill(position >= count.unsqueeze(1), -math.inf).logsumexp(dim=-1)
-
-
-def _totals(logits: torch.Tensor, ordered: torch.Tensor, keep_k: torch.Tensor) -> torch.Tensor:
-    """Each row's log-sum-exp over what its top-k keeps: the first ``keep_k`` of its stably
-    ordered values ``ordered`` (the candidates, or the whole sorted row), the whole row where
-    it has no top-k."""
-    total = _row_logsumexp(logits)
-    has_k = keep_k < logits.shape[1]
-    if bool(has_k.any()):
-        first = _first_logsumexp(ordered, keep_k.clamp(max=ordered.shape[1]))
-        total = torch.where(has_k, first, total)
-    return total
-
-
-def _row_logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's log-sum-exp, on the row in id order: every path to a kept set (candidates,
-    value bins, the whole sort) takes it from there, so a token's probability (``_probs``)
-    is the same number in each."""
-    return logits.logsumexp(dim=-1)
-
-
-def _probs(logits: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """Each token's probability from its logit and its row's log-sum-exp, as float64 for
-    the masses: the paths add the same probabilities in different orders, so in float64
-    they agree but where a mass lies within ~1e-12 of p (float32 sums drift by ~1e-6 over a
-    vocabulary). Computed in float32: float64 ``exp`` is ~15x slower on CPU."""
-    return (logits - total.unsqueeze(1)).exp().double()
-
-
-def _removed(
-    sorted_logits: torch.Tensor,
-    probs: torch.Tensor,
-    keep_k: torch.Tensor,
-    top_p: Sequence[float],
-    min_p: Sequence[float],
-) -> torch.Tensor:
-    """Positions of rows in stable descending order that top-k, top-p or min-p drops;
-    ``probs`` are the positions' probabilities over the top-k (all tokens without one)."""
-    device = sorted_logits.device
-    position = torch.arange(sorted_logits.shape[1], device=device)
-    removed = position >= keep_k.unsqueeze(1)
-    probs = probs.masked_fill(removed, 0.0)
-    p = _column(top_p, device)
-    mass_before = probs.cumsum(dim=-1) - probs
-    removed |= (mass_before >= p) & (p < 1)
-    return removed | _below_min_p(sorted_logits, sorted_logits[:, :1], min_p)
-
-
-def _below_min_p(logits: torch.Tensor, top: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
-    """Tokens whose probability is below min_p times the most likely token's (``top``, its
-    logit): a threshold on the logit."""
-    log_min_p = _column(min_p, logits.device).log()  # log(0) = -inf keeps everything
-    return logits < top + log_min_p
-
-
-def _filter_whole(
-    logits: torch.Tensor, keep: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
-) -> torch.Tensor:
-    """``filter_logits`` over whole rows: rows with a top-k sort (``_filter_sorted``), rows
-    with a top-p and no top-k find their edge by value bins (``_filter_nucleus``), min-p
-    alone is a threshold on the value (``_filter_min_p``)."""
-    vocab_size = logits.shape[1]
-    groups = (
-        ([i for i, k in enumerate(keep) if k < vocab_size], _filter_sorted),
-        (
-            [i for i, (k, p) in enumerate(zip(keep, top_p)) if k >= vocab_size and p < 1],
-            _filter_nucleus,
-        ),
-        (
-            [i for i, (k, p) in enumerate(zip(keep, top_p)) if k >= vocab_size and p >= 1],
-            _filter_min_p,
-        ),
-    )
-    for rows, filter_rows in groups:
-        if len(rows) == len(keep):
-            return filter_rows(logits, keep, top_p, min_p)
-    out = torch.empty_like(logits)
-    for rows, filter_rows in groups:
-        if rows:
-            at = _index(rows, logits.device)
-            out[at] = filter_rows(logits[at], *_pick(rows, keep, top_p, min_p))
-    return out
-
-
-def _filter_sorted(
-    logits: torch.Tensor, keep: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
-) -> torch.Tensor:
-    """``filter_logits`` over each row's whole stable sort."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    keep_k = _index(keep, logits.device)
-    total = _totals(logits, sorted_logits, keep_k)
-    removed = _removed(sorted_logits, _probs(sorted_logits, total), keep_k, top_p, min_p)
-    kept = sorted_logits.masked_fill(removed, -math.inf)
-    return torch.full_like(logits, -math.inf).scatter_(1, order, kept)
-
-
-def _filter_min_p(
-    logits: torch.Tensor, keep: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
-) -> torch.Tensor:
-    """``filter_logits`` for rows with neither a top-k nor a top-p."""
-    top = logits.amax(dim=-1, keepdim=True)
-    return logits.masked_fill(_below_min_p(logits, top, min_p), -math.inf)
-
-
-NUCLEUS_BINS = 4096  # value bins of ``_filter_nucleus``
-NUCLEUS_SPAN = 48.0  # logits below the row's largest that the bins cover; the rest, the last
-
-
-def _filter_nucleus(
-    logits: torch.Tensor, keep: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
-) -> torch.Tensor:
-    """``filter_logits`` for rows with a top-p and no top-k, where the candidates did not
-    decide them (a flat distribution: top-p 0.9 keeps thousands of tokens), without sorting
-    the row: a stable sort of [32, 49,152] took ~85 ms of such a step on CPU.
-
-    Top-p keeps, in stable descending order, every token whose mass before it is below p:
-    all tokens above some value, and a first few by id of the tokens at it. The row's values
-    fall into ``NUCLEUS_BINS`` bins of equal width from its largest down to ``NUCLEUS_SPAN``
-    below it, and everything lower into the last (a bin index is monotone in the value, so
-    equal values share a bin); the bins' masses are added up: the bins before the one where
-    the cumulative mass reaches p are kept whole, those after it dropped, and only the
-    tokens of that edge bin are ranked (by value, then id), their mass before counted from
-    the bins above. Exact as the sort is, but for the order in which the float64 masses are
-    added (``_probs``). The last bin is an edge only under p within 1e-15 of 1 (a token
-    e^-48 as likely as the first, times the vocabulary); then it is ranked whole.
-    """
-    num_rows = logits.shape[0]
-    device = logits.device
-    values = logits.float()
-    top = values.amax(dim=-1, keepdim=True)
-    bins = ((top - values) * (NUCLEUS_BINS / NUCLEUS_SPAN)).clamp_(max=NUCLEUS_BINS - 1).long()
-    probs = _probs(values, _row_logsumexp(values))
-    mass = probs.new_zeros(num_rows, NUCLEUS_BINS).scatter_add_(1, bins, probs)
-    cumulative = mass.cumsum(dim=-1)
-    p = _column(top_p, device)
-    edge = (cumulative < p).sum(dim=-1, keepdim=True).clamp_(max=NUCLEUS_BINS - 1)
-    above = torch.where(edge > 0, cumulative.gather(1, (edge - 1).clamp(min=0)), 0.0)
-    at_edge = bins == edge
-    width = int(at_edge.sum(dim=-1).max())
-    # the edge bin's tokens in stable descending order (other tokens fill rows with fewer)
-    edge_values, ids = torch.where(at_edge, values, -math.inf).topk(width, dim=-1)
-    ids, by_id = ids.sort(dim=-1)
-    _, order = edge_values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(1, order)
-    in_edge = at_edge.gather(1, ids)
-    edge_probs = probs.gather(1, ids).masked_fill_(~in_edge, 0.0)
-    mass_before = above + edge_probs.cumsum(dim=-1) - edge_probs
-    kept = bins < edge
-    kept.scatter_(1, ids, kept.gather(1, ids) | (in_edge & (mass_before < p)))
-    kept &= ~_below_min_p(values, top, min_p)
-    return logits.masked_fill(~kept, -math.inf)
 
 
 def greedy_ids(scores: torch.Tensor) -> torch.Tensor:
@@ -415,7 +171,7 @@ def compute_logprobs(
     wanted = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
     if not wanted:
         return result
-    rows = _index(wanted, logits.device)
+    rows = as_index(wanted, logits.device)
     tops = [requests[i].params.logprobs or 0 for i in wanted]
     for i, entry in zip(wanted, token_logprobs(logits[rows], token_ids[rows], tops)):
         result[i] = entry
@@ -447,7 +203,7 @@ def shape_logits(scores: torch.Tensor, rows: Sequence[tuple[int, SamplingParams]
     device = scores.device
     allowed = [(row, p.allowed_token_ids) for row, p in rows if p.allowed_token_ids is not None]
     if allowed:  # the allowed values out, the rows to -inf, the values back
-        index = _index([row for row, _ in allowed], device).unsqueeze(1)
+        index = as_index([row for row, _ in allowed], device).unsqueeze(1)
         width = max(len(ids) for _, ids in allowed)  # shorter lists repeat their first id
         padded = [[*ids, *[ids[0]] * (width - len(ids))] for _, ids in allowed]
         ids = torch.tensor(padded, dtype=torch.long, device=device)
@@ -457,8 +213,8 @@ def shape_logits(scores: torch.Tensor, rows: Sequence[tuple[int, SamplingParams]
     biased = [(row, p.logit_bias) for row, p in rows if p.logit_bias]
     if biased:
         at = (
-            _index([row for row, bias in biased for _ in bias], device),
-            _index([t for _, bias in biased for t, _ in bias], device),
+            as_index([row for row, bias in biased for _ in bias], device),
+            as_index([t for _, bias in biased for t, _ in bias], device),
         )
         values = [float(b) for _, bias in biased for _, b in bias]
         scores.index_put_(
@@ -538,10 +294,10 @@ class Sampler:
             if shaped:
                 shape_logits(scores, [(i, requests[i].params) for i in shaped])
             if penalised:
-                rows = _index(penalised, logits.device)
+                rows = as_index(penalised, logits.device)
                 scores[rows] = apply_penalties(scores[rows], [requests[i] for i in penalised])
         if mask_rows:
-            index = (_index(mask_rows, logits.device), _index(mask_ids, logits.device))
+            index = (as_index(mask_rows, logits.device), as_index(mask_ids, logits.device))
             scores.index_put_(index, torch.tensor(-math.inf, device=logits.device))
         return scores
 
@@ -573,7 +329,7 @@ class Sampler:
                 continue
             if len(group) == len(requests):
                 return choose(scores, requests)
-            rows = _index(group, scores.device)
+            rows = as_index(group, scores.device)
             token_ids[rows] = choose(scores[rows], [requests[i] for i in group])
         return token_ids
 
@@ -583,29 +339,29 @@ class Sampler:
         device = scores.device
         temperature = [r.params.temperature for r in requests]
         if any(t != 1 for t in temperature):
-            scores = scores / _column(temperature, device)
+            scores = scores / as_column(temperature, device)
         uniform = self._uniforms([r.generator for r in requests], device)
         token_ids = torch.empty(len(requests), dtype=torch.long, device=device)
         whole = [i for i, r in enumerate(requests) if not r.params.has_filters]
         filtered = [i for i, r in enumerate(requests) if r.params.has_filters]
         if filtered:
-            rows = _index(filtered, device)
+            rows = as_index(filtered, device)
             part = scores if len(filtered) == len(requests) else scores[rows]
             params = [requests[i].params for i in filtered]
-            keep = _keep_counts([p.top_k for p in params], scores.shape[1])
+            keep = keep_counts([p.top_k for p in params], scores.shape[1])
             top_p, min_p = [p.top_p for p in params], [p.min_p for p in params]
-            candidates, decided, rest = _split_by_candidates(part, keep, top_p, min_p)
+            candidates, decided, rest = split_by_candidates(part, keep, top_p, min_p)
             if candidates is not None and decided:
                 values, ids = candidates
-                at = _index(decided, device)
+                at = as_index(decided, device)
                 positions = inverse_cdf(values[at].softmax(dim=-1), uniform[rows[at]])
                 token_ids[rows[at]] = ids[at].gather(1, positions.unsqueeze(1)).squeeze(1)
             if rest:
-                at = _index(rest, device)
-                kept = _filter_whole(part[at], *_pick(rest, keep, top_p, min_p))
+                at = as_index(rest, device)
+                kept = filter_whole(part[at], *pick(rest, keep, top_p, min_p))
                 token_ids[rows[at]] = inverse_cdf(kept.softmax(dim=-1), uniform[rows[at]])
         if whole:
-            rows = _index(whole, device)
+            rows = as_index(whole, device)
             part = scores if len(whole) == len(requests) else scores[rows]
             token_ids[rows] = inverse_cdf(part.softmax(dim=-1), uniform[rows])
         return token_ids
@@ -620,7 +376,7 @@ class Sampler:
         if len(shared) == len(generators):
             return uniform.uniform_(generator=self._shared_generator(device))
         if shared:
-            rows = _index(shared, device)
+            rows = as_index(shared, device)
             drawn = uniform.new_empty(len(shared))
             uniform[rows] = drawn.uniform_(generator=self._shared_generator(device))
         for row, generator in enumerate(generators):
