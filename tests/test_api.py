@@ -355,6 +355,75 @@ def test_echo(client: openai.OpenAI, api_server: ApiServer) -> None:
     assert all(len(top) in (1, 2) for top in lp["top_logprobs"][1:])  # the top 1 and the token
 
 
+def _prompt_ids(res: Completion) -> list[int]:
+    """The prompt's token ids of an echoed completion (``max_tokens: 0``, token ids as text)."""
+    logprobs = res.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    return [int(t.removeprefix("token_id:")) for t in logprobs.tokens]
+
+
+def test_add_special_tokens(client: openai.OpenAI, api_server: ApiServer) -> None:
+    """vLLM's ``add_special_tokens``: completions add the tokenizer's bos by default, chat
+    does not (its template writes what it needs); either way round on request."""
+    kwargs: dict[str, Any] = dict(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
+    with_bos = client.completions.create(**kwargs, extra_body=IDS)
+    without = client.completions.create(**kwargs, extra_body={**IDS, "add_special_tokens": False})
+    tokenizer = api_server.tokenizer
+    assert _prompt_ids(with_bos) == tokenizer.encode(PROMPT, True)
+    assert _prompt_ids(without) == tokenizer.encode(PROMPT, False)
+    assert len(_prompt_ids(with_bos)) == len(_prompt_ids(without)) + 1  # the tiny model's bos
+    chat = dict(model="tiny", messages=MESSAGES, max_tokens=1, temperature=0)
+    plain = client.chat.completions.create(**chat)
+    added = client.chat.completions.create(**chat, extra_body={"add_special_tokens": True})
+    assert plain.usage is not None and added.usage is not None
+    assert added.usage.prompt_tokens == plain.usage.prompt_tokens + 1
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(
+    client: openai.OpenAI, api_server: ApiServer
+) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens, text or ids; -1 keeps
+    the context window; a long prompt that would be refused is served truncated."""
+    long_text = " ".join(f"word{i}" for i in range(200))  # over the 256-token window
+    ids = api_server.tokenizer.encode(long_text, True)
+    assert len(ids) > API_MAX_MODEL_LEN
+    kwargs: dict[str, Any] = dict(model="tiny", max_tokens=4, temperature=0, logprobs=0)
+    kept = client.completions.create(
+        prompt=long_text, **kwargs, extra_body={**IDS, "truncate_prompt_tokens": 40}
+    )
+    reference = client.completions.create(prompt=ids[-40:], **kwargs, extra_body=IDS)
+    assert kept.usage is not None and kept.usage.prompt_tokens == 40
+    assert kept.choices[0].text == reference.choices[0].text
+    echoed = client.completions.create(
+        prompt=ids, model="tiny", max_tokens=0, echo=True, logprobs=0,
+        extra_body={**IDS, "truncate_prompt_tokens": 7},
+    )  # fmt: skip
+    assert _prompt_ids(echoed) == ids[-7:]
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=1, extra_body={"truncate_prompt_tokens": 5}
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == 5
+    # the whole window: no room is left for output, the usual context-length error
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(prompt=long_text, model="tiny", max_tokens=1,
+                                  extra_body={"truncate_prompt_tokens": -1})  # fmt: skip
+    assert _error(caught)["code"] == "context_length_exceeded"
+    assert "256 tokens" in _error(caught)["message"]
+    for bad in (0, -2, API_MAX_MODEL_LEN + 1):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(
+                prompt=PROMPT, model="tiny", max_tokens=1,
+                extra_body={"truncate_prompt_tokens": bad},
+            )  # fmt: skip
+        assert _error(caught)["param"] == "truncate_prompt_tokens"
+
+
+def _error(caught: pytest.ExceptionInfo[openai.BadRequestError]) -> dict[str, Any]:
+    body = caught.value.body
+    assert isinstance(body, dict)
+    return body
+
+
 def test_served_model_alias(client: openai.OpenAI) -> None:
     resp = client.completions.create(model="tiny-alias", prompt=PROMPT, max_tokens=1)
     assert resp.model == "tiny-alias"

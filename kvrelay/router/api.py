@@ -231,7 +231,11 @@ class OpenAIApi:
         model = self.model_name(req.model)
         n = self._check_n(req.n, len(req.prompt))
         self._check_completion_options(req, n)
-        prompts = [await self._completion_prompt(p, req.echo) for p in req.prompt]
+        keep = self._prompt_tokens_kept(req.truncate_prompt_tokens)
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        prompts = [
+            await self._completion_prompt(p, req.echo, add_special, keep) for p in req.prompt
+        ]
         options = ResponseOptions(
             include_usage=req.include_usage,
             want_logprobs=req.logprobs is not None,
@@ -382,21 +386,46 @@ class OpenAIApi:
 
     # ---- prompts
 
-    async def _completion_prompt(self, prompt: str | list[int], echo: bool) -> PromptInfo:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise bad_request("'prompt' must not be empty", "prompt")
-            return PromptInfo(await self.encode(prompt, True, "prompt"), prompt)
+    def _prompt_tokens_kept(self, truncate: int | None) -> int | None:
+        """vLLM's ``truncate_prompt_tokens``: how many of a prompt's last tokens are kept
+        (-1: the context window), None to keep them all."""
+        limit = self.backend.max_model_len
+        if truncate is None:
+            return None
+        if truncate == -1:
+            return limit
+        if not 1 <= truncate <= limit:
+            raise bad_request(
+                f"'truncate_prompt_tokens' must be -1 (the context window) or in [1, {limit}]"
+                f" (the context window), got {truncate}",
+                "truncate_prompt_tokens",
+            )
+        return truncate
+
+    async def _completion_prompt(
+        self, prompt: str | list[int], echo: bool, add_special: bool, keep: int | None
+    ) -> PromptInfo:
         if not prompt:
             raise bad_request("'prompt' must not be empty", "prompt")
+        if isinstance(prompt, str):
+            info = PromptInfo(await self.encode(prompt, add_special, "prompt", keep), prompt)
+            return self._truncated(info, keep)
         bad = next((t for t in prompt if not 0 <= t < self.tokenizer.vocab_size), None)
         if bad is not None:
             raise bad_request(
                 f"prompt token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})",
                 "prompt",
             )
-        text = self.tokenizer.decode(prompt, skip_special_tokens=False) if echo else ""
-        return PromptInfo(list(prompt), text)
+        ids = list(prompt) if keep is None else list(prompt[-keep:])
+        text = self.tokenizer.decode(ids, skip_special_tokens=False) if echo else ""
+        return PromptInfo(ids, text)
+
+    def _truncated(self, prompt: PromptInfo, keep: int | None) -> PromptInfo:
+        """The prompt's last ``keep`` tokens, with their text (what echo gives back)."""
+        if keep is None or len(prompt.token_ids) <= keep:
+            return prompt
+        ids = prompt.token_ids[-keep:]
+        return PromptInfo(ids, self.tokenizer.decode(ids, skip_special_tokens=False))
 
     async def chat_prompt(
         self, req: ChatCompletionRequest, tools: ToolPlan | None = None
@@ -423,11 +452,18 @@ class OpenAIApi:
             raise bad_request("the messages are nested too deeply", "messages") from None
         if req.continue_final_message:
             text = _cut_after_final_message(text, req.messages[-1].text)
-        return PromptInfo(await self.encode(text, False, "messages"), text)
+        keep = self._prompt_tokens_kept(req.truncate_prompt_tokens)
+        ids = await self.encode(text, bool(req.add_special_tokens), "messages", keep)
+        return self._truncated(PromptInfo(ids, text), keep)
 
-    async def encode(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+    async def encode(
+        self, text: str, add_special_tokens: bool, param: str, keep: int | None = None
+    ) -> list[int]:
+        """The text's token ids; a 400 naming ``param`` when they fill the context window,
+        unless only the last ``keep`` are kept (``truncate_prompt_tokens``)."""
+        limit = self.backend.max_model_len if keep is None else None
         try:
-            return await self.text.encode(text, add_special_tokens, self.backend.max_model_len)
+            return await self.text.encode(text, add_special_tokens, limit)
         except PromptTooLong as exc:  # what resolve_max_tokens says, without the ids
             raise context_length_error(
                 exc.num_tokens, self.backend.max_model_len, None, param

@@ -164,6 +164,8 @@ class _GenerateRequest(_Strict):
     logit_bias: dict[str, float] | None = None  # {"token id": bias in [-100, 100]}
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and top k
+    add_special_tokens: bool | None = None  # vLLM's: bos/eos by the tokenizer (chat: False)
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k (-1: the context)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM: {json|regex|choice|grammar: ...}
     guided_json: dict[str, Any] | str | None = None  # vLLM's older spelling of the same
