@@ -32,6 +32,7 @@ from kvrelay.protocol.messages import (
     decode,
     encode,
 )
+from kvrelay.protocol.sampling_params import REQUEST_NAMES
 from tests.cluster_harness import admin_request, running_cluster
 from tests.test_placement import old_register_bytes
 from tests.test_trust import peer_info, rogue_socket
@@ -132,6 +133,7 @@ NEWER_FIELDS: dict[str, dict[str, Any]] = {
     "prompt_logprobs": {"prompt_logprobs": 1},
     "allowed_token_ids": {"allowed_token_ids": [BIASED, 8]},
     "structured_outputs": {"structured_outputs": {"regex": "[ab]+"}, "ignore_eos": False},
+    "bad_words": {"bad_words": ["zebra"]},
 }
 
 
@@ -142,7 +144,8 @@ def test_an_old_worker_gets_no_request_with_a_field_it_would_drop(
     instances = _instances(launcher)
     (new_id,) = [i for i, d in instances.items() if i != OLD_ID]
     assert instances[new_id]["unknown_sampling_fields"] == []
-    assert set(instances[OLD_ID]["unknown_sampling_fields"]) == set(NEWER_FIELDS)
+    unknown = {REQUEST_NAMES.get(f, f) for f in instances[OLD_ID]["unknown_sampling_fields"]}
+    assert unknown == set(NEWER_FIELDS)
 
     # both placeable, the new one busy with a stream: a plain request takes the idle old
     # worker, a biased one waits its turn on the new worker and is biased

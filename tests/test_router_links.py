@@ -165,6 +165,15 @@ def test_routers_announce_batches_and_workers_follow_each_ack(tiny_model_dir) ->
         assert worker.registered and link in links._batching
         Worker._on_register_ack(worker, decode(old), link)  # the router was replaced by an older
         assert link not in links._batching
+        # requests taken in are counted per router id; a router restarted on the same link
+        # (a new id) replaces the old one in both maps, so neither grows with restarts
+        links.took(ack.router_id, 3)
+        links.took(ack.router_id, 0)  # an older router's request: no count
+        links.took("router-elsewhere", 5)
+        assert links.last_taken == {ack.router_id: 3, "router-elsewhere": 5}
+        Worker._on_register_ack(worker, dataclasses.replace(ack, router_id="router-new"), link)
+        assert links.by_router_id == {"router-new": link}
+        assert links.last_taken == {"router-elsewhere": 5}
     finally:
         links.close()
         ctx.term()

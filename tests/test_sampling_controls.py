@@ -117,6 +117,36 @@ def test_allowed_token_ids_never_sample_another_token() -> None:
     assert greedy.token_ids == [max(allowed, key=lambda t: logits[0, t].item())]
 
 
+def test_bad_words_mask_a_words_last_id_while_the_output_ends_with_the_rest() -> None:
+    logits = torch.zeros(4, 50)
+    logits[:, 9] = 5.0  # greedy picks 9 unless it is masked, then 8
+    logits[:, 8] = 4.0
+    words = ((9, 3, 9), (1, 9))  # 9 after 9, 3; 9 after 1
+    params = SamplingParams(temperature=0, bad_words_token_ids=words)
+    rows = [_request(params, out) for out in ((), (9, 3), (7, 1), (3, 9))]
+    assert Sampler([EOS])(logits, rows).token_ids == [9, 8, 8, 9]
+    single = SamplingParams(temperature=0, bad_words_token_ids=[[9]])
+    assert Sampler([EOS])(logits[:1], [_request(single)]).token_ids == [8]
+    sampled = SamplingParams(seed=3, bad_words_token_ids=[[9], [8]])
+    out = Sampler([EOS])(logits, [_request(sampled)] * 4)
+    assert not {8, 9} & set(out.token_ids)
+
+
+@pytest.mark.parametrize(
+    "words",
+    [[[]], [[-1]], [["a"]], ["ab"], [[1, 2.5]]],
+)
+def test_bad_words_must_be_token_id_sequences(words: Any) -> None:
+    with pytest.raises(ValueError, match=r"SamplingParams\.bad_words_token_ids must be"):
+        SamplingParams(bad_words_token_ids=words)
+
+
+def test_bad_words_may_not_ban_every_allowed_id() -> None:
+    with pytest.raises(ValueError, match="leave one of allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[4, 5], bad_words_token_ids=[[4], [5], [6, 4]])
+    SamplingParams(allowed_token_ids=[4, 5], bad_words_token_ids=[[4], [6, 5]])  # 5 may follow
+
+
 def test_rows_without_them_are_untouched_and_logprobs_stay_raw() -> None:
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(3, 30, generator=gen)
@@ -326,6 +356,42 @@ def test_the_same_tokens_colocated_disaggregated_and_offline(
         assert _token_ids(seeded.choices[0].logprobs.tokens) == want_seeded
 
 
+def test_bad_words_through_both_clusters(colocated: Any, disagg: Any, llm: LLM) -> None:
+    """vLLM's ``bad_words``: a word of the greedy output, as the router tokenizes it, never
+    appears in the output, which is the offline engine's with those ids banned, colocated
+    and 1P+1D (the prefill worker's first token obeys it too)."""
+    from kvrelay.router.request_models import bad_words_ids
+
+    tokenizer = llm.get_tokenizer()
+    greedy = _ids(llm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    ids_of = {}
+    for width in (1, 2):  # the first token, then the first pair, that the router tokenizes
+        for start in range(len(greedy) - width + 1):  # back to the output's own ids
+            word = tokenizer.decode(greedy[start : start + width])
+            seqs = bad_words_ids(lambda w: tokenizer.encode(w, False), [word])
+            if tuple(greedy[start : start + width]) in seqs:
+                ids_of[word] = seqs
+                break
+    assert ids_of, "no word of the greedy output tokenizes back to its own ids"
+    words = list(ids_of)
+    banned = tuple(seq for seqs in ids_of.values() for seq in seqs)
+    want = _ids(
+        llm,
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words_token_ids=banned),
+    )
+    assert want != greedy
+    for launcher in (colocated, disagg):
+        got = _client(launcher).completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=0,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True,
+                        "bad_words": words},
+        )  # fmt: skip
+        out = _token_ids(got.choices[0].logprobs.tokens)
+        assert out == want
+        for seq in banned:
+            assert all(tuple(out[i : i + len(seq)]) != seq for i in range(len(out)))
+
+
 def _token_ids(tokens: list[str]) -> list[int]:
     assert all(t.startswith("token_id:") for t in tokens), tokens
     return [int(t.removeprefix("token_id:")) for t in tokens]
@@ -366,6 +432,8 @@ def test_chat_logit_bias_with_the_openai_client_and_langchain(colocated: Any) ->
         ({"logit_bias": {"3": 100.5}}, "logit_bias", "[-100, 100]"),
         ({"allowed_token_ids": [1, 99999999]}, "allowed_token_ids", "outside the vocabulary"),
         ({"allowed_token_ids": []}, "allowed_token_ids", "1 to"),
+        ({"bad_words": [" "]}, "bad_words", "non-empty words"),
+        ({"bad_words": ["x"] * 1025}, "bad_words", "more than 1024"),
     ],
 )
 def test_bad_values_are_a_400_naming_the_field(

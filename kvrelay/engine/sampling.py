@@ -11,6 +11,7 @@ One step's logits (one row per request) go through, in this order::
         ├─ logit_bias: added to its tokens' logits
         ├─ penalties: repetition (prompt + output tokens), then frequency, presence (output)
         ├─ min_tokens: eos ids and stop_token_ids set to -inf while the output is too short
+        ├─ bad words: a word's last id set to -inf while the output ends with the rest
         ├─ greedy rows ──► argmax (ties: lowest id)
         └─ other rows  ──► / temperature ──► top_k ──► top_p ──► min_p ──► draw
 
@@ -228,6 +229,7 @@ def _is_plain_greedy(request: SampleRequest) -> bool:
         params.is_greedy
         and not params.has_penalties
         and not params.shapes_logits
+        and not params.bad_words_token_ids
         and params.logprobs is None
         and len(request.output_token_ids) >= params.min_tokens
         and request.matcher is None
@@ -280,11 +282,11 @@ class Sampler:
     def _apply_constraints(
         self, logits: torch.Tensor, requests: Sequence[SampleRequest]
     ) -> torch.Tensor:
-        """allowed_token_ids, logit_bias, penalties, then min_tokens masking (vLLM's order);
-        returns ``logits`` itself when none applies."""
+        """allowed_token_ids, logit_bias, penalties, then min_tokens and bad-word masking
+        (vLLM's order); returns ``logits`` itself when none applies."""
         shaped = [i for i, r in enumerate(requests) if r.params.shapes_logits]
         penalised = [i for i, r in enumerate(requests) if r.params.has_penalties]
-        mask_rows, mask_ids = self._min_tokens_mask(requests, logits.shape[1])
+        mask_rows, mask_ids = self._masked_ids(requests, logits.shape[1])
         if not shaped and not penalised and not mask_rows:
             return logits
         if not shaped and len(penalised) == len(requests):
@@ -301,16 +303,21 @@ class Sampler:
             scores.index_put_(index, torch.tensor(-math.inf, device=logits.device))
         return scores
 
-    def _min_tokens_mask(
+    def _masked_ids(
         self, requests: Sequence[SampleRequest], vocab_size: int
     ) -> tuple[list[int], list[int]]:
-        """(row, token id) pairs to mask: eos and stop ids of rows still short of min_tokens."""
+        """(row, token id) pairs to mask: eos and stop ids of rows still short of min_tokens,
+        and the ids each row's bad words forbid next."""
         rows: list[int] = []
         token_ids: list[int] = []
         for row, request in enumerate(requests):
-            if len(request.output_token_ids) >= request.params.min_tokens:
-                continue
-            for token_id in {*self.eos_token_ids, *request.params.stop_token_ids}:
+            params = request.params
+            masked: Iterable[int] = ()
+            if len(request.output_token_ids) < params.min_tokens:
+                masked = {*self.eos_token_ids, *params.stop_token_ids}
+            if params.bad_words_token_ids:
+                masked = {*masked, *params.banned_ids(request.output_token_ids)}
+            for token_id in masked:
                 if token_id < vocab_size:
                     rows.append(row)
                     token_ids.append(token_id)

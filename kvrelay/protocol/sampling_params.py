@@ -7,7 +7,7 @@ The router validates requests with these (it never imports torch); the engine's
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, fields
 from typing import NamedTuple, NoReturn
 
@@ -140,6 +140,9 @@ class SamplingParams:
     # None: none; k: each prompt token's logprob (after the first) and the top k (0: none);
     # the prompt is computed whole, not taken from the prefix cache
     prompt_logprobs: int | None = None
+    # token-id sequences that must not appear in the output: a sequence's last id is masked
+    # while the output ends with the rest (vLLM's bad_words, tokenized by the router)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop))
@@ -147,6 +150,9 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", _as_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", _as_tuple(self.allowed_token_ids))
+        words = _as_tuple(self.bad_words_token_ids)
+        words = tuple(_as_tuple(w) if isinstance(w, (list, tuple)) else w for w in words)
+        object.__setattr__(self, "bad_words_token_ids", words)
         self._check_sampling()
         self._check_penalties()
         self._check_lengths()
@@ -238,6 +244,7 @@ class SamplingParams:
                 _fail("logit_bias", bias, f"biases in [{low:g}, {high:g}]")
         if len({token_id for token_id, _ in self.logit_bias}) != len(self.logit_bias):
             _fail("logit_bias", self.logit_bias, "one bias per token id")
+        self._check_bad_words()
         allowed = self.allowed_token_ids
         if allowed is None:
             return
@@ -249,6 +256,30 @@ class SamplingParams:
         if self.structured_outputs is not None:
             _fail("allowed_token_ids", allowed, "None with structured outputs (the grammar "
                   "decides which tokens may follow)")  # fmt: skip
+        banned = {w[0] for w in self.bad_words_token_ids if len(w) == 1}
+        if banned.issuperset(allowed):
+            _fail("bad_words_token_ids", sorted(banned), "words that leave one of "
+                  "allowed_token_ids to sample")  # fmt: skip
+
+    def _check_bad_words(self) -> None:
+        words = self.bad_words_token_ids
+        if sum(len(w) if isinstance(w, tuple) else 1 for w in words) > MAX_TOKEN_LIST:
+            _fail("bad_words_token_ids", len(words), f"at most {MAX_TOKEN_LIST} ids in all")
+        for word in words:
+            if not (isinstance(word, tuple) and word and all(_is_int(t) and t >= 0 for t in word)):
+                _fail("bad_words_token_ids", word, "non-empty sequences of token ids (>= 0)")
+
+    def banned_ids(self, output_token_ids: Sequence[int]) -> list[int]:
+        """The ids its bad words forbid next, after ``output_token_ids``: each word's last id
+        where the output ends with the rest of the word."""
+        banned = []
+        for word in self.bad_words_token_ids:
+            head = len(word) - 1
+            if head == 0 or (
+                len(output_token_ids) >= head and tuple(output_token_ids[-head:]) == word[:-1]
+            ):
+                banned.append(word[-1])
+        return banned
 
     def token_ids_over(self, vocab_size: int) -> tuple[str, int] | None:
         """The first (field, token id) of logit_bias / allowed_token_ids outside
@@ -259,6 +290,10 @@ class SamplingParams:
         for token_id in self.allowed_token_ids or ():
             if token_id >= vocab_size:
                 return "allowed_token_ids", token_id
+        for word in self.bad_words_token_ids:
+            for token_id in word:
+                if token_id >= vocab_size:
+                    return "bad_words_token_ids", token_id
         return None
 
     def vocab_error(self, vocab_size: int) -> tuple[str, str] | None:
@@ -337,6 +372,9 @@ the one asked for. So a worker lists the fields it knows when it registers
 (``Register.sampling_fields``), and the router sends a request that sets a later field only to
 workers that list it; a worker whose ``Register`` lacks the list (one older than the list)
 is taken to know these alone."""
+
+REQUEST_NAMES = {"bad_words_token_ids": "bad_words"}
+"""The HTTP request field a SamplingParams field comes from, where the names differ."""
 
 FIELDS = tuple(f.name for f in fields(SamplingParams))
 """Every field this version knows, in wire order: what its workers register."""

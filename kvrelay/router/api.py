@@ -42,6 +42,7 @@ from kvrelay.router.http_guards import ApiGuardMiddleware
 from kvrelay.router.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
+    bad_words_ids,
     check_fields,
     context_length_error,
     resolve_max_tokens,
@@ -480,6 +481,7 @@ class OpenAIApi:
     ) -> list[GenerateInput]:
         """One GenerateInput per choice (seeds ``seed + i`` so the n choices differ)."""
         limit = self.settings.max_tokens_limit
+        bad_words = () if not req.bad_words else bad_words_ids(self._encode_word, req.bad_words)
         inputs = []
         for choice in builder.choices:
             prompt = builder.prompts[choice.prompt_index]
@@ -499,12 +501,16 @@ class OpenAIApi:
                 seed_offset=choice.index % n,
                 structured=spec.structured,
                 prompt_logprobs=spec.prompt_logprobs,
+                bad_words_token_ids=bad_words,
             )
             error = params.vocab_error(self.tokenizer.vocab_size)  # logit_bias, allowed ids
             if error is not None:
                 raise bad_request(error[1], error[0])
             inputs.append(GenerateInput(builder.request_id(choice.index), prompt.token_ids, params))
         return inputs
+
+    def _encode_word(self, word: str) -> list[int]:
+        return self.tokenizer.encode(word, add_special_tokens=False)
 
     # ---- responses
 

@@ -58,7 +58,7 @@ from kvrelay.protocol.messages import (
     decode,
     encode,
 )
-from kvrelay.protocol.sampling_params import TokenLogprobs
+from kvrelay.protocol.sampling_params import REQUEST_NAMES, TokenLogprobs
 from kvrelay.router.admission import Admission
 from kvrelay.router.backend import (
     Backend,
@@ -242,11 +242,12 @@ class Dispatcher(Backend):
         if placement is None:
             unknown = self.registry.unknown_field(request.params.fields_set())
             if unknown is not None:
+                param = REQUEST_NAMES.get(unknown, unknown)
                 raise InvalidRequest(
-                    f"'{unknown}' is not supported by this cluster's workers: they run an"
+                    f"'{param}' is not supported by this cluster's workers: they run an"
                     " older kvrelay than the router (a rolling upgrade); retry without it, or"
                     " once they are upgraded",
-                    unknown,
+                    param,
                 )
             raise Unavailable("no worker instance is ready", self.settings.retry_after)
         tr = _Tracked(

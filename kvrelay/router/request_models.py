@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, PlainValidator, model_validator
 from pydantic_core import PydanticCustomError
 
-from kvrelay.protocol.sampling_params import SamplingParams, StructuredOutput
+from kvrelay.protocol.sampling_params import REQUEST_NAMES, SamplingParams, StructuredOutput
 from kvrelay.router.errors import ApiError, bad_request
 
 Prompt = list[str] | list[list[int]]  # one entry per prompt of a batch
@@ -165,6 +166,7 @@ class _GenerateRequest(_Strict):
     allowed_token_ids: list[int] | None = None  # vLLM's: only these may be sampled
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and top k
     add_special_tokens: bool | None = None  # vLLM's: bos/eos by the tokenizer (chat: False)
+    bad_words: list[str] | None = None  # vLLM's: words the output must not contain
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k (-1: the context)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM: {json|regex|choice|grammar: ...}
@@ -237,6 +239,7 @@ def sampling_params(
     seed_offset: int = 0,
     structured: StructuredOutput | None = None,
     prompt_logprobs: int | None = None,
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
 ) -> SamplingParams:
     """The ``n == 1`` params of one choice.
 
@@ -248,6 +251,7 @@ def sampling_params(
         seed_offset: added to the request's seed (choice ``i`` of ``n`` gets ``seed + i``).
         structured: the grammar the output must match (``structured.resolve_structured``).
         prompt_logprobs: ``SamplingParams.prompt_logprobs``.
+        bad_words_token_ids: the request's ``bad_words``, tokenized (``bad_words_ids``).
 
     Raises:
         ApiError: 400 naming the offending request field.
@@ -264,13 +268,14 @@ def sampling_params(
             logprobs=logprobs,
             structured_outputs=structured,
             prompt_logprobs=prompt_logprobs,
+            bad_words_token_ids=bad_words_token_ids,
             **kwargs,
         )
     except ValueError as exc:
         message = str(exc)
         match = _PARAM_NAME.match(message)
         name = match.group(1) if match else None
-        param = param_names.get(name, name) if name else None
+        param = param_names.get(name, REQUEST_NAMES.get(name, name)) if name else None
         raise bad_request(message.replace(f"SamplingParams.{name}", f"'{param}'"), param) from exc
 
 
@@ -373,6 +378,31 @@ def resolve_max_tokens(
     if requested > room:
         raise context_length_error(prompt_len, max_model_len, requested, param)
     return requested
+
+
+MAX_BAD_WORDS = 1024  # strings in a request's bad_words
+
+
+def bad_words_ids(
+    encode: Callable[[str], list[int]], words: list[str]
+) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of ``bad_words``: each word as written (leading spaces dropped)
+    and, where it starts another token of the same count, after a space, the form it takes
+    mid-sentence. Raises a 400 naming ``bad_words`` for an empty word or too many."""
+    if len(words) > MAX_BAD_WORDS:
+        raise bad_request(
+            f"'bad_words' has {len(words)} words, more than {MAX_BAD_WORDS}", "bad_words"
+        )
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        if not word.strip():
+            raise bad_request("'bad_words' must be non-empty words", "bad_words")
+        bare = tuple(encode(word.lstrip()))
+        out.append(bare)
+        spaced = tuple(encode(" " + word.lstrip()))
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(out)
 
 
 def context_length_error(

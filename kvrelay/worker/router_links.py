@@ -53,6 +53,8 @@ class RouterLinks:
         self.lock = threading.RLock()  # router links: loop thread + heartbeat thread
         self.origin: dict[str, zmq.Socket] = {}  # request id -> the router that sent it
         self.by_router_id: dict[str, zmq.Socket] = {}  # router id (RegisterAck) -> its link
+        # router id -> the seq of the last GenerateRequest taken in from it (LoadReport)
+        self.last_taken: dict[str, int] = {}
         self.attempts: dict[str, int] = {}  # request id -> GenerateRequest.attempt
         self._last_heard = {link: time.monotonic() for link in self.links}  # loop thread only
         self.snapshot: LoadReport | None = None  # what the heartbeat thread sends
@@ -83,6 +85,20 @@ class RouterLinks:
             if self.snapshot is not None:
                 self.send(self.snapshot)
             time.sleep(self._heartbeat_interval)
+
+    def set_router_id(self, router_id: str, link: zmq.Socket) -> None:
+        """``link`` leads to router ``router_id`` (its RegisterAck); a router that had the
+        link before (restarted at the same address, with a new id) is forgotten."""
+        for old_id in [i for i, known in self.by_router_id.items() if known is link]:
+            if old_id != router_id:
+                del self.by_router_id[old_id]
+                self.last_taken.pop(old_id, None)
+        self.by_router_id[router_id] = link
+
+    def took(self, router_id: str, seq: int) -> None:
+        """A GenerateRequest of ``seq`` came from router ``router_id`` (loop thread)."""
+        if seq:  # 0: an older router, which does not count
+            self.last_taken[router_id] = seq
 
     def adopt_origin(self, request_id: str, router_id: str) -> None:
         """Events of ``request_id`` (handed over by a peer) go to router ``router_id`` only;

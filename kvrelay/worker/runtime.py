@@ -141,7 +141,6 @@ class Worker:
         self.draining = False
         self._exit_deadline: float | None = None  # set by SIGTERM: drain, then exit
         self._last_report = 0.0
-        self._last_taken: dict[str, int] = {}  # per router: the last GenerateRequest's seq
         self._last_orphan_check = 0.0
         self._last_loop_tick = time.monotonic()
 
@@ -351,8 +350,7 @@ class Worker:
             if isinstance(msg, GenerateRequest):
                 self.routers.origin[msg.request_id] = sock
                 self.routers.attempts[msg.request_id] = msg.attempt
-                if msg.seq:
-                    self._last_taken[msg.origin] = msg.seq
+                self.routers.took(msg.origin, msg.seq)
             elif isinstance(msg, Abort) and not self.routers.is_current(
                 msg.request_id, msg.attempt
             ):
@@ -387,7 +385,7 @@ class Worker:
 
     def _on_register_ack(self, msg: RegisterAck, link: zmq.Socket) -> None:
         if msg.router_id:
-            self.routers.by_router_id[msg.router_id] = link
+            self.routers.set_router_id(msg.router_id, link)
         self.routers.set_takes_batches(link, msg.token_batches)
         if msg.known:
             self.registered = True
@@ -520,7 +518,7 @@ class Worker:
             num_leaked_blocks=self.num_leaked_blocks(),
             draining=self.is_draining,
             num_prefill_tokens=self.engine.scheduler.num_prefill_tokens(),
-            last_taken=dict(self._last_taken),
+            last_taken=dict(self.routers.last_taken),
         )
 
     def num_pending_kv(self) -> int:
