@@ -29,6 +29,7 @@ envs.use_passive_openmp_wait()
 
 import torch
 from common import (
+    add_model_args,
     command_line,
     machine_info,
     machine_markdown,
@@ -41,9 +42,11 @@ from transfer import (
     CREDENTIAL,
     FINGERPRINT,
     PULL_TIMEOUT_S,
+    Shape,
     block_ids,
     interleaved_seconds,
     layout_for,
+    shapes_of,
     start_source,
 )
 
@@ -65,11 +68,13 @@ class Row:
     curve_gbps: float
 
 
-def measure(size: str, tokens_list: Sequence[int], repeats: int, cluster: str) -> list[Row]:
+def measure(shape: Shape, tokens_list: Sequence[int], repeats: int, cluster: str) -> list[Row]:
+    size = shape.name
     num_blocks = 2 * math.ceil(max(tokens_list) / BLOCK_SIZE) + 8
-    layout = layout_for(size, num_blocks)
-    source = start_source(layout, segment_name(cluster, f"src-{size}", "kv"), seed=1)
-    dst_pool = torch.zeros(pool_shape(layout), dtype=torch.float32)
+    layout = layout_for(shape, num_blocks)
+    name = segment_name(cluster, f"src-{uuid.uuid4().hex[:6]}", "kv")
+    source = start_source(layout, name, seed=1)
+    dst_pool = torch.zeros(pool_shape(layout), dtype=getattr(torch, shape.dtype))
     dst_layout = layout_of(dst_pool)
     secure = create_transport("tcp", security=SocketSecurity(CREDENTIAL))
     plain = create_transport("tcp", security=SocketSecurity(None))
@@ -125,18 +130,17 @@ def table(rows: Sequence[Row]) -> list[list[str]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=9, help="timed runs per case (median)")
+    add_model_args(parser)
     parser.add_argument("--quick", action="store_true", help="small model, 256 tokens")
     parser.add_argument("--no-write", action="store_true", help="leave BENCHMARKS.md alone")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    cases = {"small": (256,)} if args.quick else {"small": (256, 2048), "medium": (256, 2048)}
+    tokens = (256,) if args.quick else (256, 2048)
     cluster = f"curve{uuid.uuid4().hex[:8]}"
     try:
         rows = [
-            r
-            for size, tokens in cases.items()
-            for r in measure(size, tokens, args.repeats, cluster)
+            r for shape in shapes_of(args) for r in measure(shape, tokens, args.repeats, cluster)
         ]
     finally:
         cleanup_segments(f"kvrelay-{cluster}-")
@@ -146,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             [
                 "tcp pulls of the same lease from one source process over a CURVE socket (the "
                 "default: authenticated, encrypted) and a plain one (`--insecure-no-auth`), "
-                f"round-robin, median of {args.repeats}; contiguous blocks, float32, "
+                f"round-robin, median of {args.repeats}; contiguous blocks, {args.dtype}, "
                 "loopback. GB/s = KV bytes per second. CURVE encrypts and authenticates every "
                 "frame (XSalsa20-Poly1305) in ZMQ's I/O thread on both ends, so the bytes of "
                 "one connection go through one core each way. Same-host hand-offs (shm, "

@@ -432,3 +432,15 @@ def test_prompt_logprobs_benchmark_times_and_checks(tiny_model_dir, tmp_path: Pa
     )
     assert found is not None, proc.stdout
     assert float(found.group(1)) < 1e-3 and found.group(2) == found.group(3) == "39"
+
+
+@pytest.mark.timeout(120)
+def test_curve_cost_pulls_over_both_sockets(tmp_path: Path) -> None:
+    """benchmarks/curve_cost.py --quick (a smoke test, not a timing): a row with both rates."""
+    cmd = [sys.executable, str(REPO_ROOT / "benchmarks" / "curve_cost.py"), "--quick", "--repeats",
+           "1", "--no-write"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = re.search(r"^\| small \| 256 \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \|", proc.stdout, re.M)
+    assert row is not None, proc.stdout
+    assert float(row.group(1)) > 0 and float(row.group(2)) > 0
