@@ -134,6 +134,7 @@ NEWER_FIELDS: dict[str, dict[str, Any]] = {
     "allowed_token_ids": {"allowed_token_ids": [BIASED, 8]},
     "structured_outputs": {"structured_outputs": {"regex": "[ab]+"}, "ignore_eos": False},
     "bad_words": {"bad_words": ["zebra"]},
+    "priority": {"priority": 1},
 }
 
 

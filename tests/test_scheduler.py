@@ -14,10 +14,13 @@ BS = 4
 EOS = 2
 
 
-def make(num_blocks=16, max_tokens_step=64, max_seqs=8, max_len=128) -> Scheduler:
+def make(num_blocks=16, max_tokens_step=64, max_seqs=8, max_len=128, policy="fcfs") -> Scheduler:
     bm = BlockManager(num_blocks, BS)
     cfg = SchedulerConfig(
-        max_num_seqs=max_seqs, max_num_batched_tokens=max_tokens_step, max_model_len=max_len
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=max_tokens_step,
+        max_model_len=max_len,
+        scheduling_policy=policy,
     )
     return Scheduler(cfg, bm, eos_token_ids=[EOS])
 
@@ -185,3 +188,76 @@ def test_num_prefill_tokens_counts_prompt_work_left_less_the_cached_prefix():
         step(s)
     assert s.num_prefill_tokens() == 0
     assert s.block_manager.num_leaked() == 0
+
+
+# ---- the priority policy ---------------------------------------------------------------------
+
+
+def test_priority_admits_the_most_urgent_first_then_by_arrival():
+    s = make(max_seqs=1, policy="priority")
+    for seq_id, priority in (("late", 5), ("urgent", -1), ("normal", 0), ("normal2", 0)):
+        add(s, seq_id, 3, max_tokens=1, priority=priority)
+    order = []
+    while s.has_unfinished():
+        plan, _ = step(s)
+        order += [i.seq.seq_id for i in plan.scheduled]
+    assert order == ["urgent", "normal", "normal2", "late"]
+    fcfs = make(max_seqs=1)
+    for seq_id in ("a", "b", "c"):
+        add(fcfs, seq_id, 3, max_tokens=1, priority=9 if seq_id == "b" else 0)
+    order = []
+    while fcfs.has_unfinished():
+        plan, _ = step(fcfs)
+        order += [i.seq.seq_id for i in plan.scheduled]
+    assert order == ["a", "b", "c"]  # fcfs reads no priority
+
+
+def test_an_urgent_arrival_preempts_the_least_urgent_running_for_a_seat():
+    s = make(max_seqs=2, policy="priority")
+    low = add(s, "low", 3, max_tokens=8, priority=5)
+    mid = add(s, "mid", 3, max_tokens=8, priority=1)
+    step(s)
+    step(s)
+    urgent = add(s, "urgent", 3, max_tokens=2, priority=0)
+    plan, _ = step(s)
+    assert plan.preempted == ("low",)
+    assert sorted(i.seq.seq_id for i in plan.scheduled) == ["mid", "urgent"]
+    assert low.status is SequenceStatus.WAITING and low.num_preemptions == 1
+    equal = add(s, "equal", 3, max_tokens=2, priority=1)  # not more urgent than mid: waits
+    plan, _ = step(s)
+    assert plan.preempted == () and "equal" not in [i.seq.seq_id for i in plan.scheduled]
+    while s.has_unfinished():
+        step(s)
+    assert [x.num_output_tokens for x in (low, mid, urgent, equal)] == [8, 8, 2, 2]
+    s.block_manager.check_integrity()
+    assert s.block_manager.num_leaked() == 0
+
+
+def test_an_urgent_arrival_preempts_for_blocks_and_block_shortage_takes_the_least_urgent():
+    s = make(num_blocks=4, policy="priority")  # 16 tokens of KV
+    low = add(s, "low", 7, max_tokens=6, priority=3)
+    high = add(s, "high", 7, max_tokens=6, priority=1)
+    plan, _ = step(s)
+    assert shape(plan) == [("high", 0, 7), ("low", 0, 7)]  # the most urgent first
+    step(s)
+    plan, _ = step(s)  # a 3rd block for either: the least urgent (low) goes, not the newest
+    assert plan.preempted == ("low",) and shape(plan) == [("high", 8, 1)]
+    urgent = add(s, "urgent", 6, max_tokens=1, priority=0)  # needs 2 blocks: 1 is free
+    plan, _ = step(s)
+    assert plan.preempted == ("high",)
+    # urgent first; high comes back in the same step on its prefix-cached blocks
+    assert shape(plan)[0] == ("urgent", 4, 2)  # its first block is the others' prefix
+    while s.has_unfinished():
+        step(s)
+    assert [x.num_output_tokens for x in (low, high, urgent)] == [6, 6, 1]
+    s.block_manager.check_integrity()
+    assert s.block_manager.num_leaked() == 0
+
+
+def test_an_unknown_policy_is_refused():
+    from kvrelay.cli.engine_args import SCHEDULING_POLICIES as CLI_POLICIES
+    from kvrelay.engine.config import SCHEDULING_POLICIES, ConfigError
+
+    assert CLI_POLICIES == SCHEDULING_POLICIES
+    with pytest.raises(ConfigError, match="scheduling_policy must be one of"):
+        SchedulerConfig(scheduling_policy="lifo")

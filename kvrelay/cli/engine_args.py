@@ -11,6 +11,10 @@ from typing import Any
 
 from kvrelay import envs
 
+# engine.config.SCHEDULING_POLICIES, which validates them: not imported here, since importing
+# kvrelay.engine loads torch, and the router's command line is parsed here too
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
     """The engine options; with ``from_env`` the deployment ones also read the environment."""
@@ -60,6 +64,13 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
     )
     p.add_argument("--max-model-len", type=int, default=None, help="context window cap")
     p.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="fcfs: arrival order; priority: requests' 'priority' (lower first), then arrival,"
+        " preempting less urgent running ones (vLLM's policies)",
+    )
+    p.add_argument(
         "--no-prefix-caching", action="store_true", help="disable reuse of cached prompt blocks"
     )
 
@@ -77,6 +88,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
+        "scheduling_policy": args.scheduling_policy,
     }
 
 
@@ -90,6 +102,7 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
         "--kv-cache-memory", str(args.kv_cache_memory),
         "--max-num-seqs", str(args.max_num_seqs),
         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+        "--scheduling-policy", args.scheduling_policy,
     ]  # fmt: skip
     for flag, value in (
         ("--threads", args.threads),

@@ -2,7 +2,8 @@
 
 Per hand-off (``KvReady`` from a prefill worker)::
 
-    pending (FIFO) --room? (a sequence slot and the blocks)--> take blocks
+    pending (FIFO; by priority under --scheduling-policy priority, where a less urgent
+    running stream is preempted to make room) --room? (a slot and the blocks)--> take blocks
         pull through the transport chosen for the pair (shm / tcp / cuda_ipc)
           verified (fingerprint, layout, checksum) -> KvAck(ok) -> import into the engine
           failed (checksum, lease gone, peer dead) -> release blocks, KvAck(not ok),
@@ -42,7 +43,16 @@ class DecodeWorker(Worker):
         if isinstance(msg, KvReady):
             self.adopt_origin(msg.request_id, msg.origin)
             self.routers.attempts[msg.request_id] = msg.attempt
-            self.pending.append(msg)
+            # in priority order (stable: arrival within a priority); under fcfs every
+            # priority is 0 (the engine refuses others), so this is arrival order
+            at = next(
+                (i for i, r in enumerate(self.pending) if r.params.priority > msg.params.priority),
+                None,
+            )
+            if at is None:
+                self.pending.append(msg)
+            else:
+                self.pending.insert(at, msg)
         else:
             super().on_peer_message(msg, identity)
 
@@ -69,16 +79,21 @@ class DecodeWorker(Worker):
     # ------------------------------------------------------------------ intake
     def _take_pending(self) -> None:
         bm = self.engine.block_manager
-        while self.pending and self.engine.scheduler.can_take_running():
+        scheduler = self.engine.scheduler
+        while self.pending:
             ready = self.pending[0]
             if time.time() >= ready.lease_deadline:
                 self.pending.popleft()
                 self._recompute(ready, "lease expired before decode had room")
                 continue
             num_blocks = -(-ready.num_tokens // bm.block_size)
-            blocks = bm.take_blocks(num_blocks)
+            blocks = bm.take_blocks(num_blocks) if scheduler.can_take_running() else None
             if blocks is None:
-                return  # no room: prefill keeps holding the blocks (back-pressure)
+                # no room: a less urgent stream makes room under the priority policy, else
+                # prefill keeps holding the blocks (back-pressure)
+                if scheduler.preempt_less_urgent(ready.params.priority):
+                    continue
+                return
             self.pending.popleft()
             self._pull(ready, blocks)
 

@@ -172,13 +172,23 @@ class CacheConfig:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 256  # sequences running at once
     max_num_batched_tokens: int = 2048  # tokens computed per step (chunked-prefill budget)
     max_model_len: int = 4096  # longest prompt + output
+    # fcfs: arrival order; priority: SamplingParams.priority, then arrival (vLLM's policies)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES},"
+                f" got {self.scheduling_policy!r}"
+            )
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

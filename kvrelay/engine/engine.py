@@ -348,6 +348,12 @@ class LLMEngine:
         error = params.vocab_error(self.config.model_config.vocab_size)
         if error is not None:
             raise RequestError(error[1], param=error[0])
+        if params.priority and self.config.scheduler.scheduling_policy != "priority":
+            raise RequestError(
+                f"'priority' is {params.priority}, but this engine schedules first come, first"
+                " served (start it with --scheduling-policy priority)",
+                param="priority",
+            )
         allowed = params.allowed_token_ids
         if allowed is not None and params.min_tokens:
             ends = {*self.eos_token_ids, *params.stop_token_ids}

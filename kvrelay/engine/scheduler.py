@@ -13,6 +13,12 @@ Policy, every step, under a token budget (``max_num_batched_tokens``):
 2. If nothing was preempted, waiting sequences are admitted in order while the budget,
    ``max_num_seqs`` and the free blocks allow; a prefix-cache hit skips computed blocks.
 Finished and aborted sequences leave at once and free their blocks.
+
+"Order" is arrival under the ``fcfs`` policy. Under ``priority`` (vLLM's) it is
+``(params.priority, arrival)``: both queues are kept in that order, so budget goes to the
+most urgent first and preemption takes the least urgent, and before a step the least urgent
+running sequences are preempted while the first waiting one is more urgent and finds no seat
+or no blocks for its first chunk.
 """
 
 from __future__ import annotations
@@ -92,13 +98,17 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_loader = prefix_loader
         self._external: dict[str, ExternalPrefix] = {}  # fetched for a waiting sequence
+        self._by_priority = config.scheduling_policy == "priority"
+        self._arrival: dict[str, int] = {}  # seq id -> its place in arrival order
+        self._num_arrived = 0
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
         if seq.seq_id in self._by_id:
             raise ValueError(f"duplicate request id {seq.seq_id!r}")
         self._by_id[seq.seq_id] = seq
-        self.waiting.append(seq)
+        self._arrive(seq)
+        self._queue(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """Adds a sequence whose KV is already in its blocks (a decode-side import).
@@ -109,9 +119,36 @@ class Scheduler:
         if seq.seq_id in self._by_id:
             raise ValueError(f"duplicate request id {seq.seq_id!r}")
         self._by_id[seq.seq_id] = seq
+        self._arrive(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        if self._by_priority:
+            self.running.sort(key=self._rank)
         self.block_manager.cache_full_blocks(seq)
+
+    def _arrive(self, seq: Sequence) -> None:
+        self._arrival[seq.seq_id] = self._num_arrived
+        self._num_arrived += 1
+
+    def _rank(self, seq: Sequence) -> tuple[int, int]:
+        """Its place in the queues under the priority policy: urgency, then arrival."""
+        return seq.params.priority, self._arrival[seq.seq_id]
+
+    def _queue(self, seq: Sequence, front: bool = False) -> None:
+        """Puts ``seq`` in the waiting queue: last (``front``: first) in arrival order, at
+        its rank under the priority policy."""
+        if not self._by_priority:
+            if front:
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
+            return
+        rank = self._rank(seq)
+        at = next((i for i, s in enumerate(self.waiting) if self._rank(s) > rank), None)
+        if at is None:
+            self.waiting.append(seq)
+        else:
+            self.waiting.insert(at, seq)
 
     def can_take_running(self) -> bool:
         return len(self.running) < self.config.max_num_seqs
@@ -162,6 +199,7 @@ class Scheduler:
         """Ends a sequence now (abort, stop string) and frees its blocks; None if unknown."""
         seq = self._by_id.pop(seq_id, None)
         self._external.pop(seq_id, None)
+        self._arrival.pop(seq_id, None)
         if seq is None:
             return None
         if seq.status is SequenceStatus.WAITING:
@@ -177,6 +215,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         preempted: list[str] = []
+        if self._by_priority:
+            self._make_room_for_waiting(preempted)
+        made_room = len(preempted)
         queue = deque(self.running)
         kept: list[Sequence] = []
         while queue and budget > 0:
@@ -189,8 +230,10 @@ class Scheduler:
             budget -= num_new
         kept.extend(queue)
         self.running = kept
-        if not preempted:
+        if len(preempted) == made_room:  # no block ran out for a running sequence
             budget -= self._admit_waiting(budget, scheduled)
+            if self._by_priority:
+                self.running.sort(key=self._rank)
         if not scheduled:
             return None
         num_tokens = self.config.max_num_batched_tokens - budget
@@ -208,12 +251,41 @@ class Scheduler:
                 return False
         return True
 
+    def _make_room_for_waiting(self, preempted: list[str]) -> None:
+        """Priority policy: preempts the least urgent running sequences while the first
+        waiting one is more urgent and finds no seat, or no blocks for its first chunk."""
+        bm = self.block_manager
+        while self.waiting and self.running:
+            head, last = self.waiting[0], self.running[-1]
+            if self._rank(last) <= self._rank(head):
+                return
+            first_chunk = min(head.num_tokens, self.config.max_num_batched_tokens)
+            needed = -(-first_chunk // bm.block_size)
+            if len(self.running) < self.config.max_num_seqs and bm.num_free_blocks >= needed:
+                return
+            self.running.pop()
+            self._preempt(last)
+            preempted.append(last.seq_id)
+
+    def preempt_less_urgent(self, priority: int) -> bool:
+        """Priority policy: preempts the least urgent running sequence if it is less urgent
+        than ``priority`` (a decode worker's hand-off waiting for a seat or blocks); False
+        when none is, or under fcfs."""
+        if not (self._by_priority and self.running):
+            return False
+        last = self.running[-1]
+        if last.params.priority <= priority:
+            return False
+        self.running.pop()
+        self._preempt(last)
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._queue(seq, front=True)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
         """Admits waiting sequences in order; returns the tokens of budget used."""

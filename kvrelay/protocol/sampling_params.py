@@ -143,6 +143,10 @@ class SamplingParams:
     # token-id sequences that must not appear in the output: a sequence's last id is masked
     # while the output ends with the rest (vLLM's bad_words, tokenized by the router)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's request priority (lower runs first) under --scheduling-policy priority; 0
+    # otherwise. A scheduling field, not a sampling one: carried here so that a worker that
+    # cannot honour it never gets it (Register.sampling_fields)
+    priority: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop))
@@ -182,6 +186,8 @@ class SamplingParams:
             _fail("top_k", self.top_k, "an integer >= -1 (0 or -1 disables it)")
         if not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
             _fail("min_p", self.min_p, "a number in [0, 1]")
+        if not (_is_int(self.priority) and abs(self.priority) < 2**31):
+            _fail("priority", self.priority, "an integer in (-2**31, 2**31)")
         low, high = SEED_RANGE
         if self.seed is not None and not (_is_int(self.seed) and low <= self.seed <= high):
             _fail("seed", self.seed, f"None or an integer in [{low}, {high}]")

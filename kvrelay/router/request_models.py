@@ -167,6 +167,7 @@ class _GenerateRequest(_Strict):
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and top k
     add_special_tokens: bool | None = None  # vLLM's: bos/eos by the tokenizer (chat: False)
     bad_words: list[str] | None = None  # vLLM's: words the output must not contain
+    priority: int | None = None  # vLLM's: lower runs first (--scheduling-policy priority)
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the last k (-1: the context)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM: {json|regex|choice|grammar: ...}
@@ -227,6 +228,7 @@ _PASSTHROUGH = (
     "skip_special_tokens",
     "cache_salt",
     "allowed_token_ids",
+    "priority",
 )
 _PARAM_NAME = re.compile(r"^SamplingParams\.(\w+) ")
 

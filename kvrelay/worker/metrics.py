@@ -38,6 +38,14 @@ class WorkerMetrics:
         self.prefill_tokens = gauge(
             "kvrelay_num_prefill_tokens", "Prompt tokens yet to compute (prefill placement)"
         )
+        self.preemptions = Counter(
+            "kvrelay_num_preemptions",
+            "Running requests preempted (blocks out, or a more urgent request under the "
+            "priority policy); each is recomputed from its tokens",
+            list(labels),
+            registry=r,
+        ).labels(**labels)
+        self._num_preemptions = 0  # the engine's count at the last update
         step_seconds = Histogram(
             "kvrelay_engine_step_seconds",
             "Time of one engine step, by kind: decode (decode tokens only), prefill (prompt "
@@ -101,6 +109,9 @@ class WorkerMetrics:
             usage.set(engine.block_manager.usage)
         self.free_blocks.set(engine.block_manager.num_free_blocks)
         self.prefill_tokens.set(engine.scheduler.num_prefill_tokens())
+        preemptions = engine.scheduler.num_preemptions
+        self.preemptions.inc(max(0, preemptions - self._num_preemptions))
+        self._num_preemptions = preemptions
 
 
 _TIER_COUNTERS = (
