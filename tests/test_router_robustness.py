@@ -135,7 +135,10 @@ def test_big_prompts_do_not_starve_heartbeats_or_streams(cluster: Launcher) -> N
 
 
 def test_paused_worker_drops_the_superseded_attempt(cluster: Launcher) -> None:
-    stream = _stream(cluster, max_tokens=400)
+    # long enough that the worker is still generating when it is paused (a CI failure at 400
+    # tokens: on a loaded machine the worker had made every token before the SIGSTOP, so the
+    # stream finished from what was sent and nothing was re-run)
+    stream = _stream(cluster, max_tokens=2000)
     it = iter(stream)
     texts = [next(it).choices[0].text for _ in range(3)]
     urls = _status_urls(cluster)
