@@ -99,8 +99,7 @@ class Scheduler:
         self.prefix_loader = prefix_loader
         self._external: dict[str, ExternalPrefix] = {}  # fetched for a waiting sequence
         self._by_priority = config.scheduling_policy == "priority"
-        self._arrival: dict[str, int] = {}  # seq id -> its place in arrival order
-        self._num_arrived = 0
+        self._num_arrived = 0  # sequences added: the next one's Sequence.arrival_index
 
     # ------------------------------------------------------------------ queue
     def add(self, seq: Sequence) -> None:
@@ -127,12 +126,13 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq)
 
     def _arrive(self, seq: Sequence) -> None:
-        self._arrival[seq.seq_id] = self._num_arrived
+        seq.arrival_index = self._num_arrived
         self._num_arrived += 1
 
-    def _rank(self, seq: Sequence) -> tuple[int, int]:
+    @staticmethod
+    def _rank(seq: Sequence) -> tuple[int, int]:
         """Its place in the queues under the priority policy: urgency, then arrival."""
-        return seq.params.priority, self._arrival[seq.seq_id]
+        return seq.params.priority, seq.arrival_index
 
     def _queue(self, seq: Sequence, front: bool = False) -> None:
         """Puts ``seq`` in the waiting queue: last (``front``: first) in arrival order, at
@@ -199,7 +199,6 @@ class Scheduler:
         """Ends a sequence now (abort, stop string) and frees its blocks; None if unknown."""
         seq = self._by_id.pop(seq_id, None)
         self._external.pop(seq_id, None)
-        self._arrival.pop(seq_id, None)
         if seq is None:
             return None
         if seq.status is SequenceStatus.WAITING:
