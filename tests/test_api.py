@@ -241,6 +241,44 @@ def test_completion_stream_matches_non_stream(client: openai.OpenAI) -> None:
     assert {c.id for c in chunks} == {chunks[0].id}
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(
+    client: openai.OpenAI,
+) -> None:
+    """vLLM's ``stream_options.continuous_usage_stats``: with ``include_usage``, each chunk
+    carries the usage up to it; the last (no choices) equals the non-stream usage."""
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    options: Any = {"include_usage": True, "continuous_usage_stats": True}
+    for create, kwargs in (
+        (client.completions.create, {"prompt": PROMPT}),
+        (client.chat.completions.create, {"messages": MESSAGES}),
+    ):
+        chunks = list(
+            create(
+                model="tiny",
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options=options,
+                **kwargs,
+            )
+        )
+        usages = [c.usage for c in chunks]
+        assert all(u is not None for u in usages)
+        counts = [u.completion_tokens for u in usages if u is not None]
+        assert counts == sorted(counts) and counts[-1] > counts[0]
+        assert len({u.prompt_tokens for u in usages if u is not None}) == 1
+        assert chunks[-1].choices == []
+        if create == client.completions.create:
+            assert chunks[-1].usage == whole.usage
+    plain = list(
+        client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=4, stream=True,
+            stream_options={"continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+        )
+    )  # fmt: skip
+    assert all(c.usage is None for c in plain)  # without include_usage: no usage at all
+
+
 def test_completion_token_prompt_and_batch(client: openai.OpenAI, api_server: ApiServer) -> None:
     other = "Another prompt"
     single = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)

@@ -239,6 +239,7 @@ class OpenAIApi:
         ]
         options = ResponseOptions(
             include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
             want_logprobs=req.logprobs is not None,
             echo=req.echo,
             tokens_as_ids=req.return_tokens_as_token_ids,
@@ -288,6 +289,7 @@ class OpenAIApi:
         prompt = await self.chat_prompt(req, tools)
         options = ResponseOptions(
             include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
             want_logprobs=req.logprobs,
             tokens_as_ids=req.return_tokens_as_token_ids,
             prompt_logprobs=req.prompt_logprobs is not None,

@@ -43,6 +43,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: the usage so far in every chunk
 
 
 class TextPart(_Strict):
@@ -185,6 +186,12 @@ class _GenerateRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats`` (with ``include_usage``): usage in every chunk."""
+        options = self.stream_options
+        return self.include_usage and bool(options and options.continuous_usage_stats)
 
 
 class CompletionRequest(_GenerateRequest):

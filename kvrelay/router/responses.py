@@ -125,6 +125,7 @@ class ResponseOptions:
     """What a response carries besides text."""
 
     include_usage: bool = False  # stream: a final chunk with usage and no choices
+    continuous_usage: bool = False  # stream: every chunk carries the usage so far (vLLM's)
     want_logprobs: bool = False  # logprobs of every output token
     echo: bool = False  # completions: the prompt text (and its tokens) come first
     tokens_as_ids: bool = False  # logprob tokens as "token_id:{id}" (vLLM's extension)
@@ -237,7 +238,9 @@ class ResponseBuilder(abc.ABC):
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {**self._header(self.chunk_object_name), "choices": choices}
-        if self.options.include_usage:
+        if self.options.continuous_usage:
+            body["usage"] = make_usage(self.prompts, self.choices)
+        elif self.options.include_usage:
             body["usage"] = None
         return body
 
