@@ -1,4 +1,5 @@
-"""Admission: slots, the bounded first-come-first-served queue, 429 and 503."""
+"""Admission: slots, the bounded queue (by priority, then first come, first served), 429 and
+503."""
 
 from __future__ import annotations
 
@@ -83,3 +84,28 @@ def test_a_cancelled_waiter_leaves_no_slot_behind() -> None:
 def test_invalid_settings_raise(inflight: int, queue_time: float) -> None:
     with pytest.raises(ValueError):
         Admission(inflight, queue_time, 1.0)
+
+
+def test_a_freed_slot_goes_to_the_most_urgent_then_the_longest_waiting() -> None:
+    async def run() -> None:
+        admission = Admission(max_inflight=4, max_queue_time=30, retry_after=1)
+        for _ in range(4):
+            await admission.acquire()
+        order: list[str] = []
+
+        async def wait(name: str, priority: int) -> None:
+            await admission.acquire(priority)
+            order.append(name)
+
+        waits = [("low", 5), ("first", 0), ("urgent", -2), ("second", 0)]
+        tasks = [asyncio.create_task(wait(name, p)) for name, p in waits]
+        await asyncio.sleep(0)
+        assert admission.num_waiting == 4
+        for _ in waits:
+            admission.release()
+            await asyncio.sleep(0)
+        await asyncio.gather(*tasks)
+        assert order == ["urgent", "first", "second", "low"]
+        assert (admission.num_admitted, admission.num_waiting) == (4, 0)
+
+    asyncio.run(run())

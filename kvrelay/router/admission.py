@@ -3,19 +3,23 @@
 ::
 
     a slot free                    -> admitted at once
-    all slots taken, queue < limit -> waits (first come, first served) up to max_queue_time
+    all slots taken, queue < limit -> waits (by priority, then first come, first served) up
+                                      to max_queue_time
     all slots taken, queue full    -> Overloaded (429, Retry-After)
     waited max_queue_time          -> Unavailable (503, Retry-After)
 
 The queue holds at most ``max_inflight`` waiting requests, so the router holds at most twice
 ``max_inflight``; ``max_queue_time=0`` means no queue (429 as soon as every slot is taken).
-Single-threaded: every method runs on the event loop.
+Single-threaded: every method runs on the event loop. A freed slot goes to the waiter of
+the lowest ``priority`` (the request's, vLLM's: 0 unless given), the longest-waiting among
+equals; workers started with ``--scheduling-policy priority`` order their queues the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import bisect
+import itertools
 
 from kvrelay.router.backend import Overloaded, Unavailable
 
@@ -30,14 +34,18 @@ class Admission:
         self.max_queue_time = max_queue_time
         self.retry_after = retry_after
         self.num_admitted = 0
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # (priority, arrival, future), kept sorted: the first gets the next slot
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._arrivals = itertools.count()
 
     @property
     def num_waiting(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self) -> None:
-        """Takes a slot, waiting up to ``max_queue_time``; raises Overloaded / Unavailable.
+    async def acquire(self, priority: int = 0) -> None:
+        """Takes a slot, waiting up to ``max_queue_time`` (behind every waiter of a lower
+        ``priority``, and those of the same that came first); raises Overloaded /
+        Unavailable.
 
         The caller must ``release()`` once for every ``acquire()`` that returned.
         """
@@ -50,7 +58,8 @@ class Admission:
                 self.retry_after,
             )
         waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        entry = (priority, next(self._arrivals), waiter)
+        bisect.insort(self._waiters, entry, key=lambda e: e[:2])
         try:
             await asyncio.wait_for(asyncio.shield(waiter), self.max_queue_time)
         except TimeoutError:
@@ -64,13 +73,13 @@ class Admission:
                 self.release()
             raise
         finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
+            if entry in self._waiters:
+                self._waiters.remove(entry)
 
     def release(self) -> None:
-        """Frees a slot: the longest-waiting request gets it."""
+        """Frees a slot: the most urgent, then longest-waiting, request gets it."""
         while self._waiters:
-            waiter = self._waiters.popleft()
+            _, _, waiter = self._waiters.pop(0)
             if not waiter.done():
                 waiter.set_result(None)  # the slot passes on; num_admitted is unchanged
                 return

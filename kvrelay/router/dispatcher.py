@@ -228,7 +228,7 @@ class Dispatcher(Backend):
             raise Unavailable("this router is shutting down", self.settings.retry_after)
         if request.request_id in self._tracked:
             raise GenerationFailed(f"duplicate request id {request.request_id}")
-        await self.admission.acquire()
+        await self.admission.acquire(request.params.priority)
         try:
             # aclosing: a client gone closes the inner generator now (it aborts on the workers)
             async with contextlib.aclosing(self._generate(request)) as deltas:
