@@ -444,3 +444,19 @@ def test_curve_cost_pulls_over_both_sockets(tmp_path: Path) -> None:
     row = re.search(r"^\| small \| 256 \| [\d.]+ \| ([\d.]+) \| ([\d.]+) \|", proc.stdout, re.M)
     assert row is not None, proc.stdout
     assert float(row.group(1)) > 0 and float(row.group(2)) > 0
+
+
+@pytest.mark.timeout(300)
+def test_priority_benchmark_runs_both_policies(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/priority.py on the tiny model (a smoke test, not a timing): a row a policy."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "priority.py"), "--model",
+        str(tiny_model_dir), "--dtype", "float32", "--threads", "1", "--rounds", "1",
+        "--backlog", "3", "--prompt-tokens", "20", "--output-tokens", "4", "--urgent", "1",
+        "--urgent-output-tokens", "2", "--gap", "0", "--no-write",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = re.findall(r"^\| (fcfs|priority) \| ([\d.]+) \|", proc.stdout, re.M)
+    assert [name for name, _ in rows] == ["fcfs", "priority"], proc.stdout
+    assert all(float(ttft) > 0 for _, ttft in rows)
