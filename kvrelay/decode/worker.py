@@ -17,6 +17,7 @@ sees ``num_pending_kv`` in the load report. No path imports unverified blocks.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import time
@@ -45,14 +46,7 @@ class DecodeWorker(Worker):
             self.routers.attempts[msg.request_id] = msg.attempt
             # in priority order (stable: arrival within a priority); under fcfs every
             # priority is 0 (the engine refuses others), so this is arrival order
-            at = next(
-                (i for i, r in enumerate(self.pending) if r.params.priority > msg.params.priority),
-                None,
-            )
-            if at is None:
-                self.pending.append(msg)
-            else:
-                self.pending.insert(at, msg)
+            bisect.insort(self.pending, msg, key=lambda ready: ready.params.priority)
         else:
             super().on_peer_message(msg, identity)
 

@@ -23,6 +23,7 @@ or no blocks for its first chunk.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -120,9 +121,10 @@ class Scheduler:
         self._by_id[seq.seq_id] = seq
         self._arrive(seq)
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
         if self._by_priority:
-            self.running.sort(key=self._rank)
+            bisect.insort(self.running, seq, key=self._rank)
+        else:
+            self.running.append(seq)
         self.block_manager.cache_full_blocks(seq)
 
     def _arrive(self, seq: Sequence) -> None:
@@ -143,12 +145,7 @@ class Scheduler:
             else:
                 self.waiting.append(seq)
             return
-        rank = self._rank(seq)
-        at = next((i for i, s in enumerate(self.waiting) if self._rank(s) > rank), None)
-        if at is None:
-            self.waiting.append(seq)
-        else:
-            self.waiting.insert(at, seq)
+        bisect.insort(self.waiting, seq, key=self._rank)
 
     def can_take_running(self) -> bool:
         return len(self.running) < self.config.max_num_seqs
@@ -262,9 +259,7 @@ class Scheduler:
             needed = -(-first_chunk // bm.block_size)
             if len(self.running) < self.config.max_num_seqs and bm.num_free_blocks >= needed:
                 return
-            self.running.pop()
-            self._preempt(last)
-            preempted.append(last.seq_id)
+            preempted.append(self._preempt_last())
 
     def preempt_less_urgent(self, priority: int) -> bool:
         """Priority policy: preempts the least urgent running sequence if it is less urgent
@@ -272,12 +267,16 @@ class Scheduler:
         when none is, or under fcfs."""
         if not (self._by_priority and self.running):
             return False
-        last = self.running[-1]
-        if last.params.priority <= priority:
+        if self.running[-1].params.priority <= priority:
             return False
-        self.running.pop()
-        self._preempt(last)
+        self._preempt_last()
         return True
+
+    def _preempt_last(self) -> str:
+        """Preempts the last running sequence (the least urgent); returns its id."""
+        seq = self.running.pop()
+        self._preempt(seq)
+        return seq.seq_id
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
