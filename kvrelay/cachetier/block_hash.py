@@ -7,7 +7,9 @@ key depend on every token before it, so equal keys mean equal KV. The seed
 dtype), which keeps two models (or two tokenizers) from
 ever sharing an entry, followed by a digest of the request's ``cache_salt`` when it has one:
 requests share cached prefixes (device, L1, L2, the router's placement index) only with
-requests of the same salt, so one tenant cannot learn by timing what another sent.
+requests of the same salt, so one tenant cannot learn by timing what another sent; then, for
+a request served through a LoRA adapter, a tag and the adapter's identity
+(``engine.lora.adapter_identity``): KV computed under one adapter is another model's KV.
 """
 
 from __future__ import annotations
@@ -24,13 +26,23 @@ HASH_BYTES = 16
 _ROOT = b"\x00" * HASH_BYTES
 
 
-def chain_seed(fingerprint: bytes, cache_salt: str | None) -> bytes:
-    """What every block hash of a request mixes in: the fingerprint, then the salt's digest
-    (the fingerprint has a fixed length, so no two (fingerprint, salt) pairs collide)."""
-    if cache_salt is None:
-        return fingerprint
-    salt = hashlib.blake2b(cache_salt.encode(), digest_size=HASH_BYTES, person=b"kvrelay-salt")
-    return fingerprint + salt.digest()
+_LORA_TAG = b"lora"
+
+
+def chain_seed(fingerprint: bytes, cache_salt: str | None, adapter: bytes | None = None) -> bytes:
+    """What every block hash of a request mixes in: the fingerprint, then the salt's digest,
+    then the LoRA adapter's tagged identity. Every part has a fixed length, so the seed's
+    length tells which are present and no two (fingerprint, salt, adapter) triples collide;
+    the seed of a request with neither is the fingerprint alone, as before adapters."""
+    seed = fingerprint
+    if cache_salt is not None:
+        salt = hashlib.blake2b(cache_salt.encode(), digest_size=HASH_BYTES, person=b"kvrelay-salt")
+        seed += salt.digest()
+    if adapter is not None:
+        if len(adapter) != HASH_BYTES:
+            raise ValueError(f"an adapter identity is {HASH_BYTES} bytes, got {len(adapter)}")
+        seed += _LORA_TAG + adapter
+    return seed
 
 
 def hash_block(parent: BlockHash | None, fingerprint: bytes, token_ids: Sequence[int]) -> BlockHash:

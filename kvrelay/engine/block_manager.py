@@ -87,7 +87,8 @@ class BlockManager:
         done = len(seq.block_hashes)
         if seq.num_tokens // self.block_size > done:
             parent = seq.block_hashes[-1] if done else None
-            seed = chain_seed(self.fingerprint, seq.params.cache_salt)
+            adapter = None if seq.lora is None else seq.lora.fingerprint
+            seed = chain_seed(self.fingerprint, seq.params.cache_salt, adapter)
             seq.block_hashes.extend(hash_blocks(seq.token_ids, self.block_size, seed, done, parent))
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

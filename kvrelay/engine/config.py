@@ -209,6 +209,8 @@ class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)  # parsed config.json
     cache: CacheConfig = field(default_factory=CacheConfig)  # KV cache settings
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits
+    # LoRA adapters to load, (name, PEFT adapter directory); requests pick one by name
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

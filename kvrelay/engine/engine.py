@@ -26,6 +26,7 @@ from kvrelay.engine.config import (
 )
 from kvrelay.engine.identity import model_identity
 from kvrelay.engine.loader import TORCH_DTYPES, check_model_dir, load_weights
+from kvrelay.engine.lora import LoRAAdapter, LoRAError, load_adapter
 from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.offload import TierConnector
 from kvrelay.engine.runner import ModelRunner, kv_cache_shape
@@ -130,7 +131,7 @@ def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> En
     """Splits flat vLLM-style keyword arguments into the frozen per-part configs."""
     cache_keys = set(CacheConfig.__dataclass_fields__)
     sched_keys = set(SchedulerConfig.__dataclass_fields__)
-    engine_keys = {"seed", "num_threads", "device"}
+    engine_keys = {"seed", "num_threads", "device", "lora_modules"}
     unknown = set(kwargs) - cache_keys - sched_keys - engine_keys
     if unknown:
         raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
@@ -225,6 +226,28 @@ class LLMEngine:
         self._stops: dict[str, StopChecker] = {}
         self.last_step_kind = "decode"  # of the last step that ran (step_kind)
         self.grammars = GrammarCache(config.model, mc.vocab_size, self.eos_token_ids)
+        self.loras: dict[str, LoRAAdapter] = {}  # by name (SamplingParams.lora_name)
+        for name, path in config.lora_modules:
+            self.add_lora(name, path)
+
+    def add_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Loads the PEFT adapter in ``path`` as ``name`` (``engine.lora``); the adapter
+        already loaded under that name when it comes from the same directory (or ``path`` is
+        empty). Raises ``LoRAError`` for an adapter this model cannot serve, or a name taken
+        by another."""
+        known = self.loras.get(name)
+        if known is not None:
+            if path and Path(known.path).resolve() != Path(path).resolve():
+                raise LoRAError(f"LoRA adapter {name!r} is already loaded from {known.path}")
+            return known
+        if not path:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded, and no path was given")
+        cfg = self.config
+        adapter = load_adapter(name, path, cfg.model_config, TORCH_DTYPES[cfg.dtype], self.device)
+        self.loras[name] = adapter
+        logger.info("LoRA adapter %s: %d modules, rank %d, from %s",
+                    name, adapter.num_modules, adapter.rank, path)  # fmt: skip
+        return adapter
 
     @classmethod
     def from_args(
@@ -319,6 +342,8 @@ class LLMEngine:
             raise RequestError("stop strings need a tokenizer (engine started without one)")
         prompt = list(prompt_token_ids)
         seq = Sequence(request_id, prompt, params, time.monotonic(), token_ids=prompt + outputs)
+        if params.lora_name is not None:
+            seq.lora = self.loras[params.lora_name]  # _validate_params: it is loaded
         if params.structured_outputs is not None:
             # a re-run or a hand-off replays the tokens already sent: matcher state never travels
             try:
@@ -348,6 +373,12 @@ class LLMEngine:
         error = params.vocab_error(self.config.model_config.vocab_size)
         if error is not None:
             raise RequestError(error[1], param=error[0])
+        if params.lora_name is not None and params.lora_name not in self.loras:
+            loaded = ", ".join(sorted(self.loras)) or "none"
+            raise RequestError(
+                f"LoRA adapter {params.lora_name!r} is not loaded here (loaded: {loaded})",
+                param="model",
+            )
         if params.priority and self.config.scheduler.scheduling_policy != "priority":
             raise RequestError(
                 f"'priority' is {params.priority}, but this engine schedules first come, first"

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput
+from kvrelay.engine.lora import LoRARequest
 from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
 from kvrelay.text.tokenizer import Tokenizer
 
@@ -53,7 +54,8 @@ class LLM:
             remains.
         **engine_args: ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``,
             ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
-            ``max_model_len``, ``num_threads``.
+            ``max_model_len``, ``num_threads``, ``scheduling_policy``, ``lora_modules``
+            (``(name, path)`` pairs loaded at start).
     """
 
     def __init__(
@@ -84,27 +86,55 @@ class LLM:
         self,
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[GenerateOutput]:
-        """Generates for every prompt (a string, token ids, or ``{"prompt_token_ids": ...}``)."""
+        """Generates for every prompt (a string, token ids, or ``{"prompt_token_ids": ...}``),
+        through the LoRA adapter of ``lora_request`` (one for all prompts, or one per
+        prompt; None: the base model)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
+        params_list = self._with_lora(params_list, lora_request)
         requests = [self._encode(p) for p in prompt_list]
         return self._run(requests, params_list)
+
+    def _with_lora(
+        self,
+        params_list: list[SamplingParams],
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None,
+    ) -> list[SamplingParams]:
+        """The params with each prompt's adapter named (and loaded, on first use)."""
+        if lora_request is None:
+            return params_list
+        loras = [lora_request] * len(params_list) if isinstance(lora_request, LoRARequest) else (
+            list(lora_request)
+        )  # fmt: skip
+        if len(loras) != len(params_list):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(params_list)} prompts")
+        out = []
+        for params, lora in zip(params_list, loras):
+            if lora is not None:
+                self.engine.add_lora(lora.lora_name, lora.lora_path)
+                params = replace(params, lora_name=lora.lora_name)
+            out.append(params)
+        return out
 
     def chat(
         self,
         messages: Seq[Message] | Seq[Seq[Message]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[GenerateOutput]:
-        """Applies the chat template to one conversation or a list of them, then generates."""
+        """Applies the chat template to one conversation or a list of them, then generates
+        (``lora_request`` as for ``generate``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         requests: list[tuple[str | None, list[int]]] = []
         for conv in conversations:
             text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
             requests.append((text, tok.encode(text, add_special_tokens=False)))
-        return self._run(requests, _as_params_list(sampling_params, len(requests)))
+        params_list = _as_params_list(sampling_params, len(requests))
+        return self._run(requests, self._with_lora(params_list, lora_request))
 
     def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

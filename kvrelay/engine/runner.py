@@ -27,6 +27,7 @@ import torch
 from kvrelay import envs
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.cuda_graphs import DecodeGraphs, LayerGraphs, StepGraphs
+from kvrelay.engine.lora import LoRABatch
 from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator, token_logprobs
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
@@ -122,7 +123,7 @@ class ModelRunner:
         if narrow:
             torch.set_num_threads(1)
         try:
-            return self._run(plan, input_ids, positions, meta, sample_rows)
+            return self._run(plan, input_ids, positions, meta, sample_rows, self._lora(plan))
         finally:
             if narrow:
                 torch.set_num_threads(self.threads)
@@ -134,9 +135,12 @@ class ModelRunner:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         sample_rows: torch.Tensor,
+        lora: LoRABatch | None,
     ) -> StepResult:
         n = input_ids.numel()
-        if self.graphs is not None and self.graphs.fits(n, meta):
+        if lora is not None:  # the graphs hold the base weights only
+            hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, lora)
+        elif self.graphs is not None and self.graphs.fits(n, meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         elif self.step_graphs is not None and self.step_graphs.fits(n, meta):
             hidden = self.step_graphs.run(input_ids, positions, meta)
@@ -184,8 +188,18 @@ class ModelRunner:
     def compute_logits_for(self, plan: StepPlan) -> torch.Tensor:
         """Runs a step and returns the float32 logits of its sampled rows (for tests)."""
         input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, self._lora(plan))
         return self.model.compute_logits(hidden[sample_rows])
+
+    def _lora(self, plan: StepPlan) -> LoRABatch | None:
+        """The step's LoRA adapters and their rows; None when no sequence has one."""
+        if not any(item.seq.lora is not None for item in plan.scheduled):
+            return None
+        spans, row = [], 0
+        for item in plan.scheduled:
+            spans.append((item.seq.lora, row, item.num_new_tokens))
+            row += item.num_new_tokens
+        return LoRABatch.build(spans, row, self.device)
 
     # ------------------------------------------------------------------ batch
     def _prepare(

@@ -60,6 +60,7 @@ class Sequence:
     generator: Any = None  # torch.Generator for seeded sampling; owned by the runner side
     matcher: Any = None  # xgrammar GrammarMatcher; has accepted exactly the output tokens
     arrival_index: int = 0  # its place in its scheduler's arrival order (set when added)
+    lora: Any = None  # engine.lora.LoRAAdapter of params.lora_name, set by the engine
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -16,6 +16,7 @@ MAX_LOGPROBS = 20  # alternatives returned per token (OpenAI's limit)
 MAX_STOP_STRINGS = 64  # stop strings per request
 MAX_STOP_TOKEN_IDS = 256  # stop token ids per request
 MAX_CACHE_SALT_LEN = 256  # characters of cache_salt
+MAX_LORA_NAME_LEN = 256  # characters of lora_name (engine.lora.MAX_NAME_LEN)
 PENALTY_RANGE = (-2.0, 2.0)  # presence / frequency penalty, inclusive (OpenAI's range)
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts, inclusive
@@ -147,6 +148,9 @@ class SamplingParams:
     # otherwise. A scheduling field, not a sampling one: carried here so that a worker that
     # cannot honour it never gets it (Register.sampling_fields)
     priority: int = 0
+    # the LoRA adapter (as loaded by the worker, ``--lora-modules NAME=PATH``) the request
+    # runs through; None: the base model. Clients name it as the request's ``model``
+    lora_name: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop", _as_tuple(self.stop))
@@ -188,6 +192,10 @@ class SamplingParams:
             _fail("min_p", self.min_p, "a number in [0, 1]")
         if not (_is_int(self.priority) and abs(self.priority) < 2**31):
             _fail("priority", self.priority, "an integer in (-2**31, 2**31)")
+        if self.lora_name is not None and not (
+            isinstance(self.lora_name, str) and 0 < len(self.lora_name) <= MAX_LORA_NAME_LEN
+        ):
+            _fail("lora_name", self.lora_name, f"None or 1-{MAX_LORA_NAME_LEN} characters")
         low, high = SEED_RANGE
         if self.seed is not None and not (_is_int(self.seed) and low <= self.seed <= high):
             _fail("seed", self.seed, f"None or an integer in [{low}, {high}]")
@@ -379,7 +387,7 @@ the one asked for. So a worker lists the fields it knows when it registers
 workers that list it; a worker whose ``Register`` lacks the list (one older than the list)
 is taken to know these alone."""
 
-REQUEST_NAMES = {"bad_words_token_ids": "bad_words"}
+REQUEST_NAMES = {"bad_words_token_ids": "bad_words", "lora_name": "model"}
 """The HTTP request field a SamplingParams field comes from, where the names differ."""
 
 FIELDS = tuple(f.name for f in fields(SamplingParams))

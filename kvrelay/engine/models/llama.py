@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from kvrelay.engine import background
 from kvrelay.engine.config import ModelConfig, RopeConfig
+from kvrelay.engine.lora import LoRABatch
 from kvrelay.kernels import cpu_packed, cpu_rows, gemv
 from kvrelay.kernels.attention import AttentionMetadata, paged_attention
 from kvrelay.kernels.cpu_decode import FusedDecode
@@ -178,21 +179,23 @@ class LlamaModel:
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` (before the final norm) for a flat batch of tokens.
 
         ``kv_cache`` is ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``; this
-        step's K/V are written into it at ``meta.slot_mapping``.
+        step's K/V are written into it at ``meta.slot_mapping``. ``lora``: the LoRA adapters
+        of the step's rows (``engine.lora``); such a step runs layer by layer.
         """
         x, cos, sin = self.embed(input_ids, positions)
-        fused = self._fused_for(kv_cache, meta, x.shape[0])
+        fused = None if lora is not None else self._fused_for(kv_cache, meta, x.shape[0])
         if fused is not None and meta.native_decode is not None:
             return fused.forward(x, cos, sin, meta.native_decode, meta.slot_mapping)
         delta: torch.Tensor | None = None  # the last block's output, not yet added to x
         for i in range(self.config.num_layers):
-            x, q, k, v = self.layer_in(i, x, delta, cos, sin)
+            x, q, k, v = self.layer_in(i, x, delta, cos, sin, lora)
             attn = paged_attention(q, k, v, kv_cache[i], meta, self.scale)
-            x, delta = self.layer_out(i, x, attn)
+            x, delta = self.layer_out(i, x, attn, lora)
         return x if delta is None else x + delta
 
     # The forward in pieces: ``embed``, then per layer ``layer_in``, attention, ``layer_out``.
@@ -212,6 +215,7 @@ class LlamaModel:
         delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        lora: LoRABatch | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Layer ``i`` up to attention: the residual ``x + delta`` (``delta`` the last layer's
         output, None before the first) and this layer's rotated ``q, k`` and ``v``."""
@@ -220,6 +224,8 @@ class LlamaModel:
         x, h = add_rms_norm(x, delta, w[p + "in_norm"], cfg.rms_norm_eps, native)
         qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"), self.packed.get(p + "qkv"),
                      self.native_rows)  # fmt: skip
+        if lora is not None:
+            lora.add(p + "qkv", h, qkv)
         qk_size = self._q_size + self._kv_size
         # q and k rotate in one call: their columns are adjacent in the fused projection
         if native:
@@ -231,21 +237,27 @@ class LlamaModel:
         return x, q, k, qkv[:, qk_size:].view(-1, cfg.num_kv_heads, hd)
 
     def layer_out(
-        self, i: int, x: torch.Tensor, attn: torch.Tensor
+        self, i: int, x: torch.Tensor, attn: torch.Tensor, lora: LoRABatch | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i`` from its attention output ``[T, q_heads, head_dim]``: the residual and
         the MLP's output, which the next ``layer_in`` (or the caller, after the last) adds."""
         w, pk, rows = self.weights, self.packed, self.native_rows
         p, native = f"layers.{i}.", cpu_rows.supports(x)
-        delta = linear(attn.reshape(-1, self._q_size), w[p + "o"], None, pk.get(p + "o"), rows)
+        attn = attn.reshape(-1, self._q_size)
+        delta = linear(attn, w[p + "o"], None, pk.get(p + "o"), rows)
+        if lora is not None:
+            lora.add(p + "o", attn, delta)
         x, h = add_rms_norm(x, delta, w[p + "post_norm"], self.config.rms_norm_eps, native)
         gate_up = linear(h, w[p + "gate_up"], None, pk.get(p + "gate_up"), rows)
+        if lora is not None:
+            lora.add(p + "gate_up", h, gate_up)
         if native:
             act = cpu_rows.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return x, linear(act, w[p + "down"], None, pk.get(p + "down"), rows)
+        out = linear(act, w[p + "down"], None, pk.get(p + "down"), rows)
+        return x, out if lora is None else lora.add(p + "down", act, out)
 
     def _fused_for(
         self, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: int
