@@ -391,7 +391,7 @@ def test_a_request_with_a_newer_field_goes_only_to_workers_that_know_it() -> Non
     assert registry.unknown_field(NEWER) == "logit_bias"  # a worker lacks it (not a refusal)
     assert registry.get("old").as_dict()["unknown_sampling_fields"] == [  # type: ignore[union-attr]
         "cache_salt", "structured_outputs", "logit_bias", "allowed_token_ids", "prompt_logprobs",
-        "bad_words_token_ids", "priority",
+        "bad_words_token_ids", "priority", "lora_name",
     ]  # fmt: skip
     assert registry.get("new").as_dict()["unknown_sampling_fields"] == []  # type: ignore[union-attr]
 

@@ -10,6 +10,7 @@ import argparse
 from typing import Any
 
 from kvrelay import envs
+from kvrelay.protocol.lora_modules import parse_lora_modules
 
 # engine.config.SCHEDULING_POLICIES, which validates them: not imported here, since importing
 # kvrelay.engine loads torch, and the router's command line is parsed here too
@@ -73,6 +74,22 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
     p.add_argument(
         "--no-prefix-caching", action="store_true", help="disable reuse of cached prompt blocks"
     )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve beside the base model (PEFT directories: "
+        "adapter_config.json, adapter_model.safetensors); a request names one as its 'model'",
+    )
+
+
+def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """``--lora-modules`` as (name, path) pairs; argparse's error for a malformed item."""
+    try:
+        return parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        raise SystemExit(f"kvrelay: error: {exc}") from None
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,6 +106,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "enable_prefix_caching": not args.no_prefix_caching,
         "scheduling_policy": args.scheduling_policy,
+        "lora_modules": lora_modules(args),
     }
 
 
@@ -113,4 +131,6 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
             out += [flag, str(value)]
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
+    if args.lora_modules:
+        out += ["--lora-modules", *(f"{n}={p}" for n, p in lora_modules(args))]
     return out

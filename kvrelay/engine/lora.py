@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +40,10 @@ from safetensors import safe_open
 
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.identity import cached_file_digest
+from kvrelay.protocol.lora_modules import check_name
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-MAX_NAME_LEN = 256  # characters of an adapter name (it is also a model name clients send)
 _DOMAIN = b"kvrelay-lora-v1\0"
 
 # PEFT module name -> (runtime projection, part of its fused output)
@@ -88,29 +88,6 @@ class LoRAAdapter:
     @property
     def num_modules(self) -> int:
         return len(self.weights)
-
-
-def parse_lora_modules(specs: Iterable[str]) -> tuple[tuple[str, str], ...]:
-    """``NAME=PATH`` items (``--lora-modules``) as ``(name, path)`` pairs; ValueError naming a
-    malformed or repeated one."""
-    pairs: dict[str, str] = {}
-    for spec in specs:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules takes NAME=PATH items, got {spec!r}")
-        check_name(name)
-        if name in pairs:
-            raise ValueError(f"--lora-modules names {name!r} twice")
-        pairs[name] = path
-    return tuple(pairs.items())
-
-
-def check_name(name: str) -> None:
-    if not (0 < len(name) <= MAX_NAME_LEN) or name != name.strip():
-        raise ValueError(
-            f"a LoRA adapter name must be 1-{MAX_NAME_LEN} characters without surrounding "
-            f"spaces, got {name!r}"
-        )
 
 
 def adapter_identity(path: str | Path) -> bytes:

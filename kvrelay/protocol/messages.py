@@ -112,6 +112,9 @@ class Register:
     # the SamplingParams fields it knows (it would drop later ones): the router sends it no
     # request that sets another; absent (an older worker): sampling_params.BASE_FIELDS
     sampling_fields: tuple[str, ...] = sampling_params.FIELDS
+    # its LoRA adapters, name -> identity (engine.lora.adapter_identity): the router sends a
+    # request naming an adapter only to workers whose adapter of that name is the same files
+    lora_adapters: dict[str, bytes] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -223,7 +223,28 @@ class OpenAIApi:
             }
             for name in self.model_names
         ]
+        data += [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "kvrelay",
+                "root": name,
+                "parent": self.model_names[0],  # a LoRA adapter of the base model
+                "max_model_len": self.backend.max_model_len,
+            }
+            for name in self._adapters()
+        ]
         return JSONResponse({"object": "list", "data": data})
+
+    def _adapters(self) -> list[str]:
+        """The backend's LoRA adapters that no served name hides (a name of the base wins)."""
+        return [n for n in self.backend.lora_adapters() if n not in self.model_names]
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` (checked by ``model_name``) names; None:
+        the base model."""
+        return None if model is None or model in self.model_names else model
 
     # ---- generation
 
@@ -300,13 +321,16 @@ class OpenAIApi:
     # ---- checks
 
     def model_name(self, requested: str | None) -> str:
+        """The model a request asks for: a served name of the base model, or a LoRA adapter
+        some worker holds; 404 for any other."""
         if requested is None:
             return self.model_names[0]
-        if requested not in self.model_names:
+        if requested not in self.model_names and requested not in self.backend.lora_adapters():
             shown = requested if len(requested) <= 100 else f"{requested[:100]}..."
+            served = ", ".join((*self.model_names, *self._adapters()))
             raise ApiError(
                 404,
-                f"The model '{shown}' does not exist. Served: {', '.join(self.model_names)}",
+                f"The model '{shown}' does not exist. Served: {served}",
                 param="model",
                 code="model_not_found",
             )
@@ -504,6 +528,7 @@ class OpenAIApi:
                 structured=spec.structured,
                 prompt_logprobs=spec.prompt_logprobs,
                 bad_words_token_ids=bad_words,
+                lora_name=self.lora_name(req.model),
             )
             error = params.vocab_error(self.tokenizer.vocab_size)  # logit_bias, allowed ids
             if error is not None:

@@ -9,7 +9,7 @@ backend over an in-process engine. Nothing here imports torch.
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
@@ -98,3 +98,8 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def is_ready(self) -> bool:
         """True when a request sent now can be served."""
+
+    def lora_adapters(self) -> Sequence[str]:
+        """The names of the LoRA adapters it serves beside the base model (requests name
+        one as their ``model``); none unless a backend says otherwise."""
+        return ()

@@ -37,7 +37,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import zmq
@@ -222,6 +222,10 @@ class Dispatcher(Backend):
         since = time.monotonic() - window_s
         return [s for s in self._latencies if s.finished_at >= since]
 
+    def lora_adapters(self) -> Sequence[str]:
+        """The LoRA adapters live workers hold (``Registry.lora_adapters``)."""
+        return tuple(self.registry.lora_adapters())
+
     # ------------------------------------------------------------------ requests
     async def generate(self, request: GenerateInput) -> AsyncIterator[Delta]:
         if self._is_stopping:
@@ -240,7 +244,8 @@ class Dispatcher(Backend):
     async def _generate(self, request: GenerateInput) -> AsyncGenerator[Delta, None]:
         placement = self._place(request)
         if placement is None:
-            unknown = self.registry.unknown_field(request.params.fields_set())
+            # (lora_name: no worker holds the adapter now, a 503 like no worker at all)
+            unknown = self.registry.unknown_field(request.params.fields_set() - {"lora_name"})
             if unknown is not None:
                 param = REQUEST_NAMES.get(unknown, unknown)
                 raise InvalidRequest(
@@ -278,10 +283,19 @@ class Dispatcher(Backend):
     def _place(self, request: GenerateInput) -> Placement | None:
         """Cache-aware placement on workers that know the request's sampling fields; counts
         the chosen prefill instance's expected hits."""
-        token_ids = request.prompt_token_ids
-        matched = self._matched(token_ids, request.params.cache_salt)
+        token_ids, params = request.prompt_token_ids, request.params
+        lora = None
+        if params.lora_name is not None:
+            adapter = self.registry.lora_adapter(params.lora_name)
+            if adapter is None:
+                return None  # its workers left since the request was read
+            lora = (params.lora_name, adapter)
+        matched = self._matched(token_ids, params.cache_salt, None if lora is None else lora[1])
         placement = self.registry.place(
-            matched=matched, num_prompt_tokens=len(token_ids), needs=request.params.fields_set()
+            matched=matched,
+            num_prompt_tokens=len(token_ids),
+            needs=params.fields_set() - {"lora_name"},  # held adapters say it (lora)
+            lora=lora,
         )
         if placement is not None:
             match = matched.get(placement.prefill.instance_id)
@@ -291,14 +305,19 @@ class Dispatcher(Backend):
                 self.metrics.local_prefills.inc()
         return placement
 
-    def _matched(self, token_ids: list[int], cache_salt: str | None) -> dict[str, PrefixMatch]:
+    def _matched(
+        self, token_ids: list[int], cache_salt: str | None, adapter: bytes | None = None
+    ) -> dict[str, PrefixMatch]:
         """Per instance, the prompt blocks in its device cache and its host's L1 pool (of
-        requests with the same ``cache_salt``: the salt is in every block's key)."""
+        requests with the same ``cache_salt`` and LoRA ``adapter``: both are in every
+        block's key)."""
         first = self.registry.first_instance()
         if first is None:
             return {}
         info = first.info
-        keys = reusable_block_keys(token_ids, info.layout.block_size, info.fingerprint, cache_salt)
+        keys = reusable_block_keys(
+            token_ids, info.layout.block_size, info.fingerprint, cache_salt, adapter
+        )
         return self.cache_index.match(keys)
 
     def _submit(self, tr: _Tracked, placement: Placement) -> None:

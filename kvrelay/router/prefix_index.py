@@ -126,14 +126,19 @@ class PrefixIndex:
 
 
 def reusable_block_keys(
-    token_ids: Sequence[int], block_size: int, fingerprint: bytes, cache_salt: str | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    fingerprint: bytes,
+    cache_salt: str | None = None,
+    adapter: bytes | None = None,
 ) -> list[BlockHash]:
-    """Hashes of the prompt blocks an engine could reuse: at most ``(n - 1) // block_size``.
+    """Hashes of the prompt blocks an engine could reuse: at most ``(n - 1) // block_size``
+    (``adapter``: the identity of the request's LoRA adapter, as in its blocks' keys).
 
     The last token is always computed (its logits are sampled), so a block that ends with it
     is never a hit, as in ``BlockManager``: scoring it would favour an instance for nothing.
     """
-    seed = chain_seed(fingerprint, cache_salt)
+    seed = chain_seed(fingerprint, cache_salt, adapter)
     return hash_blocks(token_ids[: len(token_ids) - 1], block_size, seed)
 
 

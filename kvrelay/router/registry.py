@@ -37,6 +37,11 @@ Placement (DistServe-style, decode pulls):
   fields_set``: a router newer than them, in a rolling upgrade) goes only to workers that
   list it (``Register.sampling_fields``); an older worker would drop the field and run
   another request than the one asked for.
+- a request through a LoRA adapter (``SamplingParams.lora_name``) goes only to workers that
+  registered that adapter (``Register.lora_adapters``) with the identity the router knows it
+  by: the first live worker to register a name sets it, and a later worker whose files
+  differ under that name is not placed for it (logged, and shown in ``/admin/instances``);
+  a hand-off pairs only workers with the same adapter, whose KV is the adapter's.
 - ties left: the first registered (a re-registered id keeps its place).
 
 Cost per request: O(matched + log instances), not O(instances). Each role's instances are
@@ -82,6 +87,10 @@ class Instance:
     )
     draining: bool = False  # the router asked it to drain (its reports will say so too)
     sampling_fields: frozenset[str] = frozenset(SAMPLING_FIELDS)  # Register.sampling_fields
+    # LoRA adapter name -> identity (Register.lora_adapters), less those in conflict
+    lora_adapters: dict[str, bytes] = dataclasses.field(default_factory=dict)
+    # names it registered with other files than the cluster's adapter of that name
+    conflicting_lora_adapters: tuple[str, ...] = ()
 
     @property
     def instance_id(self) -> str:
@@ -129,6 +138,8 @@ class Instance:
             "unknown_sampling_fields": [
                 name for name in SAMPLING_FIELDS if name not in self.sampling_fields
             ],
+            "lora_adapters": {name: fp.hex() for name, fp in sorted(self.lora_adapters.items())},
+            "conflicting_lora_adapters": list(self.conflicting_lora_adapters),
         }
 
 
@@ -188,6 +199,8 @@ class Registry:
         self._num_registered = 0
         self._by_work = {role: LoadOrder(_work_key) for role in Role}
         self._by_free: dict[PairKey, LoadOrder] = {}  # decodes, per pair key
+        # LoRA adapter name -> (identity, live instances that hold it)
+        self._loras: dict[str, tuple[bytes, int]] = {}
 
     def register(
         self, msg: Register, connection: bytes = b"", now: float | None = None
@@ -205,6 +218,8 @@ class Registry:
         inst.sampling_fields = frozenset(msg.sampling_fields)
         if live is not None:
             self._forget(live)
+        self._set_lora_adapters(inst, msg.lora_adapters or {})
+        self._count_loras(inst, 1)
         self._instances[info.instance_id] = inst
         if info.instance_id not in self._order:
             self._order[info.instance_id] = self._num_registered
@@ -212,6 +227,43 @@ class Registry:
         self._file(inst)
         self._log_unpairable(inst)
         return inst
+
+    def _set_lora_adapters(self, inst: Instance, adapters: Mapping[str, bytes]) -> None:
+        """Keeps the adapters whose identity agrees with every other live worker's adapter of
+        that name; a name whose files differ is never placed on ``inst`` (logged)."""
+        known = {name: fp for name, (fp, _) in self._loras.items()}
+        conflicts = []
+        for name, fp in adapters.items():
+            if known.get(name, fp) == fp:
+                inst.lora_adapters[name] = fp
+            else:
+                conflicts.append(name)
+                logger.error(
+                    "%s %s registered LoRA adapter %r with identity %s, but the cluster serves "
+                    "%r as %s: it gets no request for it (load the same files everywhere, or "
+                    "another name)",
+                    inst.role.value, inst.instance_id, name, fp.hex()[:16], name,
+                    known[name].hex()[:16],
+                )  # fmt: skip
+        inst.conflicting_lora_adapters = tuple(sorted(conflicts))
+
+    def _count_loras(self, inst: Instance, change: int) -> None:
+        """Counts ``inst``'s adapters in (``change`` 1) or out (-1) of ``_loras``."""
+        for name, fp in inst.lora_adapters.items():
+            count = self._loras.get(name, (fp, 0))[1] + change
+            if count:
+                self._loras[name] = (fp, count)
+            else:
+                del self._loras[name]
+
+    def lora_adapters(self) -> dict[str, bytes]:
+        """The LoRA adapters some live worker holds, name -> identity (sorted by name)."""
+        return {name: fp for name, (fp, _) in sorted(self._loras.items())}
+
+    def lora_adapter(self, name: str) -> bytes | None:
+        """The identity of the LoRA adapter ``name`` as live workers hold it; None if none."""
+        entry = self._loras.get(name)
+        return None if entry is None else entry[0]
 
     def _log_unpairable(self, inst: Instance) -> None:
         """Logs the other-role instances ``inst`` will never pair with: other weights."""
@@ -275,6 +327,7 @@ class Registry:
             self._by_free.setdefault(key, LoadOrder(_free_key)).update(inst, order)
 
     def _forget(self, inst: Instance) -> None:
+        self._count_loras(inst, -1)
         self._by_work[inst.role].discard(inst.instance_id)
         if inst.role is Role.DECODE:
             key = pair_key(inst.info)
@@ -329,6 +382,7 @@ class Registry:
         matched: Mapping[str, PrefixMatch] | None = None,
         num_prompt_tokens: int = 0,
         needs: frozenset[str] = frozenset(),
+        lora: tuple[str, bytes] | None = None,
     ) -> Placement | None:
         """Chooses where a new request runs; None when no instance can take it.
 
@@ -343,8 +397,10 @@ class Registry:
                 charged until its next report; ranking does not depend on it).
             needs: the request's sampling fields a worker must know (``SamplingParams.
                 fields_set``); instances that do not list one are passed over.
+            lora: the request's LoRA adapter (name, identity); only the instances that
+                registered it are used.
         """
-        request = _Request(set(exclude), matched or {}, num_prompt_tokens, needs)
+        request = _Request(set(exclude), matched or {}, num_prompt_tokens, needs, lora)
         # a pair must share the KV hand-off version (a rolling upgrade mixes them) and the
         # model identity: the cheapest prefill that has such a decode, else no hand-off
         decodes: dict[PairKey, Instance | None] = {}
@@ -458,6 +514,10 @@ class Registry:
         for order in self._by_free.values():
             order.check_integrity()
         assert self._order.keys() == self._instances.keys()
+        held: collections.Counter[str] = collections.Counter()
+        for inst in self._instances.values():
+            held.update(inst.lora_adapters.keys())
+        assert {name: n for name, (_, n) in self._loras.items()} == dict(held)
 
 
 class _Request(NamedTuple):
@@ -467,13 +527,16 @@ class _Request(NamedTuple):
     matched: Mapping[str, PrefixMatch]
     num_prompt_tokens: int
     needs: frozenset[str] = frozenset()  # sampling fields the worker must know
+    lora: tuple[str, bytes] | None = None  # the LoRA adapter the worker must hold
 
     def is_usable(self, inst: Instance) -> bool:
-        """Not draining, not excluded, and it knows the request's sampling fields."""
+        """Not draining, not excluded, it knows the request's sampling fields and holds its
+        LoRA adapter."""
         return (
             not (inst.load.draining or inst.draining)
             and inst.instance_id not in self.exclude
             and self.needs <= inst.sampling_fields
+            and (self.lora is None or inst.lora_adapters.get(self.lora[0]) == self.lora[1])
         )
 
     def placed(self, prefill: Instance, decode: Instance | None) -> Placement:

@@ -249,6 +249,7 @@ def sampling_params(
     structured: StructuredOutput | None = None,
     prompt_logprobs: int | None = None,
     bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
+    lora_name: str | None = None,
 ) -> SamplingParams:
     """The ``n == 1`` params of one choice.
 
@@ -261,6 +262,7 @@ def sampling_params(
         structured: the grammar the output must match (``structured.resolve_structured``).
         prompt_logprobs: ``SamplingParams.prompt_logprobs``.
         bad_words_token_ids: the request's ``bad_words``, tokenized (``bad_words_ids``).
+        lora_name: the LoRA adapter its ``model`` names; None for the base model.
 
     Raises:
         ApiError: 400 naming the offending request field.
@@ -278,6 +280,7 @@ def sampling_params(
             structured_outputs=structured,
             prompt_logprobs=prompt_logprobs,
             bad_words_token_ids=bad_words_token_ids,
+            lora_name=lora_name,
             **kwargs,
         )
     except ValueError as exc:

@@ -309,7 +309,11 @@ class Worker:
 
     def register(self, links: list[zmq.Socket] | None = None) -> None:
         """Sends Register and the full device-cache state (deltas follow on heartbeats)."""
-        msg = Register(self.info, self.served_model_name(), self.engine.max_model_len, os.getpid())
+        loras = {name: a.fingerprint for name, a in self.engine.loras.items()}
+        msg = Register(
+            self.info, self.served_model_name(), self.engine.max_model_len, os.getpid(),
+            lora_adapters=loras,
+        )  # fmt: skip
         self.routers.send(msg, links)
         cached = [bytes(h) for h in self.engine.block_manager.cached_hashes()]
         self.routers.send(CacheEvent(self.instance_id, cached, [], reset=True), links)
