@@ -231,3 +231,19 @@ def test_bfloat16_rows_stay_close_to_peft(tiny_model_dir, adapters) -> None:
         assert logprob == pytest.approx(ref[token].item(), abs=0.1)
     for token, logprob in _first_logprobs(out[1]).items():
         assert logprob == pytest.approx(base[token].item(), abs=0.1)
+
+
+def test_kvrelay_generate_runs_through_a_named_adapter(llm, tiny_model_dir, adapters) -> None:
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "kvrelay", "generate", "--model", str(tiny_model_dir),
+            "--lora-modules", f"all={adapters['all']}", "--max-tokens", "6", "--ignore-eos",
+            "--json"]  # fmt: skip
+    proc = subprocess.run([*base, "--lora", "all", "Hello"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = llm.generate("Hello", params, lora_request=LoRARequest("all"))[0].outputs[0]
+    assert json.loads(proc.stdout)["token_ids"] == want.token_ids
+    proc = subprocess.run([*base, "--lora", "none", "Hello"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "'none' is not among --lora-modules" in proc.stderr

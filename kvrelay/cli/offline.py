@@ -48,6 +48,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument(
+        "--lora", default=None, metavar="NAME", help="run through this --lora-modules adapter"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per output")
 
 
@@ -62,7 +65,11 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 def _sampling(args: argparse.Namespace):
     from kvrelay.protocol.sampling_params import SamplingParams
 
+    names = [name for name, _ in engine_kwargs(args)["lora_modules"]]
+    if args.lora is not None and args.lora not in names:
+        raise SystemExit(f"kvrelay: error: --lora {args.lora!r} is not among --lora-modules")
     return SamplingParams(
+        lora_name=args.lora,
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
@@ -98,8 +105,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("kvrelay generate: no prompts given", file=sys.stderr)
         return 2
+    params = _sampling(args)
     llm = LLM(args.model, **engine_kwargs(args))
-    _print_outputs(llm.generate(prompts, _sampling(args)), args.json)
+    _print_outputs(llm.generate(prompts, params), args.json)
     return 0
 
 
@@ -108,6 +116,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     system = [{"role": "system", "content": args.system}] if args.system else []
     conversations = [[*system, {"role": "user", "content": u}] for u in args.user]
+    params = _sampling(args)
     llm = LLM(args.model, **engine_kwargs(args))
-    _print_outputs(llm.chat(conversations, _sampling(args)), args.json)
+    _print_outputs(llm.chat(conversations, params), args.json)
     return 0
