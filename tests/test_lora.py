@@ -182,18 +182,18 @@ def test_adapters_it_cannot_serve_are_refused(
 ) -> None:
     path = _edited(adapters["all"], tmp_path / "a", **config)
     with pytest.raises(LoRAError, match=message):
-        load_adapter("a", path, ModelConfig.from_dir(tiny_model_dir), torch.float32)
+        load_adapter("a", path, ModelConfig.from_dir(tiny_model_dir))
 
 
 def test_malformed_adapter_files_are_refused(adapters, tiny_model_dir, tmp_path) -> None:
     config = ModelConfig.from_dir(tiny_model_dir)
     with pytest.raises(LoRAError, match="not found"):
-        load_adapter("a", tmp_path / "missing", config, torch.float32)
+        load_adapter("a", tmp_path / "missing", config)
     pickled = tmp_path / "pickled"
     shutil.copytree(adapters["all"], pickled)
     (pickled / "adapter_model.safetensors").rename(pickled / "adapter_model.bin")
     with pytest.raises(LoRAError, match="pickle"):
-        load_adapter("a", pickled, config, torch.float32)
+        load_adapter("a", pickled, config)
     # an embedding matrix among the LoRA ones
     extra = tmp_path / "extra"
     shutil.copytree(adapters["all"], extra)
@@ -201,7 +201,7 @@ def test_malformed_adapter_files_are_refused(adapters, tiny_model_dir, tmp_path)
     tensors["base_model.model.model.embed_tokens.lora_A.weight"] = torch.zeros(8, 4)
     save_file(tensors, extra / "adapter_model.safetensors")
     with pytest.raises(LoRAError, match="embed_tokens"):
-        load_adapter("a", extra, config, torch.float32)
+        load_adapter("a", extra, config)
     # a matrix of the wrong width (an adapter trained for another model)
     wide = tmp_path / "wide"
     shutil.copytree(adapters["all"], wide)
@@ -210,7 +210,7 @@ def test_malformed_adapter_files_are_refused(adapters, tiny_model_dir, tmp_path)
     tensors[key] = torch.zeros(8, config.hidden_size + 1)
     save_file(tensors, wide / "adapter_model.safetensors")
     with pytest.raises(LoRAError, match="do not fit this model"):
-        load_adapter("a", wide, config, torch.float32)
+        load_adapter("a", wide, config)
 
 
 def test_lora_modules_parse() -> None:

@@ -243,7 +243,8 @@ class LLMEngine:
         if not path:
             raise LoRAError(f"LoRA adapter {name!r} is not loaded, and no path was given")
         cfg = self.config
-        adapter = load_adapter(name, path, cfg.model_config, TORCH_DTYPES[cfg.dtype], self.device)
+        dtype = TORCH_DTYPES[cfg.dtype]
+        adapter = load_adapter(name, path, cfg.model_config, dtype, self.device)
         self.loras[name] = adapter
         logger.info("LoRA adapter %s: %d modules, rank %d, from %s",
                     name, adapter.num_modules, adapter.rank, path)  # fmt: skip

@@ -10,8 +10,10 @@ merging anything into the shared weights).
 At load, an adapter's matrices are fused the way the base's are (``loader.prepare_weights``):
 per layer one ``A [in, r_q + r_k + r_v]`` and a block-diagonal ``B [r_q + r_k + r_v, q + k +
 v]`` for the ``qkv`` projection, likewise ``gate_up``; ``o`` and ``down`` alone. ``scale``
-(``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``) is folded into ``B``. A step
-computes each adapter's two small matmuls over its rows only (``LoRABatch.add``).
+(``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``) is folded into ``B``; they are
+kept in the base's dtype and in float32 (for a few rows). A step computes each adapter's two
+small matmuls over its rows only (``LoRABatch.add``), which the runner makes one contiguous
+span per adapter.
 
 Supported: targets among ``q_proj k_proj v_proj o_proj gate_proj up_proj down_proj``, any
 rank per module (``rank_pattern``), rsLoRA, ``layers_to_transform``. Refused with a
@@ -45,6 +47,7 @@ from kvrelay.protocol.lora_modules import check_name
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _DOMAIN = b"kvrelay-lora-v1\0"
+SMALL_ROWS = 16  # an adapter's rows in a step up to which it computes in float32
 
 # PEFT module name -> (runtime projection, part of its fused output)
 TARGETS: dict[str, tuple[str, int]] = {
@@ -82,8 +85,11 @@ class LoRAAdapter:
     path: str
     fingerprint: bytes  # 16 bytes: the config and weights files' digests
     rank: int  # the largest rank of its modules
-    # runtime projection name ("layers.3.qkv") -> (A [in, r], B [r, out] with the scale in it)
+    # runtime projection name ("layers.3.qkv") -> (A [in, r], B [r, out] with the scale in it),
+    # in the base's dtype
     weights: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
+    # the same in float32, for spans of at most SMALL_ROWS rows (``LoRABatch.add``)
+    small: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
 
     @property
     def num_modules(self) -> int:
@@ -105,7 +111,7 @@ def load_adapter(
     name: str,
     path: str | Path,
     config: ModelConfig,
-    dtype: torch.dtype,
+    dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
 ) -> LoRAAdapter:
     """Reads and fuses the PEFT adapter in ``path`` for a base model of ``config``."""
@@ -131,12 +137,15 @@ def load_adapter(
             )
         b = b.double() * scale_of(rank)
         by_projection.setdefault(f"layers.{layer}.{projection}", []).append((part, a, b))
-    weights = {
-        key: _fuse(parts, sizes[key.rsplit(".", 1)[1]], dtype, device)
+    small = {
+        key: _fuse(parts, sizes[key.rsplit(".", 1)[1]], device)
         for key, parts in by_projection.items()
     }
+    weights = small
+    if dtype != torch.float32:
+        weights = {key: (a.to(dtype), b.to(dtype)) for key, (a, b) in small.items()}
     rank = max(a.shape[0] for a, _ in modules.values())
-    return LoRAAdapter(name, str(path), adapter_identity(path), rank, weights)
+    return LoRAAdapter(name, str(path), adapter_identity(path), rank, weights, small)
 
 
 def _read_config(path: Path) -> dict:
@@ -247,7 +256,6 @@ def _output_sizes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def _fuse(
     parts: Sequence[tuple[int, torch.Tensor, torch.Tensor]],
     widths: tuple[int, ...],
-    dtype: torch.dtype,
     device: torch.device | str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ``A [in, sum r]`` and block-diagonal ``B [sum r, sum widths]`` for a projection's
@@ -262,50 +270,49 @@ def _fuse(
         b_fused[row : row + rank, offsets[part] : offsets[part] + widths[part]] = b.t()
         row += rank
     return (
-        a_fused.to(dtype).contiguous().to(device),
-        b_fused.to(dtype).contiguous().to(device),
+        a_fused.to(torch.float32).contiguous().to(device),
+        b_fused.to(torch.float32).contiguous().to(device),
     )
 
 
 class LoRABatch:
-    """A step's adapters: each with the rows (tokens) of the step that use it.
+    """A step's adapters, each with the rows (tokens) that use it: one contiguous span per
+    adapter, since the runner orders a step's sequences by adapter (``ModelRunner.run``), so
+    an adapter's rows are a view of the step's activations, with no gather or scatter."""
 
-    ``rows`` is None where an adapter's rows are the whole step (no gather, no scatter).
-    """
-
-    def __init__(self, groups: list[tuple[LoRAAdapter, torch.Tensor | None]]) -> None:
-        self.groups = groups
+    def __init__(self, spans: list[tuple[LoRAAdapter, int, int]], num_rows: int) -> None:
+        self.spans = spans  # (adapter, first row, end row)
+        self.num_rows = num_rows
 
     @classmethod
-    def build(
-        cls, row_adapters: Sequence[tuple[LoRAAdapter | None, int, int]], num_rows: int,
-        device: torch.device,
-    ) -> LoRABatch | None:  # fmt: skip
-        """From ``(adapter, first row, row count)`` per scheduled sequence; None when no
-        row uses an adapter."""
-        rows: dict[int, tuple[LoRAAdapter, list[int]]] = {}
-        for adapter, first, count in row_adapters:
+    def build(cls, row_adapters: Sequence[tuple[LoRAAdapter | None, int]]) -> LoRABatch | None:
+        """From ``(adapter, row count)`` per scheduled sequence, in row order, each adapter's
+        sequences adjacent; None when no row uses an adapter."""
+        spans: list[tuple[LoRAAdapter, int, int]] = []
+        row = 0
+        for adapter, count in row_adapters:
             if adapter is not None:
-                rows.setdefault(id(adapter), (adapter, []))[1].extend(range(first, first + count))
-        if not rows:
-            return None
-        groups: list[tuple[LoRAAdapter, torch.Tensor | None]] = []
-        for adapter, idx in rows.values():
-            whole = len(idx) == num_rows
-            tensor = None if whole else torch.tensor(idx, dtype=torch.long).to(device)
-            groups.append((adapter, tensor))
-        return cls(groups)
+                if spans and spans[-1][0] is adapter and spans[-1][2] == row:
+                    spans[-1] = (adapter, spans[-1][1], row + count)
+                else:
+                    spans.append((adapter, row, row + count))
+            row += count
+        return cls(spans, row) if spans else None
 
     def add(self, key: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Adds to ``out`` (the base projection ``key`` of ``x``, in place) each adapter's
-        ``(x A) B`` on its rows."""
-        for adapter, rows in self.groups:
-            pair = adapter.weights.get(key)
+        ``(x A) B`` on its rows: in float32 for a span of at most ``SMALL_ROWS`` rows (on CPU a
+        bfloat16 matmul of a few rows costs ~4x a float32 one), else in the base's dtype
+        (there a float32 product costs more than the base projection: BENCHMARKS.md "LoRA")."""
+        for adapter, start, end in self.spans:
+            small = end - start <= SMALL_ROWS
+            pair = (adapter.small if small else adapter.weights).get(key)
             if pair is None:
                 continue
             a, b = pair
-            if rows is None:
-                out.add_((x @ a) @ b)
-            else:
-                out.index_add_(0, rows, (x.index_select(0, rows) @ a) @ b)
+            whole = start == 0 and end == self.num_rows
+            rows = x if whole else x[start:end]
+            if rows.dtype != a.dtype:
+                rows = rows.to(a.dtype)
+            (out if whole else out[start:end]).add_((rows @ a) @ b)
         return out

@@ -22,6 +22,8 @@ steps of up to ``max_num_batched_tokens`` replay graphs per padded token count, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from kvrelay import envs
@@ -116,6 +118,18 @@ class ModelRunner:
             triton_attention.compile_variants(self.kv_cache[0], heads, self.window)
 
     def run(self, plan: StepPlan) -> StepResult:
+        order = _by_adapter(plan)
+        if order is not None:  # each adapter's rows one span (LoRABatch); results unsorted below
+            plan = replace(plan, scheduled=tuple(plan.scheduled[i] for i in order))
+            result = self._run_plan(plan)
+            token_ids: list[int | None] = [None] * len(order)
+            logprobs: list = [None] * len(order)
+            for j, i in enumerate(order):
+                token_ids[i], logprobs[i] = result.token_ids[j], result.logprobs[j]
+            return StepResult(token_ids, logprobs)
+        return self._run_plan(plan)
+
+    def _run_plan(self, plan: StepPlan) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
         narrow = self.narrow_decode and input_ids.numel() <= self.model.native_rows
         if self.native_library:  # its jobs share torch's OpenMP team where torch runs wide
@@ -195,11 +209,7 @@ class ModelRunner:
         """The step's LoRA adapters and their rows; None when no sequence has one."""
         if not any(item.seq.lora is not None for item in plan.scheduled):
             return None
-        spans, row = [], 0
-        for item in plan.scheduled:
-            spans.append((item.seq.lora, row, item.num_new_tokens))
-            row += item.num_new_tokens
-        return LoRABatch.build(spans, row, self.device)
+        return LoRABatch.build([(item.seq.lora, item.num_new_tokens) for item in plan.scheduled])
 
     # ------------------------------------------------------------------ batch
     def _prepare(
@@ -295,6 +305,16 @@ class ModelRunner:
         return SampleRequest(
             seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, seq.matcher
         )
+
+
+def _by_adapter(plan: StepPlan) -> list[int] | None:
+    """The order of the plan's sequences with each LoRA adapter's adjacent (the base's first,
+    otherwise as planned); None when no sequence has an adapter or they already are."""
+    names = [None if item.seq.lora is None else item.seq.lora.name for item in plan.scheduled]
+    if not any(names):
+        return None
+    order = sorted(range(len(names)), key=lambda i: names[i] or "")
+    return None if order == list(range(len(names))) else order
 
 
 def _advance_grammar(seq: Sequence, token_id: int) -> None:
