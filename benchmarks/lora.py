@@ -1,17 +1,21 @@
-"""LoRA adapters: what serving through them costs against the base model alone (offline engine).
+"""LoRA adapters: what serving through them costs, against the base model and against vLLM's
+CPU build with the same adapters (offline engines, same machine).
 
-One ``LLM`` holds ``--adapters`` random adapters of rank ``--rank`` on every projection
-(q/k/v/o, gate/up/down), written in PEFT's file format. The same 64 mixed requests (prompts
-16-128 tokens, outputs 16-64, greedy, eos ignored; ``peers.py``'s offline workload) run:
+``--adapters`` random adapters of rank ``--rank`` on every projection (q/k/v/o, gate/up/down),
+in PEFT's file format, are loaded by kvrelay's ``LLM(lora_modules=)`` and by vLLM's
+``LLM(enable_lora=True, max_loras=N, max_lora_rank=r)``, each engine in its own process
+(``peers_engine.py``; vLLM in its venv, as ``peers.py`` sets it up). The same 64 mixed requests
+(prompts 16-128 tokens, outputs 16-64, greedy, eos ignored; ``peers.py``'s offline workload)
+run:
 
 - ``base``: every request on the base model;
 - ``one adapter``: every request through the first adapter;
 - ``mixed``: requests spread round-robin over the base and every adapter, so each step
   carries several adapters' rows;
 
-interleaved (base, one, mixed, then the reverse order), medians of ``--repeats``; plus a lone
-request's decode step (prompt 16, 128 tokens out, time per token after the first) on the base
-and through an adapter.
+each mode timed on both engines in turn (A, B, then B, A; the idle one frozen), medians of
+``--repeats``; plus a lone request's decode step (prompt 16, 128 tokens out) on the base and
+through an adapter. ``--no-peer``: kvrelay alone.
 
     python benchmarks/lora.py --model /work/cache/models/smollm2-hf --dtype bfloat16
 """
@@ -20,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from common import (
@@ -34,9 +39,8 @@ from common import (
     markdown_table,
     update_benchmarks_md,
 )
+from peers import ensure_vllm_venv, interleaved, start_engines
 from safetensors.torch import save_file
-
-from kvrelay import LLM, LoRARequest, SamplingParams
 
 SECTION = "LoRA adapters: cost against the base model (offline engine)"
 TARGETS = {
@@ -54,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapters", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-peer", action="store_true", help="kvrelay alone (no vLLM)")
+    p.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
+    p.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
+    p.add_argument("--cpu-packed-weights", default="auto")
     p.add_argument("--no-write", action="store_true")
     return p.parse_args(argv)
 
@@ -86,100 +94,99 @@ def write_adapter(model: Path, out: Path, rank: int, seed: int) -> Path:
     return out
 
 
-def requests(n: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+def requests(n: int, vocab: int, seed: int = 0) -> list[list[Any]]:
     rng = random.Random(seed)
     return [
-        ([rng.randrange(3, vocab) for _ in range(rng.randint(16, 128))], rng.randint(16, 64))
+        [[rng.randrange(3, vocab) for _ in range(rng.randint(16, 128))], rng.randint(16, 64)]
         for _ in range(n)
     ]
-
-
-def run_mode(llm: LLM, reqs: list[tuple[list[int], int]], loras: list[LoRARequest | None]) -> float:
-    """Output tokens per second of one run of ``reqs`` (request i through ``loras[i]``)."""
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
-    started = time.perf_counter()
-    outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)
-    elapsed = time.perf_counter() - started
-    return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
-
-
-def decode_step_ms(llm: LLM, lora: LoRARequest | None, vocab: int) -> float:
-    prompt = [random.Random(1).randrange(3, vocab) for _ in range(16)]
-    times = []
-    for _ in range(3):
-        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        started = time.perf_counter()
-        llm.generate([prompt], params, lora_request=lora)
-        first = time.perf_counter() - started
-        params = SamplingParams(temperature=0, max_tokens=129, ignore_eos=True)
-        started = time.perf_counter()
-        llm.generate([prompt], params, lora_request=lora)
-        times.append((time.perf_counter() - started - first) / 128 * 1e3)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = Path(args.model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    vllm_python = None if args.no_peer else ensure_vllm_venv(Path(args.vllm_venv))
     with tempfile.TemporaryDirectory() as tmp:
-        adapters = [
-            write_adapter(model, Path(tmp) / f"a{i}", args.rank, seed=i)
-            for i in range(args.adapters)
-        ]
-        modules = tuple((f"a{i}", str(p)) for i, p in enumerate(adapters))
-        llm = LLM(
-            model, dtype=args.dtype, num_threads=args.threads, lora_modules=modules,
-            enable_prefix_caching=False,  # every run computes every prompt
-        )  # fmt: skip
-        reqs = requests(args.num_requests, vocab)
-        first = LoRARequest("a0")
-        spread: list[LoRARequest | None] = [None, *(LoRARequest(n) for n, _ in modules)]
-        modes: dict[str, list[LoRARequest | None]] = {
-            "base": [None] * len(reqs),
-            "one adapter": [first] * len(reqs),
-            f"mixed: base + {args.adapters} adapters": [
-                spread[i % len(spread)] for i in range(len(reqs))
-            ],
-        }
-        warm = reqs[:8]
-        run_mode(llm, warm, [None] * len(warm))  # warm-up
-        run_mode(llm, warm, [first] * len(warm))
-        runs: dict[str, list[float]] = {m: [] for m in modes}
-        for r in range(args.repeats):
-            order = list(modes) if r % 2 == 0 else list(modes)[::-1]
-            for mode in order:
-                runs[mode].append(run_mode(llm, reqs, modes[mode]))
-                print(mode, round(runs[mode][-1], 1), flush=True)
-        steps = {
-            "base": decode_step_ms(llm, None, vocab),
-            "one adapter": decode_step_ms(llm, first, vocab),
-        }
-    base = statistics.median(runs["base"])
-    rows = []
-    for mode, values in runs.items():
-        med = statistics.median(values)
-        step = steps.get(mode)
-        rows.append([
-            mode, f"{med:.1f}", " / ".join(f"{v:.1f}" for v in values), f"{med / base:.2f}x",
-            "" if step is None else f"{step:.1f}",
-            "" if step is None else f"{step / steps['base']:.2f}x",
-        ])  # fmt: skip
-    table = markdown_table(
-        ["requests", "offline tok/s (median)", "runs", "vs base", "lone decode step ms",
-         "step vs base"], rows,
-    )  # fmt: skip
-    body = (
-        f"Model `{model.name}`, {args.dtype}, {args.threads} threads; {args.adapters} random "
-        f"adapters of rank {args.rank} on q/k/v/o and gate/up/down; {args.num_requests} "
-        "requests (prompts 16-128 tokens, outputs 16-64, greedy, eos ignored), modes "
-        f"interleaved, {args.repeats} runs each.\n\n{table}\n\n"
-        f"{machine_markdown(machine_info(args.threads))}"
-    )
+        names = [f"a{i}" for i in range(args.adapters)]
+        specs = [f"{n}={write_adapter(model, Path(tmp) / n, args.rank, i)}" for i, n in
+                 enumerate(names)]  # fmt: skip
+        extra = ["--lora-modules", *specs, "--max-lora-rank", str(args.rank)]
+        engines = start_engines(args, args.dtype, vllm_python, extra)
+        try:
+            results = measure(engines, args, vocab, names)
+        finally:
+            for engine in engines:
+                engine.close()
+    body = report(args, model, results, [e.name for e in engines])
     print(body)
     if not args.no_write:
         update_benchmarks_md(SECTION, body, command_line(__file__))
     return 0
+
+
+def measure(
+    engines: list[Any], args: argparse.Namespace, vocab: int, names: list[str]
+) -> dict[str, Any]:
+    reqs = requests(args.num_requests, vocab)
+    spread: list[str | None] = [None, *names]
+    modes: dict[str, list[str | None]] = {
+        "base": [None] * len(reqs),
+        "one adapter": [names[0]] * len(reqs),
+        f"mixed: base + {len(names)} adapters": [spread[i % len(spread)] for i in range(len(reqs))],
+    }
+    warm = reqs[:8]
+    for engine in engines:  # warm-up, every path
+        for loras in ([None] * len(warm), [names[0]] * len(warm)):
+            engine.call(op="offline", requests=warm, loras=loras)
+    offline: dict[str, dict[str, list[float]]] = {}
+    for mode, loras in modes.items():
+        runs = interleaved(engines, args.repeats, op="offline", requests=reqs, loras=loras)
+        offline[mode] = {name: [a["tokens"] / a["seconds"] for a in got] for name, got in
+                         runs.items()}  # fmt: skip
+    prompt = [random.Random(1).randrange(3, vocab) for _ in range(16)]
+    steps: dict[str, dict[str, float]] = {}
+    for mode, lora in (("base", None), ("one adapter", names[0])):
+        runs = interleaved(engines, 1, op="decode", prompt=prompt, steps=128, loras=[lora])
+        steps[mode] = {name: got[0]["step_s"] * 1e3 for name, got in runs.items()}
+    return {"offline": offline, "steps": steps}
+
+
+def report(
+    args: argparse.Namespace, model: Path, results: dict[str, Any], systems: list[str]
+) -> str:
+    offline, steps = results["offline"], results["steps"]
+    base = {s: statistics.median(offline["base"][s]) for s in systems}
+    headers = ["requests"]
+    for s in systems:
+        headers += [f"{s} tok/s (runs)", f"{s} vs its base", f"{s} decode step ms"]
+    if len(systems) == 2:
+        headers += ["kvrelay / vLLM tok/s", "kvrelay / vLLM step"]
+    rows = []
+    for mode, per_system in offline.items():
+        row = [mode]
+        meds = {}
+        for s in systems:
+            meds[s] = statistics.median(per_system[s])
+            runs = " / ".join(f"{v:.1f}" for v in per_system[s])
+            step = steps.get(mode, {}).get(s)
+            row += [f"{meds[s]:.1f} ({runs})", f"{meds[s] / base[s]:.2f}x",
+                    "" if step is None else f"{step:.1f}"]  # fmt: skip
+        if len(systems) == 2:
+            a, b = systems
+            row.append(f"{meds[a] / meds[b]:.2f}x")
+            st = steps.get(mode)
+            row.append("" if st is None else f"{st[a] / st[b]:.2f}x")
+        rows.append(row)
+    table = markdown_table(headers, rows)
+    return (
+        f"Model `{model.name}`, {args.dtype}, {args.threads} threads; {args.adapters} random "
+        f"adapters of rank {args.rank} on q/k/v/o and gate/up/down; {args.num_requests} "
+        "requests (prompts 16-128 tokens, outputs 16-64, greedy, eos ignored); per mode the "
+        f"engines in turn, the idle one frozen, medians of {args.repeats}; decode step: a lone "
+        "request, prompt 16, 128 tokens.\n\n"
+        f"{table}\n\n{machine_markdown(machine_info(args.threads))}"
+    )
 
 
 if __name__ == "__main__":

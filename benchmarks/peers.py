@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +138,12 @@ class Engine:
         self.proc.stdin.flush()
 
 
-def start_engines(args: argparse.Namespace, dtype: str, vllm_python: Path) -> list[Engine]:
-    common = ["--model", args.model, "--dtype", dtype, "--threads", str(args.threads)]
+def start_engines(
+    args: argparse.Namespace, dtype: str, vllm_python: Path | None, extra: Sequence[str] = ()
+) -> list[Engine]:
+    """kvrelay's engine process, then vLLM's (none when ``vllm_python`` is None); ``extra``:
+    more ``peers_engine.py`` arguments for both."""
+    common = ["--model", args.model, "--dtype", dtype, "--threads", str(args.threads), *extra]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env["PYTHONPATH"] = str(HERE.parent)
     packed = (
@@ -152,6 +156,8 @@ def start_engines(args: argparse.Namespace, dtype: str, vllm_python: Path) -> li
         [sys.executable, str(ENGINE_SCRIPT), "--system", "kvrelay", *common],
         dict(env, **packed),
     )
+    if vllm_python is None:
+        return [kvrelay]
     venv_env = dict(env, VLLM_TARGET_DEVICE="cpu", VLLM_CACHE_ROOT=args.vllm_cache)
     venv_env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
     venv_env.pop("PYTHONPATH")

@@ -6,7 +6,8 @@ of two loaded engines (A, B, A, B) without paying a start (vLLM compiles for 80-
 
 Commands: ``{"op": "offline", "requests": [[prompt ids, output len], ...]}`` -> seconds and
 output tokens; ``{"op": "decode", "prompt": [...], "steps": n}`` -> seconds per decode step of
-a lone request; ``{"op": "greedy", "messages": [[...chat...], ...], "max_tokens": n}`` ->
+a lone request (both take ``"loras": [adapter name or null per request]`` with
+``--lora-modules``); ``{"op": "greedy", "messages": [[...chat...], ...], "max_tokens": n}`` ->
 greedy token ids per chat; ``{"op": "quit"}``.
 """
 
@@ -27,7 +28,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--lora-modules", nargs="*", default=[], metavar="NAME=PATH",
+        help="LoRA adapters to load (vLLM: enable_lora with max_loras = their count)",
+    )  # fmt: skip
+    parser.add_argument("--max-lora-rank", type=int, default=16)
     return parser.parse_args()
+
+
+def lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
+    return [tuple(spec.split("=", 1)) for spec in args.lora_modules]  # type: ignore[misc]
 
 
 def create_engine(args: argparse.Namespace) -> Any:
@@ -41,6 +51,7 @@ def create_engine(args: argparse.Namespace) -> Any:
             num_threads=args.threads,
             max_model_len=args.max_model_len,
             enable_prefix_caching=False,  # as vLLM's below: timed runs repeat the same prompts
+            lora_modules=tuple(lora_modules(args)),
         )
     import importlib.metadata as md
 
@@ -49,13 +60,31 @@ def create_engine(args: argparse.Namespace) -> Any:
     md.version = lambda name: cpu_version if name == "vllm" else real_version(name)
     from vllm import LLM as VllmLLM
 
+    lora: dict[str, Any] = {}
+    if args.lora_modules:
+        lora = {"enable_lora": True, "max_loras": len(args.lora_modules),
+                "max_lora_rank": args.max_lora_rank}  # fmt: skip
     return VllmLLM(
         model=args.model,
         dtype=args.dtype,
         seed=0,
         max_model_len=args.max_model_len,
         enable_prefix_caching=False,
+        **lora,
     )
+
+
+def lora_requests(args: argparse.Namespace, names: list[str | None] | None) -> Any:
+    """Per request the LoRA adapter named (None: the base), as the system's LoRARequest."""
+    if names is None:
+        return None
+    paths = dict(lora_modules(args))
+    ids = {name: i + 1 for i, name in enumerate(paths)}
+    if args.system == "kvrelay":
+        from kvrelay import LoRARequest
+    else:
+        from vllm.lora.request import LoRARequest  # type: ignore[no-redef]
+    return [None if n is None else LoRARequest(n, ids[n], paths[n]) for n in names]
 
 
 def sampling(system: str, max_tokens: int, ignore_eos: bool) -> Any:
@@ -74,20 +103,29 @@ def token_prompts(system: str, prompts: list[list[int]]) -> list[Any]:
     return [TokensPrompt(prompt_token_ids=p) for p in prompts]
 
 
-def run_offline(engine: Any, system: str, requests: list[list[Any]]) -> dict[str, Any]:
+def run_offline(
+    engine: Any, system: str, requests: list[list[Any]], lora: Any = None
+) -> dict[str, Any]:
     prompts = token_prompts(system, [r[0] for r in requests])
     params = [sampling(system, r[1], True) for r in requests]
+    kw: dict[str, Any] = {"use_tqdm": False} if system == "vllm" else {}
+    if lora is not None:
+        kw["lora_request"] = lora
     start = time.perf_counter()
-    outs = engine.generate(prompts, params, **({"use_tqdm": False} if system == "vllm" else {}))
+    outs = engine.generate(prompts, params, **kw)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
 
 
-def run_decode(engine: Any, system: str, prompt: list[int], steps: int) -> dict[str, Any]:
+def run_decode(
+    engine: Any, system: str, prompt: list[int], steps: int, lora: Any = None
+) -> dict[str, Any]:
     """Seconds per decode step of a lone request: (time(1 + steps) - time(1)) / steps, each
     time the median of 5 alternating runs (a prefill's own spread would otherwise land on the
     step)."""
-    kw = {"use_tqdm": False} if system == "vllm" else {}
+    kw: dict[str, Any] = {"use_tqdm": False} if system == "vllm" else {}
+    if lora is not None:
+        kw["lora_request"] = lora
     prompts = token_prompts(system, [prompt])
     times: dict[int, list[float]] = {1: [], steps + 1: []}
     for _ in range(5):
@@ -108,12 +146,14 @@ def run_greedy(engine: Any, system: str, chats: list[Any], max_tokens: int) -> d
     return {"token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
-def handle(engine: Any, system: str, cmd: dict[str, Any]) -> dict[str, Any]:
-    op = cmd["op"]
+def handle(engine: Any, args: argparse.Namespace, cmd: dict[str, Any]) -> dict[str, Any]:
+    op, system = cmd["op"], args.system
     if op == "offline":
-        return run_offline(engine, system, cmd["requests"])
+        return run_offline(engine, system, cmd["requests"], lora_requests(args, cmd.get("loras")))
     if op == "decode":
-        return run_decode(engine, system, cmd["prompt"], cmd["steps"])
+        lora = lora_requests(args, cmd.get("loras"))
+        lora = None if lora is None else lora[0]
+        return run_decode(engine, system, cmd["prompt"], cmd["steps"], lora)
     if op == "greedy":
         return run_greedy(engine, system, cmd["messages"], cmd["max_tokens"])
     raise ValueError(f"unknown op {op!r}")
@@ -135,7 +175,7 @@ def main() -> int:
         cmd = json.loads(line)
         if cmd["op"] == "quit":
             break
-        answers.write(json.dumps(handle(engine, args.system, cmd)) + "\n")
+        answers.write(json.dumps(handle(engine, args, cmd)) + "\n")
     return 0
 
 
