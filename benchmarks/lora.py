@@ -42,7 +42,7 @@ from common import (
 from peers import ensure_vllm_venv, interleaved, start_engines
 from safetensors.torch import save_file
 
-SECTION = "LoRA adapters: cost against the base model (offline engine)"
+SECTION = "LoRA adapters: kvrelay vs vLLM-CPU with the same adapters (offline)"
 TARGETS = {
     "self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
     "mlp": ("gate_proj", "up_proj", "down_proj"),

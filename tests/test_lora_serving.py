@@ -4,6 +4,7 @@ never serves the base or another adapter; and the registry's view of who holds w
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -175,3 +176,126 @@ def test_the_adapter_name_is_a_later_sampling_field() -> None:
     assert Params(lora_name="sql").fields_set() == {"lora_name"}
     with pytest.raises(ValueError, match="lora_name"):
         Params(lora_name="")
+
+
+# ------------------------------------------------------------------ runtime loading
+
+
+@pytest.fixture(scope="module")
+def updatable(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Launcher]:
+    """1P+1D, no adapter at start, the router serving vLLM's runtime LoRA endpoints."""
+    router_args = ("--dead-after", "1.5", "--served-model-name", "tiny",
+                   "--allow-runtime-lora-updating")  # fmt: skip
+    with running_cluster(
+        tiny_model_dir, tmp_path_factory.mktemp("lora-runtime"), num_prefill=1, num_decode=1,
+        num_colocated=0, router_args=router_args,
+    ) as launcher:  # fmt: skip
+        yield launcher
+
+
+def _post(launcher: Launcher, path: str, body: dict[str, Any]) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(
+        launcher.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _held(launcher: Launcher) -> list[list[str]]:
+    return [sorted(i["lora_adapters"]) for i in launcher.get_json("/admin/instances")["data"]]
+
+
+@pytest.mark.timeout(180)
+def test_an_adapter_loaded_at_runtime_serves_and_unloads(
+    updatable: Launcher, adapter_dir: Path, offline, tmp_path: Path
+) -> None:
+    status, text = _post(updatable, "/v1/load_lora_adapter",
+                         {"lora_name": "sql", "lora_path": str(adapter_dir)})  # fmt: skip
+    assert (status, text) == (200, "Success: LoRA adapter 'sql' added successfully.")
+    assert _held(updatable) == [["sql"], ["sql"]]  # prefill and decode
+    assert {m.id for m in _client(updatable).models.list().data} == {"tiny", "sql"}
+    assert _token_ids(updatable, "sql") == offline["sql"]
+    status, text = _post(updatable, "/v1/load_lora_adapter",
+                         {"lora_name": "sql", "lora_path": str(adapter_dir)})  # fmt: skip
+    assert status == 400 and "already been loaded" in text
+
+    status, text = _post(updatable, "/v1/unload_lora_adapter", {"lora_name": "sql"})
+    assert (status, text) == (200, "Success: LoRA adapter 'sql' removed successfully.")
+    assert _held(updatable) == [[], []]
+    with pytest.raises(openai.NotFoundError):
+        _token_ids(updatable, "sql")
+    status, text = _post(updatable, "/v1/unload_lora_adapter", {"lora_name": "sql"})
+    assert status == 404 and "cannot be found" in text
+
+    # a path that holds no adapter: refused with the worker's reason, loaded nowhere
+    status, text = _post(updatable, "/v1/load_lora_adapter",
+                         {"lora_name": "bad", "lora_path": str(tmp_path / "none")})  # fmt: skip
+    assert status == 400 and "LoRA adapter directory not found" in text, text
+    assert _held(updatable) == [[], []]
+    status, text = _post(updatable, "/v1/load_lora_adapter", {"lora_name": "x"})
+    assert status == 400 and "'lora_path' must be a non-empty string" in text
+
+
+@pytest.mark.timeout(120)
+def test_runtime_loading_is_off_unless_the_router_allows_it(
+    cluster: Launcher, adapter_dir: Path
+) -> None:
+    status, text = _post(cluster, "/v1/load_lora_adapter",
+                         {"lora_name": "more", "lora_path": str(adapter_dir)})  # fmt: skip
+    assert status == 403 and "--allow-runtime-lora-updating" in text
+    assert all(
+        list(i["lora_adapters"]) == ["sql"] for i in cluster.get_json("/admin/instances")["data"]
+    )
+
+
+def test_a_failed_load_is_undone_everywhere_and_joiners_get_runtime_adapters() -> None:
+    """LoRAAdmin against a registry: one worker fails, the one that loaded unloads again; a
+    loaded adapter is pushed to a worker that joins later."""
+    import asyncio
+
+    from kvrelay.protocol.messages import LoRAState, LoRAUpdate
+    from kvrelay.router.errors import ApiError
+    from kvrelay.router.lora_admin import LoRAAdmin
+
+    registry = Registry()
+    _register(registry, "w0", Role.COLOCATED)
+    _register(registry, "w1", Role.COLOCATED)
+    sent: list[tuple[str, LoRAUpdate]] = []
+    admin = LoRAAdmin(registry, lambda inst, msg: sent.append((inst.instance_id, msg)))
+    fp = b"a" * 16
+
+    async def answer(errors: dict[str, str]) -> None:
+        while len(sent) < 2:
+            await asyncio.sleep(0)
+        for instance_id, msg in list(sent):
+            error = errors.get(instance_id, "")
+            held = {} if error or msg.unload else {msg.name: fp}
+            admin.on_state(b"", LoRAState(instance_id, held, msg.request_id, error))
+
+    async def load(errors: dict[str, str]) -> None:
+        sent.clear()
+        await asyncio.gather(admin.load("sql", "/adapters/sql"), answer(errors))
+
+    with pytest.raises(ApiError, match="failed on w1: no such file"):
+        asyncio.run(load({"w1": "no such file"}))
+    assert ("w0", LoRAUpdate("sql", unload=True)) in sent  # undone where it had loaded
+    assert admin.runtime == {}
+    assert registry.lora_adapters() == {"sql": fp}  # until w0 says it unloaded
+    admin.on_state(b"", LoRAState("w0", {}))
+    assert registry.lora_adapters() == {}
+    asyncio.run(load({}))
+    assert admin.runtime == {"sql": "/adapters/sql"}
+    assert registry.lora_adapters() == {"sql": fp}
+    sent.clear()
+    _register(registry, "w2", Role.COLOCATED)
+    joined = registry.get("w2")
+    assert joined is not None
+    admin.on_register(joined)
+    assert sent == [("w2", LoRAUpdate("sql", "/adapters/sql"))]
+    registry.check_integrity()

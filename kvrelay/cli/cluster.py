@@ -101,10 +101,19 @@ def _add_chat_args(p: argparse.ArgumentParser) -> None:
         help="router: apply a request's 'chat_template' (default: answer 400; a request's "
         "template runs on the router and changes what the model is told)",
     )
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="router: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; "
+        "behind the admin token): the workers load a LoRA adapter from a path on their hosts",
+    )
 
 
 def chat_router_args(args: argparse.Namespace) -> list[str]:
+    """The router flags of ``_add_chat_args`` as ``kvrelay serve`` words (``kvrelay up``)."""
     out = ["--tool-call-parser", args.tool_call_parser]
+    if args.allow_runtime_lora_updating:
+        out.append("--allow-runtime-lora-updating")
     return out + (["--trust-request-chat-template"] if args.trust_request_chat_template else [])
 
 
@@ -359,6 +368,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 credential=credential,
                 tool_call_parser=None if args.tool_call_parser == "none" else args.tool_call_parser,
                 trust_request_chat_template=args.trust_request_chat_template,
+                allow_runtime_lora_updating=args.allow_runtime_lora_updating,
             )
         )
         return 0

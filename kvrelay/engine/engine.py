@@ -491,6 +491,13 @@ class LLMEngine:
                 outputs.append(self._make_output(item.seq, token_id))
         return outputs
 
+    def remove_lora(self, name: str) -> None:
+        """Drops the LoRA adapter ``name``: new requests for it are refused, running ones
+        finish on it. Raises ``LoRAError`` when none is loaded under that name."""
+        if self.loras.pop(name, None) is None:
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded")
+        logger.info("LoRA adapter %s unloaded", name)
+
     def _make_output(self, seq: Sequence, token_id: int) -> RequestOutput:
         stop = self._stops[seq.seq_id]
         new_text, stop_str = stop.append(token_id, finished=seq.is_finished)

@@ -288,6 +288,29 @@ class Shutdown:
     reason: str = ""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoRAUpdate:
+    """Router -> worker: load the LoRA adapter in ``path`` (on the worker's host) as ``name``,
+    or, with ``unload``, drop ``name`` (its running requests finish on it). The worker
+    answers every router with a ``LoRAState``."""
+
+    name: str
+    path: str = ""
+    unload: bool = False
+    request_id: str = ""  # echoed in the LoRAState (the router's pending call)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoRAState:
+    """Worker -> every router, after a ``LoRAUpdate``: its LoRA adapters now (name ->
+    identity, as ``Register.lora_adapters``), and why the update failed ("" when it did not)."""
+
+    instance_id: str
+    lora_adapters: dict[str, bytes]
+    request_id: str = ""
+    error: str = ""
+
+
 WIRE_TYPES: tuple[type, ...] = (
     KvLayout,
     PeerInfo,
@@ -308,6 +331,8 @@ WIRE_TYPES: tuple[type, ...] = (
     Undrain,  # new types go last: the tags of the others stay what older processes send
     StructuredOutput,
     TokenEvents,
+    LoRAUpdate,
+    LoRAState,
 )
 _TAG = {cls: i for i, cls in enumerate(WIRE_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in WIRE_TYPES}

@@ -50,6 +50,7 @@ from kvrelay.protocol.messages import (
     Drain,
     GenerateRequest,
     LoadReport,
+    LoRAState,
     Register,
     RegisterAck,
     TokenEvent,
@@ -69,6 +70,7 @@ from kvrelay.router.backend import (
     InvalidRequest,
     Unavailable,
 )
+from kvrelay.router.lora_admin import LoRAAdmin
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.prefix_index import CacheIndex, PrefixMatch, reusable_block_keys
 from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT, Instance, Placement, Registry
@@ -170,6 +172,7 @@ class Dispatcher(Backend):
         self.admission = Admission(
             settings.max_inflight, settings.max_queue_time, settings.retry_after
         )
+        self.lora_admin = LoRAAdmin(self.registry, self._send)  # runtime LoRA loads
         self._tasks: list[asyncio.Task[None]] = []
         self._latencies: collections.deque[LatencySample] = collections.deque(
             maxlen=_NUM_LATENCY_SAMPLES
@@ -407,6 +410,8 @@ class Dispatcher(Backend):
                 self._on_tokens(identity, event)
         elif isinstance(msg, Register):
             self._on_register(identity, msg)
+        elif isinstance(msg, LoRAState):
+            self.lora_admin.on_state(identity, msg)
         elif isinstance(msg, LoadReport | CacheEvent):
             if self.registry.get(msg.instance_id) is None:
                 if isinstance(msg, LoadReport):
@@ -443,6 +448,7 @@ class Dispatcher(Backend):
         self._connections[inst.instance_id] = identity  # kept after death: late Aborts
         ack = self._ack(inst.instance_id, known=True)
         self._reply(identity, ack)
+        self.lora_admin.on_register(inst)
         logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
 
     def _on_tokens(self, identity: bytes, event: TokenEvent) -> None:
@@ -575,6 +581,7 @@ class Dispatcher(Backend):
                 continue
             for instance_id in dead:
                 self.cache_index.remove_instance(instance_id)
+                self.lora_admin.on_leave(instance_id)
             logger.warning("instances gone silent: %s", ", ".join(sorted(dead)))
             for tr in list(self._tracked.values()):
                 if not tr.done and tr.watch & dead:

@@ -218,7 +218,7 @@ class Registry:
         inst.sampling_fields = frozenset(msg.sampling_fields)
         if live is not None:
             self._forget(live)
-        self._set_lora_adapters(inst, msg.lora_adapters or {})
+        self._file_lora_adapters(inst, msg.lora_adapters or {})
         self._count_loras(inst, 1)
         self._instances[info.instance_id] = inst
         if info.instance_id not in self._order:
@@ -228,7 +228,21 @@ class Registry:
         self._log_unpairable(inst)
         return inst
 
-    def _set_lora_adapters(self, inst: Instance, adapters: Mapping[str, bytes]) -> None:
+    def set_lora_adapters(
+        self, instance_id: str, connection: bytes, adapters: Mapping[str, bytes]
+    ) -> bool:
+        """Replaces an instance's LoRA adapters (``LoRAState``, after a runtime load or
+        unload); False when it is not registered from ``connection``."""
+        inst = self.get_from(instance_id, connection)
+        if inst is None:
+            return False
+        self._count_loras(inst, -1)
+        inst.lora_adapters = {}
+        self._file_lora_adapters(inst, adapters)
+        self._count_loras(inst, 1)
+        return True
+
+    def _file_lora_adapters(self, inst: Instance, adapters: Mapping[str, bytes]) -> None:
         """Keeps the adapters whose identity agrees with every other live worker's adapter of
         that name; a name whose files differ is never placed on ``inst`` (logged)."""
         known = {name: fp for name, (fp, _) in self._loras.items()}

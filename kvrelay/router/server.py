@@ -23,6 +23,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvrelay.autoscale.autoscaler import Autoscaler, AutoscalerSettings, UpdateError
@@ -83,6 +84,8 @@ class RouterConfig:
 
     tool_call_parser: str | None = "auto"  # ApiSettings.tool_call_parser
     trust_request_chat_template: bool = False  # apply a request's chat_template (else 400)
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the admin token)
+    allow_runtime_lora_updating: bool = False
 
     @property
     def model_name(self) -> str:
@@ -135,6 +138,7 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
     text = TextWorkers(tokenizer, config.model)
     app = create_app(backend, tokenizer, settings, text)
     add_operations_routes(app, backend, settings)
+    add_lora_routes(app, backend, settings, config.allow_runtime_lora_updating)
     autoscaler = create_autoscaler(config, backend)
     add_autoscaler_routes(app, autoscaler, settings)
 
@@ -193,6 +197,41 @@ def add_operations_routes(app: FastAPI, backend: Dispatcher, settings: ApiSettin
             "data": [inst.as_dict() for inst in backend.registry.instances()],
             "num_inflight": backend.num_inflight,
         }
+
+
+def add_lora_routes(
+    app: FastAPI, backend: Dispatcher, settings: ApiSettings, allowed: bool
+) -> None:
+    """vLLM's runtime LoRA endpoints (``router.lora_admin``): behind the admin token, and
+    answering 403 unless the router was started with ``--allow-runtime-lora-updating``."""
+    admin = [Depends(require_admin_token(settings))]
+
+    async def body(request: Request, *names: str) -> list[str]:
+        if not allowed:
+            raise ApiError(
+                403, "runtime LoRA updating is off: start the router with "
+                "--allow-runtime-lora-updating", type="permission_error", code="forbidden",
+            )  # fmt: skip
+        data = parse_json_object(await request.body())
+        values = []
+        for name in names:
+            value = data.get(name)
+            if not isinstance(value, str) or not value:
+                raise ApiError(400, f"'{name}' must be a non-empty string", param=name)
+            values.append(value)
+        return values
+
+    @app.post("/v1/load_lora_adapter", dependencies=admin)
+    async def load_lora_adapter(request: Request) -> Response:
+        name, path = await body(request, "lora_name", "lora_path")
+        await backend.lora_admin.load(name, path)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", dependencies=admin)
+    async def unload_lora_adapter(request: Request) -> Response:
+        (name,) = await body(request, "lora_name")
+        await backend.lora_admin.unload(name)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 def create_autoscaler(config: RouterConfig, backend: Dispatcher) -> Autoscaler | None:

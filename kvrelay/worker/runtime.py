@@ -45,6 +45,7 @@ from kvrelay.engine.engine import (
     build_engine_config,
     resolve_device,
 )
+from kvrelay.engine.lora import LoRAError
 from kvrelay.protocol.errors import ProtocolError
 from kvrelay.protocol.messages import (
     KV_HANDOFF_VERSION,
@@ -55,6 +56,8 @@ from kvrelay.protocol.messages import (
     GenerateRequest,
     KvLayout,
     LoadReport,
+    LoRAState,
+    LoRAUpdate,
     PeerInfo,
     Register,
     RegisterAck,
@@ -309,10 +312,9 @@ class Worker:
 
     def register(self, links: list[zmq.Socket] | None = None) -> None:
         """Sends Register and the full device-cache state (deltas follow on heartbeats)."""
-        loras = {name: a.fingerprint for name, a in self.engine.loras.items()}
         msg = Register(
             self.info, self.served_model_name(), self.engine.max_model_len, os.getpid(),
-            lora_adapters=loras,
+            lora_adapters=self.lora_identities(),
         )  # fmt: skip
         self.routers.send(msg, links)
         cached = [bytes(h) for h in self.engine.block_manager.cached_hashes()]
@@ -379,6 +381,8 @@ class Worker:
             self.draining = True
         elif isinstance(msg, Undrain):
             self.draining = False
+        elif isinstance(msg, LoRAUpdate):
+            self._on_lora_update(msg)
         elif isinstance(msg, Shutdown):
             logger.info("%s: shutdown requested (%s)", self.instance_id, msg.reason)
             self.stop()
@@ -386,6 +390,24 @@ class Worker:
             logger.warning(
                 "%s: unexpected %s from the router", self.instance_id, type(msg).__name__
             )
+
+    def _on_lora_update(self, msg: LoRAUpdate) -> None:
+        """Loads or drops a LoRA adapter between steps; every router learns the result."""
+        error = ""
+        try:
+            if msg.unload:
+                self.engine.remove_lora(msg.name)
+            else:
+                self.engine.add_lora(msg.name, msg.path)
+        except (LoRAError, OSError, ValueError) as exc:  # a bad path or file: the caller's
+            error = str(exc)
+            logger.warning("%s: LoRA adapter %s: %s", self.instance_id, msg.name, error)
+        state = LoRAState(self.instance_id, self.lora_identities(), msg.request_id, error)
+        self.routers.send(state)
+
+    def lora_identities(self) -> dict[str, bytes]:
+        """The LoRA adapters loaded here, name -> identity (``Register.lora_adapters``)."""
+        return {name: a.fingerprint for name, a in self.engine.loras.items()}
 
     def _on_register_ack(self, msg: RegisterAck, link: zmq.Socket) -> None:
         if msg.router_id:
