@@ -525,3 +525,29 @@ def test_graph_batch_sizes_cover_max_num_seqs_and_a_cpu_pool_is_refused(tiny_mod
     assert llm.engine.runner.graphs is None  # a CPU engine has none
     with pytest.raises(ValueError, match="CUDA KV pool"):
         DecodeGraphs(llm.engine.runner.model, llm.engine.runner.kv_cache, 8, 4, None)
+
+
+@needs_cuda
+def test_lora_rows_on_cuda_follow_peft(tiny_model_dir, reference, tmp_path):
+    """A batch of base and adapter rows on a GPU (adapter steps run eager, outside the CUDA
+    graphs): each output is greedy under its own reference, the adapter's from peft."""
+    from kvrelay import LoRARequest
+    from tests.lora_adapters import make_adapter
+
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    adapter = make_adapter(tiny_model_dir, tmp_path / "sql", seed=5)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tuned = peft.PeftModel.from_pretrained(base, adapter).eval()
+
+    def tuned_logits(token_ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return tuned(torch.tensor([token_ids])).logits[0].float()
+
+    llm = LLM(tiny_model_dir, device="cuda", num_blocks=128, lora_modules=(("sql", str(adapter)),))
+    loras = [LoRARequest("sql"), None] * (len(PROMPTS) // 2)
+    outputs = llm.generate(PROMPTS, GREEDY, lora_request=loras)
+    for out, lora in zip(outputs, loras):
+        ref = reference if lora is None else tuned_logits
+        assert_greedy_under_reference(ref, out.prompt_token_ids, out.outputs[0].token_ids)
+    llm.engine.block_manager.check_integrity()

@@ -63,6 +63,7 @@ def _declared(family: Any) -> set[str]:
         "kvrelay_kv_transfer_bytes": {"transport", "instance", "role"},
         "kvrelay_kv_transfer_failures": {"transport", "reason", "instance", "role"},
         "kvrelay_engine_step_seconds": {"instance", "role", "kind"},
+        "kvrelay_lora_requests": {"adapter"},
     }
     return known.get(family.name, set())
 

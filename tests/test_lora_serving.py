@@ -17,7 +17,7 @@ from kvrelay.cli.launcher import Launcher
 from kvrelay.protocol.messages import KvLayout, PeerInfo, Register, Role, decode, encode
 from kvrelay.protocol.sampling_params import SamplingParams as Params
 from kvrelay.router.registry import Registry
-from tests.cluster_harness import running_cluster
+from tests.cluster_harness import metric_value, read_text, running_cluster
 from tests.lora_adapters import make_adapter
 
 PROMPT = "Once upon a time, in a land far away, there lived a"
@@ -82,6 +82,11 @@ def _token_ids(launcher: Launcher, model: str, stream: bool = False) -> list[int
 
 @pytest.mark.timeout(180)
 def test_a_request_naming_the_adapter_runs_through_it(cluster: Launcher, offline) -> None:
+    def placed_through_sql() -> float:
+        metrics = read_text(cluster.url + "/metrics")
+        return metric_value(metrics, "kvrelay_lora_requests_total", adapter="sql")
+
+    before = placed_through_sql()
     assert _token_ids(cluster, "sql") == offline["sql"]
     assert _token_ids(cluster, "sql", stream=True) == offline["sql"]
     assert _token_ids(cluster, "tiny") == offline[None]
@@ -89,6 +94,7 @@ def test_a_request_naming_the_adapter_runs_through_it(cluster: Launcher, offline
         model="sql", messages=[{"role": "user", "content": "hi"}], max_tokens=4
     )
     assert chat.model == "sql" and chat.usage is not None and chat.usage.completion_tokens >= 1
+    assert placed_through_sql() == before + 3  # two completions and a chat
 
 
 @pytest.mark.timeout(120)
@@ -240,6 +246,9 @@ def test_an_adapter_loaded_at_runtime_serves_and_unloads(
     assert _held(updatable) == [[], []]
     status, text = _post(updatable, "/v1/load_lora_adapter", {"lora_name": "x"})
     assert status == 400 and "'lora_path' must be a non-empty string" in text
+    status, text = _post(updatable, "/v1/load_lora_adapter",
+                         {"lora_name": "tiny", "lora_path": str(adapter_dir)})  # fmt: skip
+    assert status == 400 and "the base model's name" in text
 
 
 @pytest.mark.timeout(120)

@@ -7,6 +7,7 @@ into ``LLM``/engine keyword arguments or back into ``kvrelay serve`` words for c
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from kvrelay import envs
@@ -131,6 +132,6 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
             out += [flag, str(value)]
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
-    if args.lora_modules:
-        out += ["--lora-modules", *(f"{n}={p}" for n, p in lora_modules(args))]
+    if args.lora_modules:  # absolute: the workers may start elsewhere
+        out += ["--lora-modules", *(f"{n}={os.path.abspath(p)}" for n, p in lora_modules(args))]
     return out

@@ -172,7 +172,7 @@ class Dispatcher(Backend):
         self.admission = Admission(
             settings.max_inflight, settings.max_queue_time, settings.retry_after
         )
-        self.lora_admin = LoRAAdmin(self.registry, self._send)  # runtime LoRA loads
+        self.lora_admin = LoRAAdmin(self.registry, self._send, (model_name,))  # runtime loads
         self._tasks: list[asyncio.Task[None]] = []
         self._latencies: collections.deque[LatencySample] = collections.deque(
             maxlen=_NUM_LATENCY_SAMPLES
@@ -258,6 +258,8 @@ class Dispatcher(Backend):
                     param,
                 )
             raise Unavailable("no worker instance is ready", self.settings.retry_after)
+        if request.params.lora_name is not None:
+            self.metrics.lora_requests.labels(request.params.lora_name).inc()
         tr = _Tracked(
             request,
             StopChecker(self.tokenizer, request.prompt_token_ids, request.params),

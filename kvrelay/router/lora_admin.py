@@ -49,10 +49,12 @@ class LoRAAdmin:
         self,
         registry: Registry,
         send: Callable[[Instance, Any], None],
+        base_names: tuple[str, ...] = (),
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         self.registry = registry
         self._send = send
+        self.base_names = base_names  # the base model's served names: no adapter takes one
         self.timeout = timeout
         self.runtime: dict[str, str] = {}  # adapters loaded here at runtime: name -> path
         self._pending: dict[str, _Pending] = {}
@@ -65,6 +67,11 @@ class LoRAAdmin:
             raise ApiError(400, str(exc), param="lora_name") from None
         if not path:
             raise ApiError(400, "'lora_path' must be a directory on the workers", param="lora_path")
+        if name in self.base_names:
+            raise ApiError(
+                400, f"'{name}' is the base model's name: give the adapter another",
+                param="lora_name",
+            )  # fmt: skip
         if self.registry.lora_adapter(name) is not None or name in self.runtime:
             raise ApiError(
                 400, f"The lora adapter '{name}' has already been loaded.", param="lora_name"
@@ -127,7 +134,15 @@ class LoRAAdmin:
             logger.warning("%s: a LoRA update failed: %s", msg.instance_id, msg.error)
 
     def on_register(self, inst: Instance) -> None:
-        """Sends a joining worker the adapters loaded here at runtime that it lacks."""
+        """Sends a joining worker the adapters loaded here at runtime that it lacks; warns of
+        an adapter it names like the base model (requests for that name get the base)."""
+        for name in inst.lora_adapters:
+            if name in self.base_names:
+                logger.warning(
+                    "%s has a LoRA adapter named %r, the base model's name: requests for %r "
+                    "run on the base model (name the adapter otherwise)", inst.instance_id,
+                    name, name,
+                )  # fmt: skip
         for name, path in self.runtime.items():
             if name not in inst.lora_adapters:
                 self._send(inst, LoRAUpdate(name, path))

@@ -80,6 +80,12 @@ class RouterMetrics:
             "queue was at --prefill-queue-limit or more and the decode would start them sooner",
             registry=r,
         )
+        self.lora_requests = Counter(
+            "kvrelay_lora_requests",
+            "Requests placed through a LoRA adapter, by adapter (the request's model)",
+            ["adapter"],
+            registry=r,
+        )
         self.placement_hits = Counter(
             "kvrelay_placement_prefix_hits",
             "Requests placed on a prefill instance expected to hold a prefix of the prompt, "
