@@ -22,10 +22,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -35,23 +34,21 @@ from kvrelay.router.errors import (
     ApiError,
     BodyLimitMiddleware,
     bad_request,
-    from_pydantic,
     install_error_handlers,
 )
 from kvrelay.router.http_guards import ApiGuardMiddleware
+from kvrelay.router.prompts import Prompts
+from kvrelay.router.request_body import parse_request
 from kvrelay.router.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     bad_words_ids,
-    check_fields,
-    context_length_error,
     resolve_max_tokens,
     sampling_params,
 )
 from kvrelay.router.responses import (
     ChatBuilder,
     CompletionBuilder,
-    PromptInfo,
     ResponseBuilder,
     ResponseOptions,
     TokenStrings,
@@ -64,14 +61,13 @@ from kvrelay.router.sse import (
     sse_events,
     until_disconnected,
 )
-from kvrelay.router.structured import ToolPlan, plan_tools, resolve_structured
-from kvrelay.router.text_workers import PromptTooLong, TextWorkers
-from kvrelay.text.tokenizer import Tokenizer, TokenizerError
+from kvrelay.router.structured import plan_tools, resolve_structured
+from kvrelay.router.text_workers import TextWorkers
+from kvrelay.text.tokenizer import Tokenizer
 from kvrelay.text.tool_parsers import ToolParser, create_tool_parser, detect_tool_parser
 
 logger = logging.getLogger(__name__)
 
-RequestT = TypeVar("RequestT", bound=BaseModel)
 # an SSE body from the first delta, the choices' stream and the builder (``sse.sse_events``)
 EventsFn = Callable[[tuple[int, Delta], ChoiceStream, Any], AsyncIterator[bytes]]
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -188,6 +184,7 @@ class OpenAIApi:
     model_names: tuple[str, ...] = field(init=False)
     created: int = field(init=False)
     tool_parser: ToolParser | None = field(init=False)
+    prompts: Prompts = field(init=False)
 
     def __post_init__(self) -> None:
         self.tokens = TokenStrings(self.tokenizer)
@@ -195,6 +192,7 @@ class OpenAIApi:
         if name == "auto":
             name = detect_tool_parser(self.tokenizer.chat_template)
         self.tool_parser = create_tool_parser(name) if name else None
+        self.prompts = Prompts(self.tokenizer, self.text, self.backend, self.tool_parser)
         self.model_names = self.settings.served_model_names or (self.backend.model_name,)
         self.created = int(time.time())
 
@@ -253,10 +251,10 @@ class OpenAIApi:
         model = self.model_name(req.model)
         n = self._check_n(req.n, len(req.prompt))
         self._check_completion_options(req, n)
-        keep = self._prompt_tokens_kept(req.truncate_prompt_tokens)
+        keep = self.prompts.tokens_kept(req.truncate_prompt_tokens)
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         prompts = [
-            await self._completion_prompt(p, req.echo, add_special, keep) for p in req.prompt
+            await self.prompts.completion(p, req.echo, add_special, keep) for p in req.prompt
         ]
         options = ResponseOptions(
             include_usage=req.include_usage,
@@ -307,7 +305,7 @@ class OpenAIApi:
                     "response_format",
                 )
             structured = tools.structured
-        prompt = await self.chat_prompt(req, tools)
+        prompt = await self.prompts.chat(req, tools)
         options = ResponseOptions(
             include_usage=req.include_usage,
             continuous_usage=req.continuous_usage,
@@ -413,91 +411,6 @@ class OpenAIApi:
 
     # ---- prompts
 
-    def _prompt_tokens_kept(self, truncate: int | None) -> int | None:
-        """vLLM's ``truncate_prompt_tokens``: how many of a prompt's last tokens are kept
-        (-1: the context window), None to keep them all."""
-        limit = self.backend.max_model_len
-        if truncate is None:
-            return None
-        if truncate == -1:
-            return limit
-        if not 1 <= truncate <= limit:
-            raise bad_request(
-                f"'truncate_prompt_tokens' must be -1 (the context window) or in [1, {limit}]"
-                f" (the context window), got {truncate}",
-                "truncate_prompt_tokens",
-            )
-        return truncate
-
-    async def _completion_prompt(
-        self, prompt: str | list[int], echo: bool, add_special: bool, keep: int | None
-    ) -> PromptInfo:
-        if not prompt:
-            raise bad_request("'prompt' must not be empty", "prompt")
-        if isinstance(prompt, str):
-            info = PromptInfo(await self.encode(prompt, add_special, "prompt", keep), prompt)
-            return self._truncated(info, keep)
-        bad = next((t for t in prompt if not 0 <= t < self.tokenizer.vocab_size), None)
-        if bad is not None:
-            raise bad_request(
-                f"prompt token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})",
-                "prompt",
-            )
-        ids = list(prompt) if keep is None else list(prompt[-keep:])
-        text = self.tokenizer.decode(ids, skip_special_tokens=False) if echo else ""
-        return PromptInfo(ids, text)
-
-    def _truncated(self, prompt: PromptInfo, keep: int | None) -> PromptInfo:
-        """The prompt's last ``keep`` tokens, with their text (what echo gives back)."""
-        if keep is None or len(prompt.token_ids) <= keep:
-            return prompt
-        ids = prompt.token_ids[-keep:]
-        return PromptInfo(ids, self.tokenizer.decode(ids, skip_special_tokens=False))
-
-    async def chat_prompt(
-        self, req: ChatCompletionRequest, tools: ToolPlan | None = None
-    ) -> PromptInfo:
-        """The request's messages through the chat template, tokenized (``tools``: the plan
-        of its ``tools`` / ``tool_choice``; made here when not given, as for /tokenize)."""
-        if tools is None:
-            tools = plan_tools(
-                req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser
-            )
-        messages = [m.to_template() for m in req.messages]
-        try:
-            text = await self.text.apply_chat_template(
-                messages,
-                add_generation_prompt=req.add_generation_prompt,
-                tools=list(tools.tools) or None,
-                chat_template=req.chat_template,
-                **(req.chat_template_kwargs or {}),
-            )
-        except TokenizerError as exc:
-            param = "chat_template" if req.chat_template is not None else "messages"
-            raise bad_request(str(exc), param) from exc
-        except RecursionError:
-            raise bad_request("the messages are nested too deeply", "messages") from None
-        if req.continue_final_message:
-            text = _cut_after_final_message(text, req.messages[-1].text)
-        keep = self._prompt_tokens_kept(req.truncate_prompt_tokens)
-        ids = await self.encode(text, bool(req.add_special_tokens), "messages", keep)
-        return self._truncated(PromptInfo(ids, text), keep)
-
-    async def encode(
-        self, text: str, add_special_tokens: bool, param: str, keep: int | None = None
-    ) -> list[int]:
-        """The text's token ids; a 400 naming ``param`` when they fill the context window,
-        unless only the last ``keep`` are kept (``truncate_prompt_tokens``)."""
-        limit = self.backend.max_model_len if keep is None else None
-        try:
-            return await self.text.encode(text, add_special_tokens, limit)
-        except PromptTooLong as exc:  # what resolve_max_tokens says, without the ids
-            raise context_length_error(
-                exc.num_tokens, self.backend.max_model_len, None, param
-            ) from None
-        except (TokenizerError, UnicodeError) as exc:
-            raise bad_request(f"cannot tokenize the {param}: {exc}", param) from exc
-
     def _inputs(
         self,
         builder: ResponseBuilder,
@@ -600,75 +513,6 @@ def _prompt_logprobs(asked: int | None, logprobs: int | None, echo: bool) -> int
     if asked is None or echoed is None:
         return asked if echoed is None else echoed
     return max(asked, echoed)
-
-
-def parse_request(body: bytes, model: type[RequestT]) -> RequestT:
-    """A validated request model from a raw body.
-
-    Raises:
-        ApiError: 400 for an empty body, invalid UTF-8 or JSON, a non-object, lone
-            surrogates in strings, or a field of the wrong type.
-    """
-    data = parse_json_object(body)
-    check_fields(data, model)
-    return validate_request(data, model)
-
-
-def validate_request(data: dict[str, Any], model: type[RequestT]) -> RequestT:
-    """``model`` from a parsed body; 400 naming the field for a wrong type or value."""
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise from_pydantic(exc) from None
-
-
-def parse_json_object(body: bytes) -> dict[str, Any]:
-    if not body.strip():
-        raise bad_request("The request body is empty; expected a JSON object")
-    try:
-        data = json.loads(body, parse_constant=_reject_constant)
-    except UnicodeDecodeError:
-        raise bad_request("The request body is not valid UTF-8") from None
-    except RecursionError:
-        raise bad_request("The request body is nested too deeply") from None
-    except ValueError as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
-    _reject_lone_surrogates(data)
-    return data
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _reject_lone_surrogates(data: object) -> None:
-    """Strings from ``\\ud800``-style escapes cannot be tokenized or sent back as UTF-8."""
-    stack = [data]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-        elif isinstance(item, str) and not item.isascii():
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise bad_request("The request holds an unpaired UTF-16 surrogate") from None
-
-
-def _cut_after_final_message(rendered: str, final_text: str) -> str:
-    """The rendered chat up to the end of the final message (for continue_final_message)."""
-    end = rendered.rfind(final_text) if final_text else -1
-    if end == -1:
-        raise bad_request(
-            "cannot continue the final message: its content is empty or not in the rendered chat",
-            "continue_final_message",
-        )
-    return rendered[: end + len(final_text)]
 
 
 def _json(body: dict[str, Any]) -> Response:

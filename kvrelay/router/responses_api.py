@@ -23,6 +23,7 @@ from starlette.responses import Response
 
 from kvrelay.protocol.sampling_params import MAX_LOGPROBS
 from kvrelay.router.errors import ApiError, bad_request
+from kvrelay.router.request_body import parse_json_object, validate_request
 from kvrelay.router.request_models import ChatCompletionRequest, _Strict, check_fields
 from kvrelay.router.responses_output import ResponsesBuilder, response_events
 
@@ -75,8 +76,6 @@ class ResponsesRequest(_Strict):
 
 
 def add_responses_routes(app: FastAPI, api: OpenAIApi) -> None:
-    from kvrelay.router.api import parse_json_object, validate_request  # it imports this module
-
     async def responses(request: Request) -> Response:
         data = parse_json_object(await request.body())
         _check_fields(data)

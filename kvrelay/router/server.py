@@ -29,12 +29,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvrelay.autoscale.autoscaler import Autoscaler, AutoscalerSettings, UpdateError
 from kvrelay.autoscale.policy import Policy, PolicyConfig
 from kvrelay.protocol.credential import ClusterCredential
-from kvrelay.router.api import ApiSettings, create_app, parse_json_object
+from kvrelay.router.api import ApiSettings, create_app
 from kvrelay.router.cache_stats import build_report, fetch_worker_stats
 from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
 from kvrelay.router.errors import ApiError, require_admin_token
 from kvrelay.router.http_guards import with_header_timeout
 from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT
+from kvrelay.router.request_body import parse_json_object
 from kvrelay.router.text_workers import TextWorkers
 from kvrelay.text.tokenizer import Tokenizer
 from kvrelay.transport.curve import SocketSecurity, describe

@@ -17,8 +17,9 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvrelay.router.api import OpenAIApi, parse_request
+from kvrelay.router.api import OpenAIApi
 from kvrelay.router.errors import bad_request
+from kvrelay.router.request_body import parse_request
 from kvrelay.router.request_models import ChatCompletionRequest, ChatMessage, _Strict
 
 
@@ -60,7 +61,7 @@ class TokenizeRoutes:
             raise bad_request("give exactly one of 'prompt' and 'messages'", "prompt")
         if req.prompt is not None:
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            tokens = await self.api.encode(req.prompt, add_special, "prompt")
+            tokens = await self.api.prompts.encode(req.prompt, add_special, "prompt")
         else:
             tokens = await self._chat_tokens(req)
         body: dict[str, Any] = {
@@ -94,7 +95,7 @@ class TokenizeRoutes:
             tool_choice="none" if req.tools else None,  # rendered alike; no parser needed
         )
         self.api.check_chat_options(chat)
-        prompt = await self.api.chat_prompt(chat)
+        prompt = await self.api.prompts.chat(chat)
         if req.add_special_tokens:  # the chat endpoint encodes the rendered text without them
-            return await self.api.encode(prompt.text, True, "messages")
+            return await self.api.prompts.encode(prompt.text, True, "messages")
         return prompt.token_ids
