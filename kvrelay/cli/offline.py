@@ -10,7 +10,7 @@ import json
 import sys
 from typing import Any
 
-from kvrelay.cli.engine_args import add_engine_args, engine_kwargs
+from kvrelay.cli.engine_args import add_engine_args, engine_kwargs, lora_modules
 from kvrelay.cli.model import add_model_parsers
 
 
@@ -65,7 +65,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 def _sampling(args: argparse.Namespace):
     from kvrelay.protocol.sampling_params import SamplingParams
 
-    names = [name for name, _ in engine_kwargs(args)["lora_modules"]]
+    names = [name for name, _ in lora_modules(args)]
     if args.lora is not None and args.lora not in names:
         raise SystemExit(f"kvrelay: error: --lora {args.lora!r} is not among --lora-modules")
     return SamplingParams(

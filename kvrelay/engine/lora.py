@@ -122,13 +122,12 @@ def load_adapter(
     modules = _read_modules(path, config)
     scale_of = _scaling(cfg)
     sizes = _output_sizes(config)
+    fan_ins = {"qkv": config.hidden_size, "o": config.num_heads * config.head_dim,
+               "gate_up": config.hidden_size, "down": config.intermediate_size}  # fmt: skip
     by_projection: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), (a, b) in sorted(modules.items()):
         projection, part = TARGETS[module]
-        rank = a.shape[0]
-        fan_in = config.intermediate_size if module == "down_proj" else config.hidden_size
-        if projection == "o":
-            fan_in = config.num_heads * config.head_dim
+        rank, fan_in = a.shape[0], fan_ins[projection]
         if a.shape[1] != fan_in or b.shape != (sizes[projection][part], rank):
             raise LoRAError(
                 f"{path / WEIGHTS_FILE}: layer {layer} {module} has lora_A {list(a.shape)} and "

@@ -118,18 +118,21 @@ class ModelRunner:
             triton_attention.compile_variants(self.kv_cache[0], heads, self.window)
 
     def run(self, plan: StepPlan) -> StepResult:
+        if all(item.seq.lora is None for item in plan.scheduled):
+            return self._run_plan(plan, None)  # the base alone
         order = _by_adapter(plan)
-        if order is not None:  # each adapter's rows one span (LoRABatch); results unsorted below
-            plan = replace(plan, scheduled=tuple(plan.scheduled[i] for i in order))
-            result = self._run_plan(plan)
-            token_ids: list[int | None] = [None] * len(order)
-            logprobs: list = [None] * len(order)
-            for j, i in enumerate(order):
-                token_ids[i], logprobs[i] = result.token_ids[j], result.logprobs[j]
-            return StepResult(token_ids, logprobs)
-        return self._run_plan(plan)
+        if order is None:
+            return self._run_plan(plan, _lora_batch(plan))
+        # each adapter's rows one span (LoRABatch); the results go back in the plan's order
+        plan = replace(plan, scheduled=tuple(plan.scheduled[i] for i in order))
+        result = self._run_plan(plan, _lora_batch(plan))
+        token_ids: list[int | None] = [None] * len(order)
+        logprobs: list = [None] * len(order)
+        for j, i in enumerate(order):
+            token_ids[i], logprobs[i] = result.token_ids[j], result.logprobs[j]
+        return StepResult(token_ids, logprobs)
 
-    def _run_plan(self, plan: StepPlan) -> StepResult:
+    def _run_plan(self, plan: StepPlan, lora: LoRABatch | None) -> StepResult:
         input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
         narrow = self.narrow_decode and input_ids.numel() <= self.model.native_rows
         if self.native_library:  # its jobs share torch's OpenMP team where torch runs wide
@@ -137,7 +140,7 @@ class ModelRunner:
         if narrow:
             torch.set_num_threads(1)
         try:
-            return self._run(plan, input_ids, positions, meta, sample_rows, self._lora(plan))
+            return self._run(plan, input_ids, positions, meta, sample_rows, lora)
         finally:
             if narrow:
                 torch.set_num_threads(self.threads)
@@ -202,14 +205,8 @@ class ModelRunner:
     def compute_logits_for(self, plan: StepPlan) -> torch.Tensor:
         """Runs a step and returns the float32 logits of its sampled rows (for tests)."""
         input_ids, positions, meta, sample_rows = self._prepare(plan.scheduled)
-        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, self._lora(plan))
+        hidden = self.model.forward(input_ids, positions, self.kv_cache, meta, _lora_batch(plan))
         return self.model.compute_logits(hidden[sample_rows])
-
-    def _lora(self, plan: StepPlan) -> LoRABatch | None:
-        """The step's LoRA adapters and their rows; None when no sequence has one."""
-        if not any(item.seq.lora is not None for item in plan.scheduled):
-            return None
-        return LoRABatch.build([(item.seq.lora, item.num_new_tokens) for item in plan.scheduled])
 
     # ------------------------------------------------------------------ batch
     def _prepare(
@@ -309,12 +306,15 @@ class ModelRunner:
 
 def _by_adapter(plan: StepPlan) -> list[int] | None:
     """The order of the plan's sequences with each LoRA adapter's adjacent (the base's first,
-    otherwise as planned); None when no sequence has an adapter or they already are."""
+    otherwise as planned); None when they already are."""
     names = [None if item.seq.lora is None else item.seq.lora.name for item in plan.scheduled]
-    if not any(names):
-        return None
     order = sorted(range(len(names)), key=lambda i: names[i] or "")
     return None if order == list(range(len(names))) else order
+
+
+def _lora_batch(plan: StepPlan) -> LoRABatch | None:
+    """The step's LoRA adapters and their rows; None when no sequence has one."""
+    return LoRABatch.build([(item.seq.lora, item.num_new_tokens) for item in plan.scheduled])
 
 
 def _advance_grammar(seq: Sequence, token_id: int) -> None:

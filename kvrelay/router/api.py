@@ -209,31 +209,22 @@ class OpenAIApi:
         return error.to_response()
 
     async def models(self) -> Response:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "kvrelay",
-                "root": self.backend.model_name,
-                "parent": None,
-                "max_model_len": self.backend.max_model_len,
-            }
-            for name in self.model_names
-        ]
-        data += [
-            {
-                "id": name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "kvrelay",
-                "root": name,
-                "parent": self.model_names[0],  # a LoRA adapter of the base model
-                "max_model_len": self.backend.max_model_len,
-            }
-            for name in self._adapters()
-        ]
+        base = self.model_names[0]
+        data = [self._model_card(name, self.backend.model_name, None) for name in self.model_names]
+        # a LoRA adapter: its own root, the base model as its parent
+        data += [self._model_card(name, name, base) for name in self._adapters()]
         return JSONResponse({"object": "list", "data": data})
+
+    def _model_card(self, name: str, root: str, parent: str | None) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvrelay",
+            "root": root,
+            "parent": parent,
+            "max_model_len": self.backend.max_model_len,
+        }
 
     def _adapters(self) -> list[str]:
         """The backend's LoRA adapters that no served name hides (a name of the base wins)."""

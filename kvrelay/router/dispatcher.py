@@ -299,7 +299,7 @@ class Dispatcher(Backend):
         placement = self.registry.place(
             matched=matched,
             num_prompt_tokens=len(token_ids),
-            needs=params.fields_set() - {"lora_name"},  # held adapters say it (lora)
+            needs=params.fields_set(),
             lora=lora,
         )
         if placement is not None:

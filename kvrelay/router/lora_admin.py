@@ -79,11 +79,12 @@ class LoRAAdmin:
         workers = self.registry.instances()
         if not workers:
             raise ApiError(503, "no worker instance is ready", type="server_error")
-        errors = await self._update(workers, LoRAUpdate(name, path))
+        errors, unanswered = await self._update(workers, LoRAUpdate(name, path))
         if errors:
-            loaded = [w for w in workers if w.instance_id not in errors]
-            for inst in loaded:  # all or nothing
-                self._send(inst, LoRAUpdate(name, unload=True))
+            # all or nothing: unload where it loaded, and where no answer came (it may yet)
+            for inst in workers:
+                if inst.instance_id not in errors or inst.instance_id in unanswered:
+                    self._send(inst, LoRAUpdate(name, unload=True))
             instance_id, why = next(iter(sorted(errors.items())))
             raise ApiError(400, f"loading LoRA adapter '{name}' failed on {instance_id}: {why}",
                            param="lora_path")  # fmt: skip
@@ -99,15 +100,17 @@ class LoRAAdmin:
                 404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                 code="not_found",
             )  # fmt: skip
-        errors = await self._update(holders, LoRAUpdate(name, unload=True))
+        errors, _ = await self._update(holders, LoRAUpdate(name, unload=True))
         if errors:
             instance_id, why = next(iter(sorted(errors.items())))
             raise ApiError(400, f"unloading LoRA adapter '{name}' failed on {instance_id}: {why}")
         logger.info("LoRA adapter %s unloaded from %d workers", name, len(holders))
 
-    async def _update(self, workers: list[Instance], update: LoRAUpdate) -> dict[str, str]:
+    async def _update(
+        self, workers: list[Instance], update: LoRAUpdate
+    ) -> tuple[dict[str, str], set[str]]:
         """Sends ``update`` to ``workers``; their errors by instance id (a worker that does
-        not answer in time, or leaves meanwhile, counts as one)."""
+        not answer in time counts as one), and the ids of those that did not answer."""
         request_id = uuid.uuid4().hex
         pending = _Pending({w.instance_id for w in workers})
         self._pending[request_id] = pending
@@ -119,7 +122,7 @@ class LoRAAdmin:
             except TimeoutError:
                 for instance_id in pending.waiting:
                     pending.errors[instance_id] = f"no answer within {self.timeout:.0f} s"
-            return pending.errors
+            return pending.errors, set(pending.waiting)
         finally:
             del self._pending[request_id]
 
