@@ -83,9 +83,9 @@ def kvrelay_steps(args: argparse.Namespace, requests: list[list[Any]]) -> list[d
             decode = sum(1 for s in plan.scheduled if s.num_new_tokens == 1)
             result = engine.runner.run(plan)
             engine.scheduler.update(plan, result)
-            for item, token_id in zip(plan.scheduled, result.token_ids):
-                if token_id is not None:
-                    engine._make_output(item.seq, token_id)
+            for item, token_ids in zip(plan.scheduled, result.token_ids):
+                if token_ids:
+                    engine._make_output(item.seq, token_ids)
             steps.append([prefill, decode, time.perf_counter() - t0])
         runs.append({"seconds": time.perf_counter() - started, "steps": steps})
     return runs[1:]

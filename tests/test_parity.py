@@ -129,7 +129,7 @@ def test_last_position_logits_match(hf_checkpoint, variant):
         logits = engine.runner.compute_logits_for(plan)
         sampled = [item.seq.seq_id for item in plan.scheduled if item.needs_sample]
         got.update(zip(sampled, logits))
-        fake = [0 if item.needs_sample else None for item in plan.scheduled]
+        fake = [[0] if item.needs_sample else [] for item in plan.scheduled]
         engine.scheduler.update(plan, _result(fake))
     for i, ref in enumerate(last_logits):
         torch.testing.assert_close(got[str(i)], ref, atol=1e-4, rtol=0)
@@ -137,4 +137,4 @@ def test_last_position_logits_match(hf_checkpoint, variant):
 
 
 def _result(token_ids):
-    return StepResult(token_ids, [None] * len(token_ids))
+    return StepResult(token_ids, [[None] * len(t) for t in token_ids])

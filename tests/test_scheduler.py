@@ -35,8 +35,8 @@ def step(s: Scheduler, token: int = 7) -> tuple[StepPlan | None, list[Sequence]]
     plan = s.schedule()
     if plan is None:
         return None, []
-    tokens = [token if item.needs_sample else None for item in plan.scheduled]
-    finished = s.update(plan, StepResult(tokens, [None] * len(tokens)))
+    tokens = [[token] if item.needs_sample else [] for item in plan.scheduled]
+    finished = s.update(plan, StepResult(tokens, [[None] * len(t) for t in tokens]))
     return plan, finished
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvrelay import envs
 from kvrelay.protocol.lora_modules import parse_lora_modules
+from kvrelay.protocol.speculative import SpeculativeConfig, SpeculativeConfigError
 
 # engine.config.SCHEDULING_POLICIES, which validates them: not imported here, since importing
 # kvrelay.engine loads torch, and the router's command line is parsed here too
@@ -83,6 +84,25 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
         help="LoRA adapters to serve beside the base model (PEFT directories: "
         "adapter_config.json, adapter_model.safetensors); a request names one as its 'model'",
     )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s keys: \'{"method": "ngram", '
+        '"num_speculative_tokens": 3}\' drafts up to 3 tokens a decode step from the '
+        "sequence's own earlier n-grams (prompt_lookup_min..prompt_lookup_max tokens, default "
+        "2..4; disable_by_batch_size N: no drafts once N requests run); output is unchanged",
+    )
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """``--speculative-config`` checked; argparse's error naming what is wrong."""
+    if args.speculative_config is None:
+        return None
+    try:
+        return SpeculativeConfig.parse(args.speculative_config)
+    except SpeculativeConfigError as exc:
+        raise SystemExit(f"kvrelay: error: {exc}") from None
 
 
 def lora_modules(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
@@ -108,6 +128,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prefix_caching": not args.no_prefix_caching,
         "scheduling_policy": args.scheduling_policy,
         "lora_modules": lora_modules(args),
+        "speculative_config": speculative_config(args),
     }
 
 
@@ -132,6 +153,9 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
             out += [flag, str(value)]
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
+    spec = speculative_config(args)
+    if spec is not None:
+        out += ["--speculative-config", spec.to_json()]
     if args.lora_modules:  # absolute: the workers may start elsewhere
         out += ["--lora-modules", *(f"{n}={os.path.abspath(p)}" for n, p in lora_modules(args))]
     return out

@@ -168,6 +168,14 @@ class BlockManager:
         seq.block_ids = []
         seq.num_computed_tokens = 0
 
+    def trim(self, seq: Sequence) -> None:
+        """Gives back ``seq``'s blocks past its computed tokens (a speculative step's rejected
+        draft may have reached into them; they were never cached)."""
+        keep = -(-seq.num_computed_tokens // self.block_size)
+        if len(seq.block_ids) > keep:
+            self.release(reversed(seq.block_ids[keep:]))
+            del seq.block_ids[keep:]
+
     def release(self, block_ids: Iterable[int]) -> None:
         """Drops one reference to each block (for holders that are not sequences)."""
         for block_id in block_ids:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from kvrelay.protocol.speculative import SpeculativeConfig
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DType = Literal["float32", "bfloat16", "float16"]
@@ -211,6 +213,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # batching limits
     # LoRA adapters to load, (name, PEFT adapter directory); requests pick one by name
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # speculative decoding (engine.spec_decode); None: one token a decode step
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

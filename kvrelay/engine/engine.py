@@ -36,6 +36,7 @@ from kvrelay.engine.sequence import Sequence, SequenceStatus
 from kvrelay.engine.structured import GrammarCache, GrammarError
 from kvrelay.kernels.gemv import MAX_ROWS as _GEMV_ROWS
 from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
+from kvrelay.protocol.speculative import SpeculativeConfig, SpeculativeConfigError
 from kvrelay.text.stop import StopChecker
 from kvrelay.text.tokenizer import Tokenizer
 
@@ -131,7 +132,7 @@ def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> En
     """Splits flat vLLM-style keyword arguments into the frozen per-part configs."""
     cache_keys = set(CacheConfig.__dataclass_fields__)
     sched_keys = set(SchedulerConfig.__dataclass_fields__)
-    engine_keys = {"seed", "num_threads", "device", "lora_modules"}
+    engine_keys = {"seed", "num_threads", "device", "lora_modules", "speculative_config"}
     unknown = set(kwargs) - cache_keys - sched_keys - engine_keys
     if unknown:
         raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
@@ -139,6 +140,12 @@ def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> En
     max_len = kwargs.get("max_model_len") or model_config.max_position_embeddings
     sched = {k: v for k, v in kwargs.items() if k in sched_keys}
     sched["max_model_len"] = max_len
+    spec = kwargs.get("speculative_config")
+    if isinstance(spec, Mapping):  # vLLM's dict
+        try:
+            kwargs["speculative_config"] = SpeculativeConfig.from_dict(spec)
+        except SpeculativeConfigError as e:
+            raise ConfigError(str(e)) from None
     return EngineConfig(
         model=str(model),
         dtype=dtype,  # type: ignore[arg-type]
@@ -153,7 +160,7 @@ def step_kind(plan: StepPlan) -> str:
     """``decode`` when every scheduled item is one decode token, ``prefill`` when none is (prompt
     chunks, or the recomputed outputs of a resumed request), else ``mixed``."""
     decode = sum(
-        item.num_new_tokens == 1
+        item.num_new_tokens - len(item.draft) == 1
         and item.start == item.seq.num_tokens - 1
         and item.start >= len(item.seq.prompt_token_ids)
         for item in plan.scheduled
@@ -211,7 +218,11 @@ class LLMEngine:
             raise ValueError(f"the KV allocator returned a pool on {kv_cache.device}, not {device}")
         self.connector = TierConnector(tiers, kv_cache, config.dtype) if tiers else None
         self.scheduler = Scheduler(
-            config.scheduler, self.block_manager, self.eos_token_ids, self.connector
+            config.scheduler,
+            self.block_manager,
+            self.eos_token_ids,
+            self.connector,
+            config.speculative_config,
         )
         sampler = Sampler(self.eos_token_ids, seed=config.seed)
         self.runner = ModelRunner(
@@ -486,9 +497,9 @@ class LLMEngine:
         result = self.runner.run(plan)
         self.scheduler.update(plan, result)
         outputs = []
-        for item, token_id in zip(plan.scheduled, result.token_ids):
-            if token_id is not None:
-                outputs.append(self._make_output(item.seq, token_id))
+        for item, token_ids in zip(plan.scheduled, result.token_ids):
+            if token_ids:
+                outputs.append(self._make_output(item.seq, token_ids))
         return outputs
 
     def remove_lora(self, name: str) -> None:
@@ -498,20 +509,34 @@ class LLMEngine:
             raise LoRAError(f"LoRA adapter {name!r} is not loaded")
         logger.info("LoRA adapter %s unloaded", name)
 
-    def _make_output(self, seq: Sequence, token_id: int) -> RequestOutput:
+    def _make_output(self, seq: Sequence, token_ids: list[int]) -> RequestOutput:
+        """The output of a step's tokens for ``seq`` (more than one after a draft); a stop
+        string in one of them ends the sequence there and drops the tokens after it."""
         stop = self._stops[seq.seq_id]
-        new_text, stop_str = stop.append(token_id, finished=seq.is_finished)
-        if stop_str is not None and not seq.is_finished:
-            self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
-            seq.stop_reason = stop_str
-            new_text += stop.flush()
+        new_text = ""
+        for j, token_id in enumerate(token_ids):
+            last = j == len(token_ids) - 1
+            text, stop_str = stop.append(token_id, finished=seq.is_finished and last)
+            new_text += text
+            if stop_str is not None and not (seq.is_finished and last):
+                dropped = len(token_ids) - 1 - j
+                if dropped:  # the tokens after it (a draft's)
+                    del seq.token_ids[-dropped:], seq.output_logprobs[-dropped:]
+                    del token_ids[j + 1 :]
+                if seq.is_finished:  # by a later token of the same step
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+                seq.stop_reason = stop_str
+                new_text += stop.flush()
+                break
         if seq.is_finished:
             del self._stops[seq.seq_id]
         return RequestOutput(
             request_id=seq.seq_id,
             prompt_token_ids=seq.prompt_token_ids,
             token_ids=seq.output_token_ids,
-            new_token_ids=[token_id],
+            new_token_ids=token_ids,
             text=stop.text,
             new_text=new_text,
             finished=seq.is_finished,

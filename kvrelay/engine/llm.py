@@ -55,7 +55,9 @@ class LLM:
         **engine_args: ``block_size``, ``num_blocks``, ``kv_cache_memory_bytes``,
             ``enable_prefix_caching``, ``max_num_seqs``, ``max_num_batched_tokens``,
             ``max_model_len``, ``num_threads``, ``scheduling_policy``, ``lora_modules``
-            (``(name, path)`` pairs loaded at start).
+            (``(name, path)`` pairs loaded at start), ``speculative_config`` (vLLM's dict:
+            ``{"method": "ngram", "num_speculative_tokens": 3, ...}``,
+            ``engine.spec_decode``).
     """
 
     def __init__(

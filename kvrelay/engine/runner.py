@@ -34,6 +34,7 @@ from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator, token_logprobs
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
 from kvrelay.engine.sequence import Sequence
+from kvrelay.engine.spec_decode import accepted
 from kvrelay.kernels import cpu_attention, gemv, triton_attention
 from kvrelay.kernels.attention import (
     AttentionMetadata,
@@ -126,8 +127,8 @@ class ModelRunner:
         # each adapter's rows one span (LoRABatch); the results go back in the plan's order
         plan = replace(plan, scheduled=tuple(plan.scheduled[i] for i in order))
         result = self._run_plan(plan, _lora_batch(plan))
-        token_ids: list[int | None] = [None] * len(order)
-        logprobs: list = [None] * len(order)
+        token_ids: list[list[int]] = [[] for _ in order]
+        logprobs: list[list] = [[] for _ in order]
         for j, i in enumerate(order):
             token_ids[i], logprobs[i] = result.token_ids[j], result.logprobs[j]
         return StepResult(token_ids, logprobs)
@@ -167,18 +168,28 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
         if any(item.seq.params.prompt_logprobs is not None for item in plan.scheduled):
             self._prompt_logprobs(plan, hidden)
-        sampled = [item for item in plan.scheduled if item.needs_sample]
-        token_ids: list[int | None] = [None] * len(plan.scheduled)
-        logprobs: list = [None] * len(plan.scheduled)
-        if sampled:
+        token_ids: list[list[int]] = [[] for _ in plan.scheduled]
+        logprobs: list[list] = [[] for _ in plan.scheduled]
+        if sample_rows.numel():
             logits = self.model.compute_logits(hidden[sample_rows])
-            out = self.sampler(logits, [self._sample_request(item.seq) for item in sampled])
+            requests = [
+                request
+                for item in plan.scheduled
+                if item.needs_sample
+                for request in self._sample_requests(item)
+            ]
+            out = self.sampler(logits, requests)
             j = 0
             for i, item in enumerate(plan.scheduled):
-                if item.needs_sample:
-                    token_ids[i], logprobs[i] = out.token_ids[j], out.logprobs[j]
-                    _advance_grammar(item.seq, out.token_ids[j])
-                    j += 1
+                if not item.needs_sample:
+                    continue
+                rows = len(item.draft) + 1
+                keep = accepted(item.draft, out.token_ids[j : j + rows]) if item.draft else 1
+                token_ids[i] = out.token_ids[j : j + keep]
+                logprobs[i] = out.logprobs[j : j + keep]
+                if not item.draft:
+                    _advance_grammar(item.seq, out.token_ids[j])  # drafts have no grammar
+                j += rows
         return StepResult(token_ids, logprobs)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> None:
@@ -246,6 +257,16 @@ class ModelRunner:
                 ctx_lens.append(start + 1)
                 tables.append(block_ids)
                 decode_items += 1
+            elif item.draft:  # the last token and the draft: decode rows, each its own table
+                tokens.append(seq.token_ids[start])
+                tokens.extend(item.draft)
+                positions.extend(range(start, start + n))
+                _extend_slots(slots, block_ids, start, n, bs)
+                row_table.extend(range(len(tables), len(tables) + n))
+                rows.extend(range(row, row + n))
+                ctx_lens.extend(range(start + 1, start + n + 1))
+                tables.extend([block_ids] * n)
+                decode_items += n
             else:
                 tokens.extend(seq.token_ids[start : start + n])
                 positions.extend(range(start, start + n))
@@ -259,7 +280,9 @@ class ModelRunner:
                     segments.append((row, start, n, block_ids[: -(-(start + n) // bs)]))
                 else:
                     prefills.append(self._prefill_segment(row, start, n, block_ids))
-            if item.needs_sample:
+            if item.draft:
+                sample_rows.extend(range(row, row + n))
+            elif item.needs_sample:
                 sample_rows.append(row + n - 1)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long),
@@ -295,13 +318,20 @@ class ModelRunner:
         return PrefillSegment(row, n, blocks, ctx_len, mask)
 
     # ------------------------------------------------------------------ sampling
-    def _sample_request(self, seq: Sequence) -> SampleRequest:
+    def _sample_requests(self, item: ScheduledSeq) -> list[SampleRequest]:
+        """The sampled rows' requests: one, or with a draft one a row, each with the draft's
+        tokens before it as part of its history (penalties, min_tokens, bad words)."""
+        seq = item.seq
         if seq.generator is None:
             # None without a seed; a request that comes with tokens skips their draws
             seq.generator = create_generator(seq.params, self.device, len(seq.output_token_ids))
-        return SampleRequest(
-            seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, seq.matcher
-        )
+        output = seq.output_token_ids
+        if not item.draft:
+            return [
+                SampleRequest(seq.params, seq.prompt_token_ids, output, seq.generator, seq.matcher)
+            ]
+        history = [output + list(item.draft[:j]) for j in range(len(item.draft) + 1)]
+        return [SampleRequest(seq.params, seq.prompt_token_ids, h, seq.generator) for h in history]
 
 
 def _by_adapter(plan: StepPlan) -> list[int] | None:

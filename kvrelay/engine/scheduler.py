@@ -14,6 +14,10 @@ Policy, every step, under a token budget (``max_num_batched_tokens``):
    ``max_num_seqs`` and the free blocks allow; a prefix-cache hit skips computed blocks.
 Finished and aborted sequences leave at once and free their blocks.
 
+With speculative decoding (``engine.spec_decode``) a decoding sequence that finds an n-gram
+draft computes its last token and the draft in one step (``ScheduledSeq.draft``), when the
+budget and the blocks allow, and keeps what the sampler accepted (:meth:`Scheduler.update`).
+
 "Order" is arrival under the ``fcfs`` policy. Under ``priority`` (vLLM's) it is
 ``(params.priority, arrival)``: both queues are kept in that order, so budget goes to the
 most urgent first and preemption takes the least urgent, and before a step the least urgent
@@ -32,6 +36,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 from kvrelay.engine.block_manager import BlockManager
 from kvrelay.engine.config import SchedulerConfig
 from kvrelay.engine.sequence import Sequence, SequenceStatus
+from kvrelay.engine.spec_decode import TokenHistory, ngram_draft
+from kvrelay.protocol.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:
     from kvrelay.cachetier.block_hash import BlockHash
@@ -60,12 +66,14 @@ class PrefixLoader(Protocol):
 class ScheduledSeq(NamedTuple):
     seq: Sequence
     start: int  # first position computed this step (== seq.num_computed_tokens)
-    num_new_tokens: int  # tokens computed this step
+    num_new_tokens: int  # tokens computed this step, the draft's included
+    draft: tuple[int, ...] = ()  # speculative tokens after the sequence's last one
 
     @property
     def needs_sample(self) -> bool:
-        """The chunk reaches the end of the sequence's tokens, so a token is sampled."""
-        return self.start + self.num_new_tokens == self.seq.num_tokens
+        """The chunk reaches the end of the sequence's tokens, so a token is sampled (one
+        for each of the draft's rows too)."""
+        return self.start + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,10 +84,12 @@ class StepPlan:
 
 
 class StepResult(NamedTuple):
-    """Per scheduled sequence (same order as the plan): the sampled token or None."""
+    """Per scheduled sequence (same order as the plan): the tokens it gains, none when its
+    chunk sampled nothing, one, or with a draft the accepted ones and the next (at most
+    ``len(draft) + 1``); :meth:`Scheduler.update` cuts the lists at a stop."""
 
-    token_ids: list[int | None]
-    logprobs: list[TokenLogprobs | None]
+    token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs | None]]
 
 
 class Scheduler:
@@ -89,8 +99,14 @@ class Scheduler:
         block_manager: BlockManager,
         eos_token_ids: Iterable[int] = (),
         prefix_loader: PrefixLoader | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
+        self.speculative = speculative
+        # speculative decoding's counters: steps with a draft, draft tokens, accepted ones
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.block_manager = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -216,12 +232,25 @@ class Scheduler:
         made_room = len(preempted)
         queue = deque(self.running)
         kept: list[Sequence] = []
+        spec = self.speculative
+        drafting = spec is not None and (
+            spec.disable_by_batch_size is None or len(queue) < spec.disable_by_batch_size
+        )
         while queue and budget > 0:
             seq = queue.popleft()
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            draft = self._draft(seq, budget) if drafting and num_new == 1 else ()
+            # a draft's blocks only where every sequence after it keeps a block to grow into
+            if draft and (
+                self.block_manager.blocks_needed(seq, 1 + len(draft))
+                > self.block_manager.num_free_blocks - len(queue)
+                or not self.block_manager.allocate(seq, 1 + len(draft))
+            ):
+                draft = ()  # decode one token
             if not self._allocate_or_preempt(seq, num_new, queue, preempted):
                 break
-            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            num_new += len(draft)
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, draft))
             kept.append(seq)
             budget -= num_new
         kept.extend(queue)
@@ -234,6 +263,27 @@ class Scheduler:
             return None
         num_tokens = self.config.max_num_batched_tokens - budget
         return StepPlan(tuple(scheduled), num_tokens, tuple(preempted))
+
+    def _draft(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """An n-gram draft for a decoding sequence, cut to the budget, its max_tokens and the
+        context window (the step may add the draft and one more token); () for none."""
+        spec = self.speculative
+        assert spec is not None
+        if seq.matcher is not None:
+            return ()  # a grammar: the matcher would need the draft and a rollback
+        room = min(
+            spec.num_speculative_tokens,
+            budget - 1,
+            self.config.max_model_len - seq.num_tokens - 1,
+        )
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if room < 1:
+            return ()
+        if seq.spec_history is None:
+            seq.spec_history = TokenHistory()
+        tokens = seq.spec_history.sync(seq.token_ids)
+        return tuple(ngram_draft(tokens, room, spec.prompt_lookup_min, spec.prompt_lookup_max))
 
     def _allocate_or_preempt(
         self, seq: Sequence, num_new: int, queue: deque[Sequence], preempted: list[str]
@@ -336,22 +386,38 @@ class Scheduler:
         seq.num_cached_tokens = max(seq.num_cached_tokens, sum(by_tier.values()))
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
-        """Applies a step's result; returns the sequences that finished in it."""
+        """Applies a step's result; returns the sequences that finished in it.
+
+        A sequence takes its tokens in order up to the first that stops it (the lists in
+        ``result`` are cut there). With a draft, its KV is kept for the last token and the
+        accepted draft tokens, and blocks past them go back to the pool."""
         finished: list[Sequence] = []
-        for item, token_id, logprobs in zip(plan.scheduled, result.token_ids, result.logprobs):
+        bm = self.block_manager
+        for item, token_ids, logprobs in zip(plan.scheduled, result.token_ids, result.logprobs):
             seq = item.seq
             if seq.is_finished:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = item.start + item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if token_id is None:
-                continue
-            seq.token_ids.append(token_id)
-            seq.output_logprobs.append(logprobs)
-            status = self._stop_status(seq, token_id)
+            if item.draft:
+                self.num_drafts += 1
+                self.num_draft_tokens += len(item.draft)
+                self.num_accepted_tokens += len(token_ids) - 1
+            status = None
+            for j, (token_id, token_logprobs) in enumerate(zip(token_ids, logprobs)):
+                seq.token_ids.append(token_id)
+                seq.output_logprobs.append(token_logprobs)
+                status = self._stop_status(seq, token_id)
+                if status is not None:
+                    del token_ids[j + 1 :], logprobs[j + 1 :]
+                    break
+            # the rows computed less the draft's rejected ones (the newest token is not)
+            computed = item.num_new_tokens - len(item.draft) + max(0, len(token_ids) - 1)
+            seq.num_computed_tokens = item.start + computed
+            bm.cache_full_blocks(seq)
             if status is not None:
                 self.finish(seq.seq_id, status)
                 finished.append(seq)
+            elif item.draft:
+                bm.trim(seq)
         return finished
 
     def _stop_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:

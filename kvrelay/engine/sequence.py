@@ -61,6 +61,7 @@ class Sequence:
     matcher: Any = None  # xgrammar GrammarMatcher; has accepted exactly the output tokens
     arrival_index: int = 0  # its place in its scheduler's arrival order (set when added)
     lora: Any = None  # engine.lora.LoRAAdapter of params.lora_name, set by the engine
+    spec_history: Any = None  # engine.spec_decode.TokenHistory, made by the first draft
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -46,6 +46,12 @@ class WorkerMetrics:
             registry=r,
         ).labels(**labels)
         self._num_preemptions = 0  # the engine's count at the last update
+        # speculative decoding (vLLM's spec_decode_* counters): the scheduler's count of each
+        self._spec = [
+            (Counter(name, doc, list(labels), registry=r).labels(**labels), attr)
+            for name, doc, attr in _SPEC_COUNTERS
+        ]
+        self._spec_counts = {attr: 0 for _, attr in self._spec}
         step_seconds = Histogram(
             "kvrelay_engine_step_seconds",
             "Time of one engine step, by kind: decode (decode tokens only), prefill (prompt "
@@ -112,6 +118,21 @@ class WorkerMetrics:
         preemptions = engine.scheduler.num_preemptions
         self.preemptions.inc(max(0, preemptions - self._num_preemptions))
         self._num_preemptions = preemptions
+        for counter, attr in self._spec:
+            count = getattr(engine.scheduler, attr)
+            counter.inc(max(0, count - self._spec_counts[attr]))
+            self._spec_counts[attr] = count
+
+
+_SPEC_COUNTERS = (
+    ("kvrelay_spec_decode_num_drafts", "Decode steps of a request with a draft", "num_drafts"),
+    ("kvrelay_spec_decode_num_draft_tokens", "Draft tokens computed", "num_draft_tokens"),
+    (
+        "kvrelay_spec_decode_num_accepted_tokens",
+        "Draft tokens accepted (their share of the draft tokens is the acceptance rate)",
+        "num_accepted_tokens",
+    ),
+)
 
 
 _TIER_COUNTERS = (
