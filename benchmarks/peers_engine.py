@@ -7,8 +7,10 @@ of two loaded engines (A, B, A, B) without paying a start (vLLM compiles for 80-
 Commands: ``{"op": "offline", "requests": [[prompt ids, output len], ...]}`` -> seconds and
 output tokens; ``{"op": "decode", "prompt": [...], "steps": n}`` -> seconds per decode step of
 a lone request (both take ``"loras": [adapter name or null per request]`` with
-``--lora-modules``); ``{"op": "greedy", "messages": [[...chat...], ...], "max_tokens": n}`` ->
-greedy token ids per chat; ``{"op": "quit"}``.
+``--lora-modules``; offline also ``"ignore_eos": false`` and ``"return_ids": true``, the
+output token ids); ``{"op": "greedy", "messages": [[...chat...], ...], "max_tokens": n}`` ->
+greedy token ids per chat; ``{"op": "spec_stats"}`` -> draft and accepted draft tokens so
+far; ``{"op": "quit"}``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ def parse_args() -> argparse.Namespace:
         help="LoRA adapters to load (vLLM: enable_lora with max_loras = their count)",
     )  # fmt: skip
     parser.add_argument("--max-lora-rank", type=int, default=16)
+    parser.add_argument(
+        "--speculative-config", default=None, metavar="JSON",
+        help="speculative decoding, vLLM's keys (both engines take the same dict)",
+    )  # fmt: skip
     return parser.parse_args()
 
 
@@ -41,10 +47,16 @@ def lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def create_engine(args: argparse.Namespace) -> Any:
+    spec = (
+        {}
+        if args.speculative_config is None
+        else {"speculative_config": json.loads(args.speculative_config)}
+    )
     if args.system == "kvrelay":
         from kvrelay import LLM
 
         return LLM(
+            **spec,
             model=args.model,
             dtype=args.dtype,
             seed=0,
@@ -70,7 +82,10 @@ def create_engine(args: argparse.Namespace) -> Any:
         seed=0,
         max_model_len=args.max_model_len,
         enable_prefix_caching=False,
+        # its drafts' counters need stats (get_metrics); only where it drafts
+        disable_log_stats=not spec,
         **lora,
+        **spec,
     )
 
 
@@ -104,17 +119,27 @@ def token_prompts(system: str, prompts: list[list[int]]) -> list[Any]:
 
 
 def run_offline(
-    engine: Any, system: str, requests: list[list[Any]], lora: Any = None
+    engine: Any,
+    system: str,
+    requests: list[list[Any]],
+    lora: Any = None,
+    ignore_eos: bool = True,
+    return_ids: bool = False,
 ) -> dict[str, Any]:
     prompts = token_prompts(system, [r[0] for r in requests])
-    params = [sampling(system, r[1], True) for r in requests]
+    params = [sampling(system, r[1], ignore_eos) for r in requests]
     kw: dict[str, Any] = {"use_tqdm": False} if system == "vllm" else {}
     if lora is not None:
         kw["lora_request"] = lora
     start = time.perf_counter()
     outs = engine.generate(prompts, params, **kw)
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+    out: dict[str, Any] = {
+        "seconds": seconds, "tokens": sum(len(o.outputs[0].token_ids) for o in outs)
+    }  # fmt: skip
+    if return_ids:
+        out["token_ids"] = [list(o.outputs[0].token_ids) for o in outs]
+    return out
 
 
 def run_decode(
@@ -146,14 +171,37 @@ def run_greedy(engine: Any, system: str, chats: list[Any], max_tokens: int) -> d
     return {"token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
+def spec_stats(engine: Any, system: str) -> dict[str, Any]:
+    """Draft tokens and accepted ones since the engine started (0 without drafting)."""
+    if system == "kvrelay":
+        scheduler = engine.engine.scheduler
+        return {
+            "draft_tokens": scheduler.num_draft_tokens,
+            "accepted_tokens": scheduler.num_accepted_tokens,
+        }
+    try:
+        metrics = {m.name: getattr(m, "value", None) for m in engine.get_metrics()}
+    except AssertionError:  # stats off: it does not draft
+        return {}
+    return {
+        "draft_tokens": metrics.get("vllm:spec_decode_num_draft_tokens"),
+        "accepted_tokens": metrics.get("vllm:spec_decode_num_accepted_tokens"),
+    }
+
+
 def handle(engine: Any, args: argparse.Namespace, cmd: dict[str, Any]) -> dict[str, Any]:
     op, system = cmd["op"], args.system
     if op == "offline":
-        return run_offline(engine, system, cmd["requests"], lora_requests(args, cmd.get("loras")))
+        return run_offline(
+            engine, system, cmd["requests"], lora_requests(args, cmd.get("loras")),
+            cmd.get("ignore_eos", True), cmd.get("return_ids", False),
+        )  # fmt: skip
     if op == "decode":
         lora = lora_requests(args, cmd.get("loras"))
         lora = None if lora is None else lora[0]
         return run_decode(engine, system, cmd["prompt"], cmd["steps"], lora)
+    if op == "spec_stats":
+        return spec_stats(engine, system)
     if op == "greedy":
         return run_greedy(engine, system, cmd["messages"], cmd["max_tokens"])
     raise ValueError(f"unknown op {op!r}")
