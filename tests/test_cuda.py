@@ -551,3 +551,22 @@ def test_lora_rows_on_cuda_follow_peft(tiny_model_dir, reference, tmp_path):
         ref = reference if lora is None else tuned_logits
         assert_greedy_under_reference(ref, out.prompt_token_ids, out.outputs[0].token_ids)
     llm.engine.block_manager.check_integrity()
+
+
+@needs_cuda
+@pytest.mark.parametrize("graphs", ["1", "0"])
+def test_speculative_rows_on_cuda_follow_the_reference(
+    tiny_model_dir, reference, monkeypatch, graphs
+):
+    """n-gram drafts on a GPU (the draft's rows are decode rows: a decode graph when the
+    step's rows fit one, eager otherwise): every kept token is the reference's argmax, and
+    drafts were accepted."""
+    monkeypatch.setenv("KVRELAY_CUDA_GRAPHS", graphs)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    llm = LLM(tiny_model_dir, device="cuda", num_blocks=128, speculative_config=spec)
+    outputs = llm.generate(PROMPTS, GREEDY)
+    for out in outputs:
+        assert_greedy_under_reference(reference, out.prompt_token_ids, out.outputs[0].token_ids)
+    assert llm.engine.scheduler.num_accepted_tokens > 0
+    assert llm.engine.block_manager.num_leaked() == 0
+    llm.engine.block_manager.check_integrity()

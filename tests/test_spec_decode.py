@@ -277,3 +277,15 @@ def test_each_draft_row_is_sampled_with_the_tokens_before_it(spec: LLM) -> None:
     item = ScheduledSeq(seq, 4, 4, (6, 7, 8))
     histories = [list(r.output_token_ids) for r in spec.engine.runner._sample_requests(item)]
     assert histories == [[4, 5], [4, 5, 6], [4, 5, 6, 7], [4, 5, 6, 7, 8]]
+
+
+@pytest.mark.parametrize("env", ["KVRELAY_NATIVE_ATTENTION", "KVRELAY_NATIVE_MATMUL"])
+def test_torch_paths_give_the_same_tokens(env: str, tiny_model_dir: Path, plain: LLM, monkeypatch):
+    """Without the native attention (torch's decode attention per row) or without the native
+    library at all, the draft's rows give the plain engine's greedy tokens too."""
+    monkeypatch.setenv(env, "0")
+    llm = LLM(tiny_model_dir, warm_up=False, speculative_config=SPEC)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for w, g in zip(_run(plain, params), _run(llm, params), strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    assert llm.engine.scheduler.num_accepted_tokens > 0
