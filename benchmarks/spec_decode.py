@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,19 @@ INSTRUCTIONS = [
     "Copy the following text and then add one sentence that summarises it:\n\n{}",
     "Return the following text unchanged:\n\n{}",
 ]
+
+
+def copy_prompts(n: int, seed: int) -> list[str]:
+    """``n`` copy-workload user messages (instructions x texts in turn), each opening with a
+    tag drawn from ``seed``, so that no two runs share a prompt prefix (both engines cache
+    prefixes); for ``vllm bench serve``'s custom dataset (it applies the chat template)."""
+    rng = random.Random(seed)
+    pairs = [(i, t) for i in INSTRUCTIONS for t in TEXTS]
+    return [
+        f"[ticket {rng.randrange(10**6):06d}] "
+        + pairs[k % len(pairs)][0].format(pairs[k % len(pairs)][1])
+        for k in range(n)
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

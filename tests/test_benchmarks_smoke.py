@@ -476,3 +476,33 @@ def test_lora_benchmark_runs_every_mode(tiny_model_dir, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
     for mode in ("base", "one adapter", "mixed: base + 2 adapters"):
         assert re.search(rf"\| {re.escape(mode)} \| [\d.]+ \([\d.]+\) \|", proc.stdout), proc.stdout
+
+
+def test_spec_decode_benchmark_runs_with_and_without_drafts(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/spec_decode.py on the tiny model, kvrelay alone (a smoke test, not a timing):
+    both engines answer every workload, the greedy outputs agree, and the drafting one reports
+    its acceptance."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "spec_decode.py"), "--model",
+        str(tiny_model_dir), "--dtype", "float32", "--threads", "1", "--max-tokens", "24",
+        "--num-random", "4", "--repeats", "1", "--no-write", "--no-peer",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert re.search(r"\| copy, batch of 16: tok/s \| [\d.]+ \([\d.]+\) \| [\d.]+ \(", proc.stdout)
+    assert "| copy chats token-identical to kvrelay's (greedy) | 16 of 16 | 16 of 16 |" in (
+        proc.stdout
+    ), proc.stdout
+    assert re.search(r"\| - \| \d+ / \d+ \(\d+%\) \|", proc.stdout), proc.stdout
+
+
+def test_peers_serve_drafting_systems_and_copy_prompts() -> None:
+    """``NAME+ngram`` servers get ``--speculative-config``; the copy dataset never repeats a
+    prompt across seeds (both engines cache prefixes)."""
+    module = _load_benchmark("peers_serve")
+    args = module.parse_args(["--model", "m", "--systems", "vllm+ngram", "kvrelay-colo+ngram"])
+    assert args.systems == ["vllm+ngram", "kvrelay-colo+ngram"]
+    assert json.loads(args.speculative_config)["method"] == "ngram"
+    spec = _load_benchmark("spec_decode")
+    first, second = spec.copy_prompts(32, 1), spec.copy_prompts(32, 2)
+    assert len(set(first)) == 32 and not set(first) & set(second)
