@@ -161,7 +161,10 @@ class Server:
             argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.model_id = ""
-        self.is_vllm = name.startswith("vllm")
+
+    @property
+    def is_vllm(self) -> bool:
+        return self.name.startswith("vllm")
 
     def wait_ready(self, timeout: float = 1200.0) -> None:
         deadline = time.monotonic() + timeout

@@ -3,9 +3,11 @@ and the engine's outputs against the same engine without drafts."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
 
@@ -14,6 +16,7 @@ from kvrelay.engine.config import ConfigError
 from kvrelay.engine.spec_decode import accepted, ngram_draft
 from kvrelay.protocol.sampling_params import StructuredOutput
 from kvrelay.protocol.speculative import SpeculativeConfig, SpeculativeConfigError
+from tests.structured_cases import MAX_TOKENS, SCHEMAS, spec_text
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 
@@ -240,14 +243,30 @@ def test_preemption_with_drafts_loses_nothing(tiny_model_dir: Path, plain: LLM) 
     llm.engine.block_manager.check_integrity()
 
 
-def test_structured_outputs_and_large_batches_run_without_drafts(spec: LLM, tiny_model_dir):
-    params = SamplingParams(
-        temperature=0.0, max_tokens=24, structured_outputs=StructuredOutput("regex", "[ab]{24}")
-    )
+@pytest.mark.parametrize("case", ["regex", *sorted(SCHEMAS)])
+def test_grammar_rows_draft_and_keep_the_plain_engines_tokens(plain: LLM, spec: LLM, case: str):
+    """A row with a grammar drafts too: each draft row is masked by the grammar after the
+    draft tokens before it, so the output is the plain engine's, greedy and valid."""
+    if case == "regex":
+        grammar, max_tokens = StructuredOutput("regex", "[ab]{24}"), 24
+    else:
+        grammar, max_tokens = StructuredOutput("json", spec_text(SCHEMAS[case])), MAX_TOKENS
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=grammar)
     before = spec.engine.scheduler.num_drafts
-    out = spec.generate({"prompt_token_ids": PROMPTS[0]}, params)[0].outputs[0]
-    assert spec.engine.scheduler.num_drafts == before  # no draft for a grammar's rows
-    assert re.fullmatch("[ab]{24}", out.text)
+    prompts = PROMPTS[:2]
+    want = _run(plain, params, prompts)
+    got = _run(spec, params, prompts)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        if case == "regex":
+            assert re.fullmatch("[ab]{24}", g.outputs[0].text)
+        else:
+            jsonschema.validate(json.loads(g.outputs[0].text), SCHEMAS[case])
+    assert spec.engine.scheduler.num_drafts > before
+    assert spec.engine.block_manager.num_leaked() == 0
+
+
+def test_large_batches_run_without_drafts(tiny_model_dir: Path) -> None:
     limited = LLM(
         tiny_model_dir,
         warm_up=False,

@@ -35,6 +35,7 @@ from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator, to
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
 from kvrelay.engine.sequence import Sequence
 from kvrelay.engine.spec_decode import accepted
+from kvrelay.engine.structured import draft_masks
 from kvrelay.kernels import cpu_attention, gemv, triton_attention
 from kvrelay.kernels.attention import (
     AttentionMetadata,
@@ -187,8 +188,8 @@ class ModelRunner:
                 keep = accepted(item.draft, out.token_ids[j : j + rows]) if item.draft else 1
                 token_ids[i] = out.token_ids[j : j + keep]
                 logprobs[i] = out.logprobs[j : j + keep]
-                if not item.draft:
-                    _advance_grammar(item.seq, out.token_ids[j])  # drafts have no grammar
+                for token_id in token_ids[i]:
+                    _advance_grammar(item.seq, token_id)
                 j += rows
         return StepResult(token_ids, logprobs)
 
@@ -331,7 +332,13 @@ class ModelRunner:
                 SampleRequest(seq.params, seq.prompt_token_ids, output, seq.generator, seq.matcher)
             ]
         history = [output + list(item.draft[:j]) for j in range(len(item.draft) + 1)]
-        return [SampleRequest(seq.params, seq.prompt_token_ids, h, seq.generator) for h in history]
+        masks: list = [None] * len(history)
+        if seq.matcher is not None:  # each row masked by the grammar after the draft before it
+            masks = draft_masks(seq.matcher, item.draft, self.model.config.vocab_size)
+        return [
+            SampleRequest(seq.params, seq.prompt_token_ids, h, seq.generator, mask)
+            for h, mask in zip(history, masks, strict=True)
+        ]
 
 
 def _by_adapter(plan: StepPlan) -> list[int] | None:

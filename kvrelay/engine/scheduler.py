@@ -269,8 +269,6 @@ class Scheduler:
         context window (the step may add the draft and one more token); () for none."""
         spec = self.speculative
         assert spec is not None
-        if seq.matcher is not None:
-            return ()  # a grammar: the matcher would need the draft and a rollback
         room = min(
             spec.num_speculative_tokens,
             budget - 1,

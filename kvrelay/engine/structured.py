@@ -223,6 +223,47 @@ class SequenceGrammar:
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
 
+    def rollback(self, num_tokens: int) -> None:
+        """Forgets the last ``num_tokens`` accepted tokens (a speculative draft's)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+
+
+class FixedMask:
+    """A next-token mask filled earlier, standing in for a matcher in ``GrammarMasker``: a
+    speculative draft's row j is masked by its matcher's state after the draft's first j
+    tokens, which no longer exists when the step's masks are filled (``draft_masks``)."""
+
+    __slots__ = ("_row",)
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self._row = row
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        bitmask[index].copy_(self._row)
+
+
+def draft_masks(grammar: SequenceGrammar, draft: Sequence[int], vocab_size: int) -> list[FixedMask]:
+    """The masks of a draft's ``len(draft) + 1`` rows: row j's is the grammar's state after
+    ``draft[:j]``. Where the grammar refuses a draft token (or has ended), the rows after it
+    repeat the last mask: row j's own mask already refuses that token, so the sampler never
+    keeps it, and the rows after are dropped. The matcher is left as it was."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(draft) + 1, vocab_size)
+    accepted = 0
+    for j in range(len(draft) + 1):
+        if j and (accepted < j - 1 or not grammar.accept_token(draft[j - 1])):
+            bitmask[j].copy_(bitmask[j - 1])
+            continue
+        accepted = j
+        if j and grammar.is_terminated():
+            bitmask[j].copy_(bitmask[j - 1])  # after the draft's eos: the row is dropped
+            continue
+        grammar.fill_next_token_bitmask(bitmask, j)
+    grammar.rollback(accepted)
+    return [FixedMask(bitmask[j]) for j in range(len(draft) + 1)]
+
 
 def _regex_literal(text: str) -> str:
     """``text`` as a regex matching only itself (xgrammar's regex dialect: ECMAScript)."""
