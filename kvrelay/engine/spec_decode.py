@@ -30,8 +30,9 @@ blocks past its kept tokens go back to the pool (``BlockManager.trim``).
 
 Set by ``EngineConfig.speculative_config`` (``config.SpeculativeConfig``, vLLM's keys).
 
-Not drafted: rows with a grammar (structured outputs; the matcher would have to be advanced
-through the draft and rolled back), and every row of a step once ``disable_by_batch_size``
+Rows with a grammar (structured outputs) draft too: row j is masked by the grammar's state
+after the draft's first j tokens (``structured.draft_masks``: accept, fill, roll back), and
+the kept tokens advance the matcher. No drafts in a step once ``disable_by_batch_size``
 sequences run (a step of that many rows is no longer bound by the weights' bytes).
 """
 
