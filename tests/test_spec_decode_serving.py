@@ -106,7 +106,8 @@ def test_completions_equal_the_engine_without_drafts(cluster: Launcher, offline)
 
 
 def test_kvrelay_up_passes_the_setting_and_refuses_a_bad_one(tiny_model_dir: Path) -> None:
-    from kvrelay.cli import build_parser, engine_cli_args
+    from kvrelay.cli import build_parser
+    from kvrelay.cli.engine_args import engine_cli_args
 
     args = build_parser().parse_args(
         ["up", "--model", str(tiny_model_dir), "--speculative-config", json.dumps(SPEC)]
