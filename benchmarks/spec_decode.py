@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 from pathlib import Path
@@ -37,7 +36,14 @@ from common import (
     markdown_table,
     update_benchmarks_md,
 )
-from peers import ensure_vllm_venv, interleaved, make_requests, model_vocab, start_engines
+from peers import (
+    add_offline_peer_args,
+    ensure_vllm_venv,
+    interleaved,
+    make_requests,
+    model_vocab,
+    start_engines,
+)
 
 SECTION = "Speculative decoding (n-gram drafts): kvrelay vs vLLM-CPU (offline)"
 
@@ -82,20 +88,12 @@ def copy_prompts(n: int, seed: int) -> list[str]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="/work/cache/models/smollm2-hf")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--threads", type=int, default=2)
+    add_offline_peer_args(p)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--num-random", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-peer", action="store_true", help="kvrelay alone (no vLLM)")
-    p.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/venvs/vllm"))
-    p.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
-    p.add_argument("--cpu-packed-weights", default="auto")
-    p.add_argument("--no-write", action="store_true")
     return p.parse_args(argv)
 
 
