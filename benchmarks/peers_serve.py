@@ -404,9 +404,13 @@ def waves(result: dict[str, Any], gap_s: float = 0.2) -> list[tuple[int, float, 
     one): ``(requests, their TTFT ms, their median TPOT ms)`` per group. Prompts that arrive
     together reach their first tokens in waves, one per prefill step that finishes them, so
     a TTFT bound is met by whole waves or not at all (``--save-detailed``'s fields)."""
+    ttfts, itls = result.get("ttfts") or [], result.get("itls") or []
+    lens = result.get("output_lens") or [len(itl) + 1 for itl in itls]
+    # a request's TPOT: its time after the first token over its later tokens (a chunk may
+    # carry several, e.g. a speculative step's, so not the chunks' mean gap)
     pairs = sorted(
-        (ttft, sum(itl) / len(itl) if itl else 0.0)
-        for ttft, itl in zip(result.get("ttfts") or [], result.get("itls") or [], strict=True)
+        (ttft, sum(itl) / (n - 1) if n > 1 else 0.0)
+        for ttft, itl, n in zip(ttfts, itls, lens, strict=True)
     )
     groups: list[list[tuple[float, float]]] = []
     for pair in pairs:
@@ -448,42 +452,52 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for server in servers:
             server.stop()
+    (work / "runs.json").write_text(json.dumps(runs))
+    print(f"raw results: {work / 'runs.json'}", file=sys.stderr)
+    body = render(args, runs)
+    print(body)
+    if args.write:
+        section = SECTION if args.dataset == "random" else SPEC_SECTION
+        update_benchmarks_md(section, body, command_line())
+    return 0
+
+
+def render(
+    args: argparse.Namespace, runs: dict[str, dict[str, list[dict]]], stamp: str | None = None
+) -> str:
+    """The BENCHMARKS.md section's text for ``runs`` (``run_all``'s), taken at ``stamp``
+    (default: now)."""
+    stamp = stamp or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     headers = ["rate", "system", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
     headers += ["output tok/s", "goodput req/s", "cached prompt tokens (max)", "load avg (1 min)"]
     table = markdown_table(headers, summarize(args, runs))
     lines = wave_lines(runs)
     if lines:
         table += "\n\nAt rate inf, requests by first token (first run):\n\n" + "\n".join(lines)
-    print(table)
-    (work / "runs.json").write_text(json.dumps(runs))
-    print(f"raw results: {work / 'runs.json'}", file=sys.stderr)
-    if args.write:
-        prompts = (
-            f"{args.num_prompts} copy chats (spec_decode.py's instructions and texts, each "
-            f"with a tag no run repeats), at most {args.output_len} tokens out (eos honoured; "
-            if args.dataset == "copy"
-            else f"{args.num_prompts} random prompts of {args.input_len} tokens, "
-            f"{args.output_len} out (ignore_eos; "
-        )
-        drafts = (
-            f"; +ngram: `--speculative-config '{args.speculative_config}'`"
-            if any(name.endswith("+ngram") for name in args.systems)
-            else ""
-        )
-        body = (
-            f"{args.dtype}, {args.threads} cores: vLLM {args.threads} threads, kvrelay 1P+1D "
-            f"{p1d_threads(args)} thread(s) per worker, kvrelay colocated "
-            f"{args.threads}{drafts}. `vllm bench serve`: {prompts}"
-            f"{sampling_brief(args)}), rate inf = "
-            f"{args.max_concurrency} at once; goodput under TTFT <= {args.slo_ttft_ms:.0f} ms "
-            f"and TPOT <= {args.slo_tpot_ms:.0f} ms; medians of {args.repeats} interleaved "
-            f"runs, each over prompts no server had seen"
-            + f"; kvrelay's KVRELAY_CPU_PACKED_WEIGHTS: {args.cpu_packed_weights}"
-            + f"; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n{table}"
-        )
-        section = SECTION if args.dataset == "random" else SPEC_SECTION
-        update_benchmarks_md(section, body, command_line())
-    return 0
+    prompts = (
+        f"{args.num_prompts} copy chats (spec_decode.py's instructions and texts, each "
+        f"with a tag no run repeats), at most {args.output_len} tokens out (eos honoured; "
+        if args.dataset == "copy"
+        else f"{args.num_prompts} random prompts of {args.input_len} tokens, "
+        f"{args.output_len} out (ignore_eos; "
+    )
+    drafts = (
+        f"; +ngram: `--speculative-config '{args.speculative_config}'`"
+        if any(name.endswith("+ngram") for name in args.systems)
+        else ""
+    )
+    body = (
+        f"{args.dtype}, {args.threads} cores: vLLM {args.threads} threads, kvrelay 1P+1D "
+        f"{p1d_threads(args)} thread(s) per worker, kvrelay colocated "
+        f"{args.threads}{drafts}. `vllm bench serve`: {prompts}"
+        f"{sampling_brief(args)}), rate inf = "
+        f"{args.max_concurrency} at once; goodput under TTFT <= {args.slo_ttft_ms:.0f} ms "
+        f"and TPOT <= {args.slo_tpot_ms:.0f} ms; medians of {args.repeats} interleaved "
+        f"runs, each over prompts no server had seen"
+        + f"; kvrelay's KVRELAY_CPU_PACKED_WEIGHTS: {args.cpu_packed_weights}"
+        + f"; {stamp}.\n\n{table}"
+    )
+    return body
 
 
 if __name__ == "__main__":

@@ -506,3 +506,11 @@ def test_peers_serve_drafting_systems_and_copy_prompts() -> None:
     spec = _load_benchmark("spec_decode")
     first, second = spec.copy_prompts(32, 1), spec.copy_prompts(32, 2)
     assert len(set(first)) == 32 and not set(first) & set(second)
+
+
+def test_peers_serve_waves_count_every_token_of_a_chunk() -> None:
+    """A chunk may carry several tokens (a speculative step's): a request's TPOT is its time
+    after the first token over its later tokens, not its chunks' mean gap."""
+    module = _load_benchmark("peers_serve")
+    result = {"ttfts": [1.0, 1.05], "itls": [[0.1, 0.1], [0.2]], "output_lens": [5, 2]}
+    assert module.waves(result) == [(2, 1000.0, pytest.approx(125.0))]  # 50 and 200 ms
