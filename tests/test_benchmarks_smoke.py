@@ -514,3 +514,34 @@ def test_peers_serve_waves_count_every_token_of_a_chunk() -> None:
     module = _load_benchmark("peers_serve")
     result = {"ttfts": [1.0, 1.05], "itls": [[0.1, 0.1], [0.2]], "output_lens": [5, 2]}
     assert module.waves(result) == [(2, 1000.0, pytest.approx(125.0))]  # 50 and 200 ms
+
+
+def test_peers_trace_replays_a_trace_against_a_kvrelay_cluster(tiny_model_dir, tmp_path: Path):
+    """benchmarks/peers_trace.py's replay and summary against a real colocated cluster: a
+    four-request Splitwise trace through ``kvrelay bench --trace``, every request served,
+    and one table row of its figures (a smoke test, not a timing)."""
+    from tests.cluster_harness import running_cluster
+
+    module = _load_benchmark("peers_trace")
+    trace = tmp_path / "trace.csv"
+    trace.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.6805900,40,6\n"
+        "2023-11-16 18:15:46.7805900,25,4\n"
+        "2023-11-16 18:15:46.9805900,60,8\n"
+        "2023-11-16 18:15:47.0805900,30,5\n"
+    )
+    args = module.parse_args([
+        "--model", str(tiny_model_dir), "--trace", str(trace), "--max-requests", "4",
+        "--time-scale", "1", "--max-prompt-tokens", "64", "--max-output-tokens", "8",
+    ])  # fmt: skip
+    with running_cluster(tiny_model_dir, tmp_path, num_prefill=0, num_decode=0,
+                         num_colocated=1) as launcher:  # fmt: skip
+        server = object.__new__(module.Server)  # the cluster is up: no process to start
+        server.name, server.url, server.model_id = "kvrelay-colo", launcher.url, "tiny"
+        result = module.replay(args, server, tmp_path / "run.json", seed=1)
+    assert result["num_completed"] == 4 and result["num_failed"] == 0
+    assert result["total_output_tokens"] == 6 + 4 + 8 + 5  # the trace's lengths, forced
+    assert result["cached_prompt_tokens"] == 0  # random prompts: nothing to reuse
+    [row] = module.summarize({"kvrelay-colo": [result]})
+    assert row[0] == "kvrelay-colo" and row[2].endswith("%")
