@@ -78,12 +78,13 @@ def copy_prompts(n: int, seed: int) -> list[str]:
     tag drawn from ``seed``, so that no two runs share a prompt prefix (both engines cache
     prefixes); for ``vllm bench serve``'s custom dataset (it applies the chat template)."""
     rng = random.Random(seed)
-    pairs = [(i, t) for i in INSTRUCTIONS for t in TEXTS]
-    return [
-        f"[ticket {rng.randrange(10**6):06d}] "
-        + pairs[k % len(pairs)][0].format(pairs[k % len(pairs)][1])
-        for k in range(n)
-    ]
+    messages = copy_messages()
+    return [f"[ticket {rng.randrange(10**6):06d}] {messages[k % len(messages)]}" for k in range(n)]
+
+
+def copy_messages() -> list[str]:
+    """The copy workload's user messages: every instruction with every text."""
+    return [instruction.format(text) for instruction in INSTRUCTIONS for text in TEXTS]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,11 +112,7 @@ def copy_chats(model: Path) -> list[list[int]]:
     from kvrelay.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(model)
-    return [
-        tokenizer.encode_chat([{"role": "user", "content": instruction.format(text)}])
-        for instruction in INSTRUCTIONS
-        for text in TEXTS
-    ]
+    return [tokenizer.encode_chat([{"role": "user", "content": m}]) for m in copy_messages()]
 
 
 def main(argv: list[str] | None = None) -> int:

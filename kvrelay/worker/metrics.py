@@ -38,20 +38,12 @@ class WorkerMetrics:
         self.prefill_tokens = gauge(
             "kvrelay_num_prefill_tokens", "Prompt tokens yet to compute (prefill placement)"
         )
-        self.preemptions = Counter(
-            "kvrelay_num_preemptions",
-            "Running requests preempted (blocks out, or a more urgent request under the "
-            "priority policy); each is recomputed from its tokens",
-            list(labels),
-            registry=r,
-        ).labels(**labels)
-        self._num_preemptions = 0  # the engine's count at the last update
-        # speculative decoding (vLLM's spec_decode_* counters): the scheduler's count of each
-        self._spec = [
+        # the scheduler's running counts (preemptions, speculative decoding's), as counters
+        self._scheduler_counters = [
             (Counter(name, doc, list(labels), registry=r).labels(**labels), attr)
-            for name, doc, attr in _SPEC_COUNTERS
+            for name, doc, attr in _SCHEDULER_COUNTERS
         ]
-        self._spec_counts = {attr: 0 for _, attr in self._spec}
+        self._scheduler_counts = {attr: 0 for _, attr in self._scheduler_counters}  # last seen
         step_seconds = Histogram(
             "kvrelay_engine_step_seconds",
             "Time of one engine step, by kind: decode (decode tokens only), prefill (prompt "
@@ -115,16 +107,20 @@ class WorkerMetrics:
             usage.set(engine.block_manager.usage)
         self.free_blocks.set(engine.block_manager.num_free_blocks)
         self.prefill_tokens.set(engine.scheduler.num_prefill_tokens())
-        preemptions = engine.scheduler.num_preemptions
-        self.preemptions.inc(max(0, preemptions - self._num_preemptions))
-        self._num_preemptions = preemptions
-        for counter, attr in self._spec:
+        for counter, attr in self._scheduler_counters:
             count = getattr(engine.scheduler, attr)
-            counter.inc(max(0, count - self._spec_counts[attr]))
-            self._spec_counts[attr] = count
+            counter.inc(max(0, count - self._scheduler_counts[attr]))
+            self._scheduler_counts[attr] = count
 
 
-_SPEC_COUNTERS = (
+# (metric, help, Scheduler attribute); the speculative ones are vLLM's spec_decode_* counters
+_SCHEDULER_COUNTERS = (
+    (
+        "kvrelay_num_preemptions",
+        "Running requests preempted (blocks out, or a more urgent request under the priority "
+        "policy); each is recomputed from its tokens",
+        "num_preemptions",
+    ),
     ("kvrelay_spec_decode_num_drafts", "Decode steps of a request with a draft", "num_drafts"),
     ("kvrelay_spec_decode_num_draft_tokens", "Draft tokens computed", "num_draft_tokens"),
     (
