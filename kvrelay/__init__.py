@@ -1,7 +1,7 @@
 """kvrelay: a disaggregated LLM serving cluster.
 
-``from kvrelay import LLM, SamplingParams, LoRARequest`` loads the engine (and torch) on first
-use only; ``import kvrelay`` itself is light, so the router never pulls in torch.
+``from kvrelay import LLM, SamplingParams, PoolingParams, LoRARequest`` loads the engine (and
+torch) on first use only; ``import kvrelay`` itself is light, so the router never pulls in torch.
 """
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "PoolingParams", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
     from kvrelay.engine.llm import LLM
     from kvrelay.engine.lora import LoRARequest
+    from kvrelay.protocol.pooling import PoolingParams
     from kvrelay.protocol.sampling_params import SamplingParams
 
 
@@ -26,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from kvrelay.engine.lora import LoRARequest
 
         return LoRARequest
+    if name == "PoolingParams":
+        from kvrelay.protocol.pooling import PoolingParams
+
+        return PoolingParams
     if name == "SamplingParams":
         from kvrelay.protocol.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@
 - prefill and decode never import each other;
 - every ``from kvrelay.X import name`` takes ``name`` from the module that defines it (no
   module re-exports another's names), except the package's public ``LLM``,
-  ``SamplingParams`` and ``LoRARequest``.
+  ``SamplingParams``, ``PoolingParams`` and ``LoRARequest``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ def test_components_import_only_what_the_design_allows(component: str) -> None:
 
 
 def test_every_name_is_imported_from_where_it_is_defined() -> None:
-    public = {("kvrelay", "LLM"), ("kvrelay", "SamplingParams"), ("kvrelay", "LoRARequest")}
+    public = {
+        ("kvrelay", name) for name in ("LLM", "SamplingParams", "PoolingParams", "LoRARequest")
+    }
     broken = []
     for path in SOURCES:
         for line, module, names in _kvrelay_imports(path):

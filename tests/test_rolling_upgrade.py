@@ -7,7 +7,8 @@ and a colocated worker of this version) is joined by a member that registers as 
 the first wire format does (its ``Register`` without ``sampling_fields``), holding the real
 secret, and answers each request it gets with one token. Requests that set a later field go to
 the new worker only, and with the new worker drained they are refused, naming the field;
-plain requests still reach the old member.
+plain requests still reach the old member. Embeddings, likewise, go only to a worker that
+registered an embedding size.
 """
 
 from __future__ import annotations
@@ -168,6 +169,11 @@ def test_an_old_worker_gets_no_request_with_a_field_it_would_drop(
         assert len(old.requests) == 1
         assert _complete(launcher, max_tokens=4, **NEWER_FIELDS["logit_bias"]) == [BIASED] * 4
         assert len(old.requests) == 1
+        # an embedding: only a worker that registered an embedding size pools
+        vector = _client(launcher).embeddings.create(model="tiny", input="hi").data[0]
+        assert len(vector.embedding) == instances[new_id]["embedding_size"] > 0
+        assert instances[OLD_ID]["embedding_size"] == 0
+        assert len(old.requests) == 1
     finally:
         stream.close()
 
@@ -183,6 +189,8 @@ def test_an_old_worker_gets_no_request_with_a_field_it_would_drop(
             assert isinstance(error, dict)
             assert error["param"] == field, error
             assert "older kvrelay than the router" in error["message"]
+        with pytest.raises(openai.BadRequestError, match="older kvrelay than the router"):
+            _client(launcher).embeddings.create(model="tiny", input="hi")
         assert len(old.requests) == 2
     finally:
         assert admin_request(launcher, f"/admin/instances/{new_id}/undrain")[0] == 200

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvrelay import envs
 from kvrelay.protocol.lora_modules import parse_lora_modules
+from kvrelay.protocol.pooling import PoolerConfig, PoolingConfigError
 from kvrelay.protocol.speculative import SpeculativeConfig, SpeculativeConfigError
 
 # engine.config.SCHEDULING_POLICIES, which validates them: not imported here, since importing
@@ -93,6 +94,14 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
         "sequence's own earlier n-grams (prompt_lookup_min..prompt_lookup_max tokens, default "
         "2..4; disable_by_batch_size N: no drafts once N requests run); output is unchanged",
     )
+    p.add_argument(
+        "--pooler-config",
+        default=None,
+        metavar="JSON",
+        help='how /v1/embeddings pools, vLLM\'s keys: \'{"pooling_type": "MEAN", "normalize": '
+        "false}' (LAST, MEAN or CLS; default: the checkpoint's sentence-transformers "
+        "modules.json, else the last token's state, normalized)",
+    )
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
@@ -102,6 +111,16 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     try:
         return SpeculativeConfig.parse(args.speculative_config)
     except SpeculativeConfigError as exc:
+        raise SystemExit(f"kvrelay: error: {exc}") from None
+
+
+def pooler_config(args: argparse.Namespace) -> PoolerConfig | None:
+    """``--pooler-config`` checked; argparse's error naming what is wrong."""
+    if args.pooler_config is None:
+        return None
+    try:
+        return PoolerConfig.parse(args.pooler_config)
+    except PoolingConfigError as exc:
         raise SystemExit(f"kvrelay: error: {exc}") from None
 
 
@@ -129,6 +148,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "scheduling_policy": args.scheduling_policy,
         "lora_modules": lora_modules(args),
         "speculative_config": speculative_config(args),
+        "pooler_config": pooler_config(args),
     }
 
 
@@ -156,6 +176,9 @@ def engine_cli_args(args: argparse.Namespace) -> list[str]:
     spec = speculative_config(args)
     if spec is not None:
         out += ["--speculative-config", spec.to_json()]
+    pooler = pooler_config(args)
+    if pooler is not None:
+        out += ["--pooler-config", pooler.to_json()]
     if args.lora_modules:  # absolute: the workers may start elsewhere
         out += ["--lora-modules", *(f"{n}={os.path.abspath(p)}" for n, p in lora_modules(args))]
     return out

@@ -97,8 +97,8 @@ class BlockManager:
         At most ``(num_tokens - 1) // block_size`` blocks: the last token is always computed
         so the step that finishes the prompt has logits to sample from.
         """
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []  # prompt logprobs need every prompt token's logits
+        if not self.enable_prefix_caching or seq.needs_every_prompt_token:
+            return []  # prompt logprobs need every prompt token's logits (mean pooling, states)
         self.update_hashes(seq)
         limit = (seq.num_tokens - 1) // self.block_size
         hits: list[int] = []

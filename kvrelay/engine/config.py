@@ -12,9 +12,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from kvrelay.protocol.pooling import PoolerConfig
 from kvrelay.protocol.speculative import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# the same decoders without an LM head: embedding checkpoints (e5-mistral, gte-Qwen2), served
+# through /v1/embeddings only
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES = ("float32", "bfloat16", "float16")
@@ -80,10 +84,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()  # from config.json / generation_config.json
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in SUPPORTED_ARCHITECTURES + EMBEDDING_ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture {self.architecture!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES + EMBEDDING_ARCHITECTURES)}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
@@ -102,7 +106,8 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or hidden // num_heads
         eos = cfg.get("eos_token_id")
         sliding = cfg.get("sliding_window")
-        if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2Model")
+        if qwen2 and not cfg.get("use_sliding_window", False):
             sliding = None
         return cls(
             architecture=arch,
@@ -117,7 +122,7 @@ class ModelConfig:
             rope=RopeConfig.from_hf(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", qwen2)),
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(eos),
@@ -138,6 +143,11 @@ class ModelConfig:
             merged = tuple(dict.fromkeys(config.eos_token_ids + gen_eos))
             config = replace(config, eos_token_ids=merged)
         return config
+
+    @property
+    def generates(self) -> bool:
+        """Whether it has an LM head (a ``*ForCausalLM``); an embedding checkpoint does not."""
+        return self.architecture in SUPPORTED_ARCHITECTURES
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -215,6 +225,9 @@ class EngineConfig:
     lora_modules: tuple[tuple[str, str], ...] = ()
     # speculative decoding (engine.spec_decode); None: one token a decode step
     speculative_config: SpeculativeConfig | None = None
+    # how embedding requests pool (protocol.pooling); None: the checkpoint's sentence-
+    # transformers modules.json, else the last token's state, normalized
+    pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

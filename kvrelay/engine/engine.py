@@ -29,12 +29,14 @@ from kvrelay.engine.loader import TORCH_DTYPES, check_model_dir, load_weights
 from kvrelay.engine.lora import LoRAAdapter, LoRAError, load_adapter
 from kvrelay.engine.models.llama import LlamaModel
 from kvrelay.engine.offload import TierConnector
+from kvrelay.engine.pooling import PoolState
 from kvrelay.engine.runner import ModelRunner, kv_cache_shape
 from kvrelay.engine.sampling import Sampler
 from kvrelay.engine.scheduler import Scheduler, StepPlan
 from kvrelay.engine.sequence import Sequence, SequenceStatus
 from kvrelay.engine.structured import GrammarCache, GrammarError
 from kvrelay.kernels.gemv import MAX_ROWS as _GEMV_ROWS
+from kvrelay.protocol.pooling import PoolerConfig, PoolingConfigError, PoolingParams
 from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
 from kvrelay.protocol.speculative import SpeculativeConfig, SpeculativeConfigError
 from kvrelay.text.stop import StopChecker
@@ -126,13 +128,17 @@ class RequestOutput:
     # params.prompt_logprobs set: one per prompt token (None for the first), from the
     # process that computed the prompt (a decode worker's import has none)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # an embedding request (``add_request(pooling=...)``), once finished: float32 ``[dims]``
+    embedding: torch.Tensor | None = None
 
 
 def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> EngineConfig:
     """Splits flat vLLM-style keyword arguments into the frozen per-part configs."""
     cache_keys = set(CacheConfig.__dataclass_fields__)
     sched_keys = set(SchedulerConfig.__dataclass_fields__)
-    engine_keys = {"seed", "num_threads", "device", "lora_modules", "speculative_config"}
+    engine_keys = {
+        "seed", "num_threads", "device", "lora_modules", "speculative_config", "pooler_config"
+    }  # fmt: skip
     unknown = set(kwargs) - cache_keys - sched_keys - engine_keys
     if unknown:
         raise ConfigError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
@@ -145,6 +151,12 @@ def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> En
         try:
             kwargs["speculative_config"] = SpeculativeConfig.from_dict(spec)
         except SpeculativeConfigError as e:
+            raise ConfigError(str(e)) from None
+    pooler = kwargs.get("pooler_config")
+    if isinstance(pooler, Mapping):  # vLLM's dict
+        try:
+            kwargs["pooler_config"] = PoolerConfig.from_dict(pooler)
+        except PoolingConfigError as e:
             raise ConfigError(str(e)) from None
     return EngineConfig(
         model=str(model),
@@ -235,6 +247,11 @@ class LLMEngine:
             config.scheduler.max_num_batched_tokens,
         )
         self._stops: dict[str, StopChecker] = {}
+        try:  # how embedding requests pool: the setting, the checkpoint's, else the last token
+            pooler = config.pooler_config or PoolerConfig.from_model_dir(config.model)
+        except PoolingConfigError as e:
+            raise ConfigError(str(e)) from None
+        self.pooler = pooler or PoolerConfig()
         self.last_step_kind = "decode"  # of the last step that ran (step_kind)
         self.grammars = GrammarCache(config.model, mc.vocab_size, self.eos_token_ids)
         self.loras: dict[str, LoRAAdapter] = {}  # by name (SamplingParams.lora_name)
@@ -287,16 +304,33 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         output_token_ids: list[int] | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Queues a request; raises RequestError (queuing nothing) when it cannot run.
 
         ``output_token_ids`` are tokens already generated (and streamed) elsewhere: the
-        request resumes after them, recomputing their KV with the prompt.
+        request resumes after them, recomputing their KV with the prompt. ``pooling``: an
+        embedding request (``engine.pooling``): the prompt is computed and pooled, its one
+        output is finished and holds ``embedding``; ``params`` only name a LoRA adapter.
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, params, output_token_ids)
+        if pooling is not None:
+            self._check_pooling(prompt_token_ids, pooling)
+        elif not self.config.model_config.generates:
+            raise RequestError(
+                f"this model ({self.config.model_config.architecture}) has no LM head: it "
+                "computes embeddings only (/v1/embeddings, LLM.embed)",
+                param="model",
+            )
+        seq = self._new_sequence(
+            request_id, prompt_token_ids, params, output_token_ids, pooling is not None
+        )
+        if pooling is not None:
+            seq.pool = PoolState.resolve(self.pooler, pooling)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.scheduler.add(seq)
+        if pooling is not None:
+            return
         self._stops[request_id] = StopChecker(
             self.tokenizer, seq.prompt_token_ids, params, seq.output_token_ids
         )
@@ -346,9 +380,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         output_token_ids: list[int] | None,
+        pooled: bool = False,
     ) -> Sequence:
         outputs = list(output_token_ids or [])
-        self._validate(prompt_token_ids, outputs)
+        self._validate(prompt_token_ids, outputs, pooled)
         self._validate_params(params)
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer (engine started without one)")
@@ -364,13 +399,27 @@ class LLMEngine:
                 raise RequestError(str(exc), param=exc.param) from exc
         return seq
 
-    def _validate(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> None:
+    def _check_pooling(self, prompt_token_ids: list[int], pooling: PoolingParams) -> None:
+        hidden = self.config.model_config.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > hidden:
+            raise RequestError(
+                f"'dimensions' is {pooling.dimensions}; this model's embeddings have {hidden}",
+                param="dimensions",
+            )
+
+    def _validate(
+        self, prompt_token_ids: list[int], output_token_ids: list[int], pooled: bool = False
+    ) -> None:
         max_len = self.config.scheduler.max_model_len
         vocab = self.config.model_config.vocab_size
         if not prompt_token_ids:
             raise RequestError("prompt is empty")
         num_tokens = len(prompt_token_ids) + len(output_token_ids)
-        if num_tokens >= max_len:
+        if pooled and num_tokens > max_len:
+            raise RequestError(
+                f"input has {num_tokens} tokens; this model's context window is {max_len}"
+            )
+        if not pooled and num_tokens >= max_len:
             raise RequestError(
                 f"prompt has {num_tokens} tokens; this model's context window is "
                 f"{max_len} tokens and at least one must be left for output"
@@ -468,7 +517,9 @@ class LLMEngine:
                 params = SamplingParams(
                     temperature=0.0, max_tokens=6 if n == 0 else 3, ignore_eos=True
                 )
-                self.add_request(request_id, tokens, params)
+                # an embedding checkpoint pools instead (it has no head to sample with)
+                pooling = None if self.config.model_config.generates else PoolingParams()
+                self.add_request(request_id, tokens, params, pooling=pooling)
             while self.has_unfinished_requests():
                 self.step()
         finally:
@@ -500,6 +551,8 @@ class LLMEngine:
         for item, token_ids in zip(plan.scheduled, result.token_ids):
             if token_ids:
                 outputs.append(self._make_output(item.seq, token_ids))
+            elif item.seq.pool is not None and item.seq.status is SequenceStatus.FINISHED_STOPPED:
+                outputs.append(_pooled_output(item.seq))
         return outputs
 
     def remove_lora(self, name: str) -> None:
@@ -547,3 +600,20 @@ class LLMEngine:
             cached_tokens_by_tier=seq.cached_tokens_by_tier,
             prompt_logprobs=seq.prompt_logprobs,
         )
+
+
+def _pooled_output(seq: Sequence) -> RequestOutput:
+    """The one output of an embedding request: finished, its vector, no tokens."""
+    return RequestOutput(
+        request_id=seq.seq_id,
+        prompt_token_ids=seq.prompt_token_ids,
+        token_ids=[],
+        new_token_ids=[],
+        text="",
+        new_text="",
+        finished=True,
+        finish_reason=seq.finish_reason,
+        num_cached_tokens=seq.num_cached_tokens,
+        cached_tokens_by_tier=seq.cached_tokens_by_tier,
+        embedding=seq.pool.embedding,
+    )

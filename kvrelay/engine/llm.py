@@ -10,6 +10,7 @@ from typing import Any
 
 from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput
 from kvrelay.engine.lora import LoRARequest
+from kvrelay.protocol.pooling import PoolingParams
 from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
 from kvrelay.text.tokenizer import Tokenizer
 
@@ -40,6 +41,22 @@ class GenerateOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result for one prompt (vLLM's shape: ``out.outputs.embedding``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
 class LLM:
     """Runs a model in this process.
 
@@ -57,7 +74,8 @@ class LLM:
             ``max_model_len``, ``num_threads``, ``scheduling_policy``, ``lora_modules``
             (``(name, path)`` pairs loaded at start), ``speculative_config`` (vLLM's dict:
             ``{"method": "ngram", "num_speculative_tokens": 3, ...}``,
-            ``engine.spec_decode``).
+            ``engine.spec_decode``), ``pooler_config`` (vLLM's dict, ``{"pooling_type":
+            "MEAN", "normalize": false}``: how ``embed`` pools, ``protocol.pooling``).
     """
 
     def __init__(
@@ -98,6 +116,44 @@ class LLM:
         params_list = self._with_lora(params_list, lora_request)
         requests = [self._encode(p) for p in prompt_list]
         return self._run(requests, params_list)
+
+    def embed(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``engine.pooling``): the model's pooling of the prompt's
+        final hidden states (``pooler_config``: the last token's unless the checkpoint or
+        the setting says otherwise), normalized unless a ``PoolingParams`` says not."""
+        prompt_list = _as_prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_list = [pooling_params or PoolingParams()] * len(prompt_list)
+        else:
+            pooling_list = list(pooling_params)
+            if len(pooling_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(pooling_list)} pooling params for {len(prompt_list)} prompts"
+                )
+        params_list = self._with_lora([SamplingParams()] * len(prompt_list), lora_request)
+        results: dict[str, EmbeddingRequestOutput] = {}
+        order = []
+        for prompt, params, pooling in zip(prompt_list, params_list, pooling_list, strict=True):
+            _, ids = self._encode(prompt)
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, ids, params, pooling=pooling)
+            order.append(request_id)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                assert out.embedding is not None, "an embedding request's output holds its vector"
+                results[out.request_id] = EmbeddingRequestOutput(
+                    out.request_id,
+                    out.prompt_token_ids,
+                    EmbeddingOutput(out.embedding.tolist()),
+                    num_cached_tokens=out.num_cached_tokens,
+                )
+            self.engine.flush_cache_events()
+        return [results[request_id] for request_id in order]
 
     def _with_lora(
         self,

@@ -50,6 +50,9 @@ def prepare_weights(
     Projection weights come out transposed to ``[in, out]`` (see ``models/llama.py``).
     """
     torch_dtype = TORCH_DTYPES[dtype]
+    if not config.generates and "embed_tokens.weight" in hf:
+        # an embedding checkpoint saved from the bare decoder (LlamaModel): no ``model.``
+        hf = {f"model.{name}": hf.pop(name) for name in list(hf)}
 
     def take(name: str) -> torch.Tensor:
         try:
@@ -58,9 +61,9 @@ def prepare_weights(
             raise CheckpointError(f"checkpoint has no tensor {name!r}") from None
 
     out = {"embed": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
-    if "lm_head.weight" in hf and not config.tie_word_embeddings:
+    if "lm_head.weight" in hf and not config.tie_word_embeddings and config.generates:
         out["lm_head"] = take("lm_head.weight").t()
-    elif not config.tie_word_embeddings:
+    elif not config.tie_word_embeddings and config.generates:
         raise CheckpointError(
             "checkpoint has no tensor 'lm_head.weight' and embeddings are not tied"
         )

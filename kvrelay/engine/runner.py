@@ -31,6 +31,7 @@ from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.cuda_graphs import DecodeGraphs, LayerGraphs, StepGraphs
 from kvrelay.engine.lora import LoRABatch
 from kvrelay.engine.models.llama import LlamaModel
+from kvrelay.engine.pooling import pool_step
 from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator, token_logprobs
 from kvrelay.engine.scheduler import ScheduledSeq, StepPlan, StepResult
 from kvrelay.engine.sequence import Sequence
@@ -169,6 +170,8 @@ class ModelRunner:
             hidden = self.model.forward(input_ids, positions, self.kv_cache, meta)
         if any(item.seq.params.prompt_logprobs is not None for item in plan.scheduled):
             self._prompt_logprobs(plan, hidden)
+        if any(item.seq.pool is not None for item in plan.scheduled):
+            pool_step(self.model, plan, hidden)
         token_ids: list[list[int]] = [[] for _ in plan.scheduled]
         logprobs: list[list] = [[] for _ in plan.scheduled]
         if sample_rows.numel():

@@ -72,8 +72,9 @@ class ScheduledSeq(NamedTuple):
     @property
     def needs_sample(self) -> bool:
         """The chunk reaches the end of the sequence's tokens, so a token is sampled (one
-        for each of the draft's rows too)."""
-        return self.start + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
+        for each of the draft's rows too). A pooled (embedding) sequence never samples."""
+        end = self.start + self.num_new_tokens - len(self.draft)
+        return end == self.seq.num_tokens and self.seq.pool is None
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +240,8 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.popleft()
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            draft = self._draft(seq, budget) if drafting and num_new == 1 else ()
+            sampling = num_new == 1 and seq.pool is None
+            draft = self._draft(seq, budget) if drafting and sampling else ()
             # a draft's blocks only where every sequence after it keeps a block to grow into
             if draft and (
                 self.block_manager.blocks_needed(seq, 1 + len(draft))
@@ -358,7 +360,7 @@ class Scheduler:
 
     def _external_prefix(self, seq: Sequence, num_cached: int) -> ExternalPrefix | None:
         """Blocks after the device-cached prefix that lower tiers hold (fetched once)."""
-        if self.prefix_loader is None or seq.block_ids or seq.params.prompt_logprobs is not None:
+        if self.prefix_loader is None or seq.block_ids or seq.needs_every_prompt_token:
             return None
         limit = (seq.num_tokens - 1) // self.block_manager.block_size
         if num_cached >= limit:
@@ -411,6 +413,8 @@ class Scheduler:
             computed = item.num_new_tokens - len(item.draft) + max(0, len(token_ids) - 1)
             seq.num_computed_tokens = item.start + computed
             bm.cache_full_blocks(seq)
+            if seq.pool is not None and seq.num_computed_tokens == seq.num_tokens:
+                status = SequenceStatus.FINISHED_STOPPED  # the prompt pooled: done
             if status is not None:
                 self.finish(seq.seq_id, status)
                 finished.append(seq)

@@ -62,6 +62,7 @@ class Sequence:
     arrival_index: int = 0  # its place in its scheduler's arrival order (set when added)
     lora: Any = None  # engine.lora.LoRAAdapter of params.lora_name, set by the engine
     spec_history: Any = None  # engine.spec_decode.TokenHistory, made by the first draft
+    pool: Any = None  # engine.pooling.PoolState: an embedding request (computes its prompt only)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -90,6 +91,14 @@ class Sequence:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.is_finished else None
+
+    @property
+    def needs_every_prompt_token(self) -> bool:
+        """Whether each prompt token's state is read (prompt logprobs, or an embedding that
+        pools more than the last token): no cached prefix may skip computing one."""
+        if self.params.prompt_logprobs is not None:
+            return True
+        return self.pool is not None and self.pool.pooling_type != "LAST"
 
     @property
     def is_prefill(self) -> bool:

@@ -28,6 +28,8 @@ to that router only (to every router when the origin is unknown: an older sender
     router --RegisterAck--> worker                  (answers every LoadReport: "alive")
 
 Colocated workers get ``GenerateRequest(decode=None)`` and stream every token themselves.
+An embedding request (``GenerateRequest.pooling``) always comes with ``decode=None``: the
+worker computes the prompt and answers with one finished ``TokenEvent`` holding the vector.
 
 Every message is a frozen dataclass registered here; the codec packs each as a msgpack
 extension ``[tag, field values...]``, recursively, so nested values keep their types.
@@ -51,6 +53,7 @@ import msgpack
 
 from kvrelay.protocol import sampling_params
 from kvrelay.protocol.errors import ProtocolError
+from kvrelay.protocol.pooling import PoolingParams
 from kvrelay.protocol.sampling_params import SamplingParams, StructuredOutput
 
 _EXT_CODE = 1
@@ -115,6 +118,9 @@ class Register:
     # its LoRA adapters, name -> identity (engine.lora.adapter_identity): the router sends a
     # request naming an adapter only to workers whose adapter of that name is the same files
     lora_adapters: dict[str, bytes] | None = None
+    # the width of its embeddings (``GenerateRequest.pooling``); 0: it cannot pool (an older
+    # worker): the router sends it no embedding request
+    embedding_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,6 +187,9 @@ class GenerateRequest:
     origin: str = ""  # id of the router that sent it ("": unknown, answer every router)
     attempt: int = 0  # the router's re-run count of this request (its events carry it back)
     seq: int = 0  # the router's count of requests sent, this one's (LoadReport.last_taken)
+    # set: an embedding request: the prompt is computed and pooled, nothing is sampled, and
+    # the one finished TokenEvent carries the vector (always run here: ``decode`` is None)
+    pooling: PoolingParams | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -202,6 +211,8 @@ class TokenEvent:
     # with the first token, when params.prompt_logprobs is set: per prompt token, as logprobs
     # (None for the first); from the worker that computed the prompt
     prompt_logprobs: list[Any] | None = None
+    # GenerateRequest.pooling set: the embedding, float32 little-endian (the finished event)
+    embedding: bytes | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -333,6 +344,7 @@ WIRE_TYPES: tuple[type, ...] = (
     TokenEvents,
     LoRAUpdate,
     LoRAState,
+    PoolingParams,
 )
 _TAG = {cls: i for i, cls in enumerate(WIRE_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in WIRE_TYPES}

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API: ``create_app(backend, tokenizer, settings) -> FastAPI``.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``
+(``router/embeddings.py``), ``GET /v1/models``,
 ``GET /health`` (the process is up), ``GET /ready`` (``backend.is_ready()``), and vLLM's
 ``POST /tokenize`` / ``POST /detokenize`` (``router/tokenize.py``). Other routes
 (``/metrics``, ``/admin/*``) are added by the caller with ``app.include_router``; admin
@@ -98,6 +99,7 @@ class ApiSettings:
     admin_token: str | None = None  # bearer token of /admin/* routes; None = no check
     max_n: int = 16  # choices per prompt (n)
     max_batch_prompts: int = 32  # prompts in one /v1/completions request
+    max_embedding_inputs: int = 2048  # inputs in one /v1/embeddings request (OpenAI's limit)
     max_choices: int = 64  # prompts x n per request
     max_stop_strings: int = MAX_STOP_STRINGS  # stop strings per request
     max_logprobs: int = MAX_LOGPROBS  # logprobs (completions) / top_logprobs (chat)
@@ -122,6 +124,7 @@ class ApiSettings:
             raise ValueError(f"body_timeout must be > 0, got {self.body_timeout}")
         _check_range("max_n", self.max_n, MAX_N)
         _check_range("max_batch_prompts", self.max_batch_prompts, 1 << 16)
+        _check_range("max_embedding_inputs", self.max_embedding_inputs, 1 << 16)
         _check_range("max_choices", self.max_choices, 1 << 16)
         _check_range("max_stop_strings", self.max_stop_strings, MAX_STOP_STRINGS, low=0)
         _check_range("max_logprobs", self.max_logprobs, MAX_LOGPROBS, low=0)
@@ -169,6 +172,9 @@ def create_app(
     from kvrelay.router.responses_api import add_responses_routes
 
     add_responses_routes(app, api)
+    from kvrelay.router.embeddings import add_embedding_routes
+
+    add_embedding_routes(app, api)
     return app
 
 

@@ -12,6 +12,7 @@ import abc
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from kvrelay.protocol.pooling import PoolingParams
 from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
 
 
@@ -60,6 +61,7 @@ class GenerateInput:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams  # n == 1; stop strings are applied by the backend
+    pooling: PoolingParams | None = None  # an embedding request: one delta, its vector
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class Delta:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     # on the first delta when params.prompt_logprobs is set: one per prompt token (None first)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    embedding: bytes | None = None  # GenerateInput.pooling: float32 little-endian, finished
 
 
 class Backend(abc.ABC):

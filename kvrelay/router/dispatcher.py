@@ -257,6 +257,12 @@ class Dispatcher(Backend):
                     " once they are upgraded",
                     param,
                 )
+            if request.pooling is not None and self.registry.is_ready():
+                raise InvalidRequest(
+                    "embeddings are not supported by this cluster's workers: they run an older"
+                    " kvrelay than the router (a rolling upgrade)",
+                    "input",
+                )
             raise Unavailable("no worker instance is ready", self.settings.retry_after)
         if request.params.lora_name is not None:
             self.metrics.lora_requests.labels(request.params.lora_name).inc()
@@ -301,6 +307,7 @@ class Dispatcher(Backend):
             num_prompt_tokens=len(token_ids),
             needs=params.fields_set(),
             lora=lora,
+            pooled=request.pooling is not None,
         )
         if placement is not None:
             match = matched.get(placement.prefill.instance_id)
@@ -343,6 +350,7 @@ class Dispatcher(Backend):
             origin=self.router_id,
             attempt=tr.attempt,
             seq=seq,
+            pooling=tr.request.pooling,
         )
         self._send(placement.prefill, msg)
 
@@ -507,11 +515,12 @@ class Dispatcher(Backend):
         new = event.token_ids[skip:]
         if not new and not event.finished:
             return
-        is_first = not tr.tokens and bool(new)
+        is_first = not tr.tokens and (bool(new) or event.embedding is not None)
         now = time.monotonic()
         if is_first:
             tr.num_cached_tokens = event.num_cached_tokens
             tr.cached_tokens_by_tier = dict(event.cached_tokens_by_tier)
+        if is_first and new:  # an embedding has no first token
             tr.first_token = now
             self.metrics.ttft.observe(now - tr.started)
         elif new:
@@ -533,6 +542,7 @@ class Dispatcher(Backend):
             num_cached_tokens=tr.num_cached_tokens if is_first else 0,
             cached_tokens_by_tier=tr.cached_tokens_by_tier if is_first else {},
             prompt_logprobs=_prompt_logprobs(event.prompt_logprobs) if is_first else None,
+            embedding=event.embedding,
         )
         if finished:
             if stop_str is not None:

@@ -40,18 +40,25 @@ class Prompts:
         return truncate
 
     async def completion(
-        self, prompt: str | list[int], echo: bool, add_special: bool, keep: int | None
+        self,
+        prompt: str | list[int],
+        echo: bool,
+        add_special: bool,
+        keep: int | None,
+        param: str = "prompt",
     ) -> PromptInfo:
+        """One prompt (text or token ids) checked and tokenized; 400s name ``param``."""
         if not prompt:
-            raise bad_request("'prompt' must not be empty", "prompt")
+            raise bad_request(f"'{param}' must not be empty", param)
         if isinstance(prompt, str):
-            info = PromptInfo(await self.encode(prompt, add_special, "prompt", keep), prompt)
+            info = PromptInfo(await self.encode(prompt, add_special, param, keep), prompt)
             return self.truncated(info, keep)
         bad = next((t for t in prompt if not 0 <= t < self.tokenizer.vocab_size), None)
         if bad is not None:
             raise bad_request(
-                f"prompt token id {bad} is outside the vocabulary [0, {self.tokenizer.vocab_size})",
-                "prompt",
+                f"{param} token id {bad} is outside the vocabulary "
+                f"[0, {self.tokenizer.vocab_size})",
+                param,
             )
         ids = list(prompt) if keep is None else list(prompt[-keep:])
         text = self.tokenizer.decode(ids, skip_special_tokens=False) if echo else ""

@@ -91,6 +91,7 @@ class Instance:
     lora_adapters: dict[str, bytes] = dataclasses.field(default_factory=dict)
     # names it registered with other files than the cluster's adapter of that name
     conflicting_lora_adapters: tuple[str, ...] = ()
+    embedding_size: int = 0  # Register.embedding_size: 0, it cannot pool (an older worker)
 
     @property
     def instance_id(self) -> str:
@@ -139,6 +140,7 @@ class Instance:
                 name for name in SAMPLING_FIELDS if name not in self.sampling_fields
             ],
             "lora_adapters": {name: fp.hex() for name, fp in sorted(self.lora_adapters.items())},
+            "embedding_size": self.embedding_size,
             "conflicting_lora_adapters": list(self.conflicting_lora_adapters),
         }
 
@@ -216,6 +218,7 @@ class Registry:
         empty = LoadReport(info.instance_id, 0, 0, info.layout.num_blocks, info.layout.num_blocks)
         inst = Instance(info, msg.model_name, msg.max_model_len, msg.pid, empty, now, connection)
         inst.sampling_fields = frozenset(msg.sampling_fields)
+        inst.embedding_size = msg.embedding_size
         if live is not None:
             self._forget(live)
         self._file_lora_adapters(inst, msg.lora_adapters or {})
@@ -397,6 +400,7 @@ class Registry:
         num_prompt_tokens: int = 0,
         needs: frozenset[str] = frozenset(),
         lora: tuple[str, bytes] | None = None,
+        pooled: bool = False,
     ) -> Placement | None:
         """Chooses where a new request runs; None when no instance can take it.
 
@@ -413,8 +417,18 @@ class Registry:
                 fields_set``); instances that do not list one are passed over.
             lora: the request's LoRA adapter (name, identity); only the instances that
                 registered it are used.
+            pooled: an embedding request: it computes its prompt and nothing after, so it
+                goes to the cheapest prefill or colocated instance that can pool, never in
+                a pair (a decode instance only when no other is left).
         """
-        request = _Request(set(exclude), matched or {}, num_prompt_tokens, needs, lora)
+        request = _Request(set(exclude), matched or {}, num_prompt_tokens, needs, lora, pooled)
+        if pooled:
+            inst = self._cheapest_of(
+                self._cheapest(Role.PREFILL, request),
+                self._cheapest(Role.COLOCATED, request),
+                request,
+            ) or self._cheapest(Role.DECODE, request)
+            return None if inst is None else request.placed(inst, None)
         # a pair must share the KV hand-off version (a rolling upgrade mixes them) and the
         # model identity: the cheapest prefill that has such a decode, else no hand-off
         decodes: dict[PairKey, Instance | None] = {}
@@ -542,14 +556,16 @@ class _Request(NamedTuple):
     num_prompt_tokens: int
     needs: frozenset[str] = frozenset()  # sampling fields the worker must know
     lora: tuple[str, bytes] | None = None  # the LoRA adapter the worker must hold
+    pooled: bool = False  # an embedding request: the worker must pool
 
     def is_usable(self, inst: Instance) -> bool:
-        """Not draining, not excluded, it knows the request's sampling fields and holds its
-        LoRA adapter."""
+        """Not draining, not excluded, it knows the request's sampling fields, holds its
+        LoRA adapter and pools when the request is an embedding."""
         return (
             not (inst.load.draining or inst.draining)
             and inst.instance_id not in self.exclude
             and self.needs <= inst.sampling_fields
+            and (not self.pooled or inst.embedding_size > 0)
             and (self.lora is None or inst.lora_adapters.get(self.lora[0]) == self.lora[1])
         )
 

@@ -217,6 +217,8 @@ def token_event(instance_id: str, out: RequestOutput, **extra: Any) -> TokenEven
         logprobs = [_logprob_wire(lp) for lp in out.logprobs[-len(out.new_token_ids) :]]
     if out.prompt_logprobs is not None and offset == 0:  # once, with the first token
         extra.setdefault("prompt_logprobs", [_logprob_wire(lp) for lp in out.prompt_logprobs])
+    if out.embedding is not None:  # float32 little-endian, as the OpenAI API's base64
+        extra.setdefault("embedding", out.embedding.numpy().astype("<f4").tobytes())
     return TokenEvent(
         request_id=out.request_id,
         instance_id=instance_id,

@@ -315,6 +315,7 @@ class Worker:
         msg = Register(
             self.info, self.served_model_name(), self.engine.max_model_len, os.getpid(),
             lora_adapters=self.lora_identities(),
+            embedding_size=self.engine.config.model_config.hidden_size,
         )  # fmt: skip
         self.routers.send(msg, links)
         cached = [bytes(h) for h in self.engine.block_manager.cached_hashes()]
@@ -466,6 +467,7 @@ class Worker:
                 msg.prompt_token_ids,
                 msg.params,
                 output_token_ids=msg.output_token_ids,
+                pooling=msg.pooling,
             )
         except (RequestError, ValueError) as e:
             self.send_event(

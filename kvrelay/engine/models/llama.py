@@ -128,7 +128,8 @@ class LlamaModel:
         # ``self.packed`` once, and the thread replaces the empty dict with the whole set
         names = [f"layers.{i}.{n}" for i in range(config.num_layers)
                  for n in ("qkv", "o", "gate_up", "down")]  # fmt: skip
-        names.append("lm_head" if "lm_head" in weights else "embed")  # tied: the embedding
+        if config.generates:  # an embedding checkpoint has no head
+            names.append("lm_head" if "lm_head" in weights else "embed")  # tied: the embedding
         size = sum(weights[n].numel() * weights[n].element_size() for n in names)
         how = cpu_packed.plan(weights, size)
         # steps of up to this many rows take the native kernels (the whole step in one call
@@ -280,6 +281,12 @@ class LlamaModel:
                 return None
             self._fused = FusedDecode(self.config, self.weights, kv_cache)
         return self._fused
+
+    @torch.inference_mode()
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of ``forward``'s rows: the states embeddings pool (as
+        transformers' ``last_hidden_state``)."""
+        return rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
