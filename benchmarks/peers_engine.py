@@ -10,7 +10,9 @@ a lone request (both take ``"loras": [adapter name or null per request]`` with
 ``--lora-modules``; offline also ``"ignore_eos": false`` and ``"return_ids": true``, the
 output token ids); ``{"op": "greedy", "messages": [[...chat...], ...], "max_tokens": n}`` ->
 greedy token ids per chat; ``{"op": "spec_stats"}`` -> draft and accepted draft tokens so
-far; ``{"op": "quit"}``.
+far; ``{"op": "embed", "prompts": [[ids], ...], "return_vectors": false}`` -> seconds and
+prompt tokens of ``LLM.embed`` over them (vLLM started with ``--pooling``: its pooling runner,
+``convert="embed"``, last-token pooling, normalized, as kvrelay's default); ``{"op": "quit"}``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--speculative-config", default=None, metavar="JSON",
         help="speculative decoding, vLLM's keys (both engines take the same dict)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pooling", action="store_true",
+        help="vLLM: its pooling runner (embeddings only); kvrelay embeds from any engine",
     )  # fmt: skip
     return parser.parse_args()
 
@@ -73,6 +79,9 @@ def create_engine(args: argparse.Namespace) -> Any:
     from vllm import LLM as VllmLLM
 
     lora: dict[str, Any] = {}
+    if args.pooling:  # the embedding runner, pooling as kvrelay's default does
+        lora = {"runner": "pooling", "convert": "embed",
+                "pooler_config": {"pooling_type": "LAST", "use_activation": True}}  # fmt: skip
     if args.lora_modules:
         lora = {"enable_lora": True, "max_loras": len(args.lora_modules),
                 "max_lora_rank": args.max_lora_rank}  # fmt: skip
@@ -171,6 +180,19 @@ def run_greedy(engine: Any, system: str, chats: list[Any], max_tokens: int) -> d
     return {"token_ids": [list(o.outputs[0].token_ids) for o in outs]}
 
 
+def run_embed(
+    engine: Any, system: str, prompts: list[list[int]], return_vectors: bool
+) -> dict[str, Any]:
+    kw: dict[str, Any] = {"use_tqdm": False} if system == "vllm" else {}
+    start = time.perf_counter()
+    outs = engine.embed(token_prompts(system, prompts), **kw)
+    seconds = time.perf_counter() - start
+    out: dict[str, Any] = {"seconds": seconds, "tokens": sum(len(p) for p in prompts)}
+    if return_vectors:
+        out["vectors"] = [list(o.outputs.embedding) for o in outs]
+    return out
+
+
 def spec_stats(engine: Any, system: str) -> dict[str, Any]:
     """Draft tokens and accepted ones since the engine started (0 without drafting)."""
     if system == "kvrelay":
@@ -200,6 +222,8 @@ def handle(engine: Any, args: argparse.Namespace, cmd: dict[str, Any]) -> dict[s
         lora = lora_requests(args, cmd.get("loras"))
         lora = None if lora is None else lora[0]
         return run_decode(engine, system, cmd["prompt"], cmd["steps"], lora)
+    if op == "embed":
+        return run_embed(engine, system, cmd["prompts"], cmd.get("return_vectors", False))
     if op == "spec_stats":
         return spec_stats(engine, system)
     if op == "greedy":

@@ -496,6 +496,22 @@ def test_spec_decode_benchmark_runs_with_and_without_drafts(tiny_model_dir, tmp_
     assert re.search(r"\| - \| \d+ / \d+ \(\d+%\) \|", proc.stdout), proc.stdout
 
 
+def test_embeddings_benchmark_runs_and_agrees_with_transformers(tiny_model_dir, tmp_path: Path):
+    """benchmarks/embeddings.py on the tiny model, kvrelay alone (a smoke test, not a timing):
+    every workload answers, and in float32 its vectors are transformers' (cosine ~1)."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "embeddings.py"), "--model",
+        str(tiny_model_dir), "--dtype", "float32", "--threads", "1", "--num-docs", "8",
+        "--num-queries", "8", "--repeats", "1", "--no-write", "--no-peer",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert re.search(r"\| documents \(8, 64-512 tokens\): input tok/s \| [\d.]+ \(", proc.stdout)
+    assert re.search(r"\| one 128-token input: ms \| [\d.]+ \|", proc.stdout), proc.stdout
+    cosine = re.search(r"\| cosine kvrelay vs transformers: min \| ([\d.]+) \|", proc.stdout)
+    assert cosine is not None and float(cosine.group(1)) > 0.99999, proc.stdout
+
+
 def test_peers_serve_drafting_systems_and_copy_prompts() -> None:
     """``NAME+ngram`` servers get ``--speculative-config``; the copy dataset never repeats a
     prompt across seeds (both engines cache prefixes)."""

