@@ -570,3 +570,28 @@ def test_speculative_rows_on_cuda_follow_the_reference(
     assert llm.engine.scheduler.num_accepted_tokens > 0
     assert llm.engine.block_manager.num_leaked() == 0
     llm.engine.block_manager.check_integrity()
+
+
+@needs_cuda
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_embeddings_on_cuda_equal_the_cpu_engine(tiny_model_dir, kind):
+    """Pooled prompts on a GPU (prompt steps replay graphs, chunks of one token are decode
+    rows), beside generating sequences: the CPU engine's vectors within 1e-4."""
+    from kvrelay import PoolingParams
+
+    prompts = [[5, 6, 7] * n for n in (1, 9, 40)] + [[11]]
+    args = dict(num_blocks=128, max_num_batched_tokens=64, pooler_config={"pooling_type": kind})
+    want = LLM(tiny_model_dir, warm_up=False, **args).embed(prompts)
+    llm = LLM(tiny_model_dir, device="cuda", **args)
+    engine = llm.engine
+    engine.add_request("gen", [3, 4, 5] * 7, GREEDY)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"emb-{i}", prompt, SamplingParams(), pooling=PoolingParams())
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.embedding is not None:
+                got[out.request_id] = out.embedding
+    for i, expected in enumerate(want):
+        assert torch.allclose(got[f"emb-{i}"], torch.tensor(expected.outputs.embedding), atol=1e-4)
+    assert engine.block_manager.num_leaked() == 0
