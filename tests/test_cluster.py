@@ -234,12 +234,14 @@ def test_messages_from_an_older_process_lack_the_origin():
         ext = msgpack.ExtType(1, msgpack.packb([tag, *fields], default=messages._default))
         return msgpack.packb(ext)
 
-    # an older process sends no ``seq``, nor (older still) ``attempt``, nor ``origin``
-    assert values[-3:] == ["router-a", 2, 0]
-    assert decode(packed(values[:-3])) == dataclasses.replace(msg, origin="", attempt=0)
-    assert decode(packed(values[:-2])) == dataclasses.replace(msg, attempt=0)
+    # an older process sends no ``pooling``, nor ``seq``, nor (older still) ``attempt``, nor
+    # ``origin``
+    assert values[-4:] == ["router-a", 2, 0, None]
+    assert decode(packed(values[:-4])) == dataclasses.replace(msg, origin="", attempt=0)
+    assert decode(packed(values[:-3])) == dataclasses.replace(msg, attempt=0)
+    assert decode(packed(values[:-2])) == msg
     assert decode(packed(values[:-1])) == msg
-    with pytest.raises(ProtocolError, match="GenerateRequest: expected 8 fields, got 2"):
+    with pytest.raises(ProtocolError, match="GenerateRequest: expected 9 fields, got 2"):
         decode(packed(values[:2]))
     # a newer process adds fields last (a rolling upgrade that starts with the routers)
     assert decode(packed([*values, "a later field", {"nested": [1, 2]}])) == msg
