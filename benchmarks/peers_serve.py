@@ -51,6 +51,13 @@ from spec_decode import copy_prompts
 
 SECTION = "Peers: online serving, kvrelay vs vLLM-CPU (vllm bench serve)"
 SPEC_SECTION = "Peers: online serving of copy chats, with and without n-gram drafts"
+EMBED_SECTION = "Peers: online embeddings, kvrelay vs vLLM-CPU (vllm bench serve)"
+# vLLM's embedding server: its pooling runner, pooling as kvrelay's default does
+VLLM_EMBED_ARGS = [
+    "--runner", "pooling", "--convert", "embed",
+    "--pooler-config", '{"pooling_type": "LAST", "use_activation": true}',
+]  # fmt: skip
+EMBED_METRICS = ("median_e2el_ms", "p99_e2el_ms")
 # vllm-cpu's CLI looks its version up under the name "vllm" (PackageNotFoundError otherwise)
 VLLM_CLI = (
     "import importlib.metadata as md, sys\n"
@@ -119,11 +126,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, default=40, help="at rate inf")
     parser.add_argument(
         "--dataset",
-        choices=("random", "copy"),
+        choices=("random", "copy", "embed"),
         default="random",
         help="random: random prompts of --input-len tokens, --output-len forced (ignore_eos); "
         "copy: chats whose answers copy their prompt (spec_decode.py's), each with a tag no "
-        "run repeats, at most --output-len tokens, eos honoured",
+        "run repeats, at most --output-len tokens, eos honoured; embed: /v1/embeddings of "
+        "random inputs of --input-len tokens (vLLM with its pooling runner)",
     )
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
@@ -287,6 +295,8 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
         if base == "vllm":
             argv = [str(vllm_python), "-c", VLLM_CLI, "serve", args.model, "--dtype", args.dtype]
             argv += ["--port", str(port), "--max-model-len", "2048", "--seed", "0"]
+            if args.dataset == "embed":
+                argv += VLLM_EMBED_ARGS
             env = vllm_env(args)
         else:
             argv = [sys.executable, "-m", "kvrelay", "up", "--model", args.model]
@@ -316,7 +326,8 @@ def bench(
 ) -> dict[str, Any]:
     """One ``vllm bench serve`` run over the prompts ``seed`` draws; its result JSON plus the
     load average and the prompt tokens the server took from its prefix cache."""
-    argv = [str(vllm_python), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai"]
+    backend = "openai-embeddings" if args.dataset == "embed" else "openai"
+    argv = [str(vllm_python), "-c", VLLM_CLI, "bench", "serve", "--backend", backend]
     argv += ["--base-url", server.url, "--model", args.model]
     argv += ["--served-model-name", server.model_id, "--tokenizer", args.model]
     if args.dataset == "copy":
@@ -327,12 +338,20 @@ def bench(
         argv += ["--dataset-name", "custom", "--dataset-path", str(dataset)]
         argv += ["--custom-output-len", str(args.output_len)]
         argv += ["--num-prompts", str(args.num_prompts), "--request-rate", rate]
+    elif args.dataset == "embed":
+        argv += ["--endpoint", "/v1/embeddings", "--dataset-name", "random"]
+        argv += ["--random-input-len", str(args.input_len), "--random-output-len", "1"]
+        argv += ["--random-range-ratio", "0", "--num-prompts", str(args.num_prompts)]
+        argv += ["--request-rate", rate]
     else:
         argv += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
         argv += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
         argv += ["--num-prompts", str(args.num_prompts), "--request-rate", rate, "--ignore-eos"]
-    argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
-    argv += ["--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}"]
+    if args.dataset == "embed":  # no tokens out: latency end to end
+        argv += ["--percentile-metrics", "e2el", "--metric-percentiles", "50,99"]
+    else:
+        argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+        argv += ["--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}"]
     argv += ["--seed", str(seed), *sampling_argv(args)]
     argv += ["--save-result", "--save-detailed"]  # per request: ttfts, itls (runs.json)
     argv += ["--result-dir", str(out.parent), "--result-filename", out.name]
@@ -366,11 +385,33 @@ def run_all(args: argparse.Namespace, vllm_python: Path, servers: list[Server], 
                 finally:
                     server.freeze()
                 runs[rate][server.name].append(result)
-                brief = {k: round(result.get(k, 0.0), 1) for k in (*METRICS, "output_throughput")}
+                keys = (*METRICS, *EMBED_METRICS, "output_throughput", "request_throughput")
+                brief = {k: round(result.get(k) or 0.0, 1) for k in keys}
                 brief["cached_prompt_tokens"] = result["cached_prompt_tokens"]
                 brief["engine_steps"] = steps_brief(result["engine_steps"])
                 print(f"rate {rate} {server.name} #{rep}: {brief}", file=sys.stderr, flush=True)
     return runs
+
+
+def summarize_embed(runs: dict[str, dict[str, list[dict]]]) -> list[list]:
+    """Rows of an embeddings run: latency end to end, requests and input tokens a second."""
+    rows = []
+    for rate, by_system in runs.items():
+        for name, results in by_system.items():
+            if not results:
+                continue
+
+            def med(key: str, results: list[dict] = results) -> float:
+                return median([float(r.get(key) or 0.0) for r in results])
+
+            loads = [x for r in results for x in r["load1"]]
+            tok_s = median([r["total_input_tokens"] / r["duration"] for r in results])
+            rows.append([
+                rate, name, *(f"{med(key):,.1f}" for key in EMBED_METRICS),
+                f"{med('request_throughput'):.2f}", f"{tok_s:,.0f}",
+                f"{min(loads):.1f}-{max(loads):.1f}",
+            ])  # fmt: skip
+    return rows
 
 
 def summarize(args: argparse.Namespace, runs: dict[str, dict[str, list[dict]]]) -> list[list]:
@@ -457,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     body = render(args, runs)
     print(body)
     if args.write:
-        section = SECTION if args.dataset == "random" else SPEC_SECTION
+        section = {"random": SECTION, "copy": SPEC_SECTION, "embed": EMBED_SECTION}[args.dataset]
         update_benchmarks_md(section, body, command_line())
     return 0
 
@@ -468,6 +509,8 @@ def render(
     """The BENCHMARKS.md section's text for ``runs`` (``run_all``'s), taken at ``stamp``
     (default: now)."""
     stamp = stamp or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if args.dataset == "embed":
+        return render_embed(args, runs, stamp)
     headers = ["rate", "system", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
     headers += ["output tok/s", "goodput req/s", "cached prompt tokens (max)", "load avg (1 min)"]
     table = markdown_table(headers, summarize(args, runs))
@@ -498,6 +541,24 @@ def render(
         + f"; {stamp}.\n\n{table}"
     )
     return body
+
+
+def render_embed(
+    args: argparse.Namespace, runs: dict[str, dict[str, list[dict]]], stamp: str
+) -> str:
+    headers = ["rate", "system", "latency p50 ms", "latency p99 ms", "requests/s"]
+    headers += ["input tok/s", "load avg (1 min)"]
+    table = markdown_table(headers, summarize_embed(runs))
+    return (
+        f"{args.dtype}, {args.threads} cores: vLLM {args.threads} threads "
+        f"(`{' '.join(VLLM_EMBED_ARGS)}`), kvrelay 1P+1D {p1d_threads(args)} thread(s) per "
+        "worker (its prefill worker embeds), "
+        f"kvrelay colocated {args.threads}. `vllm bench serve --backend openai-embeddings`: "
+        f"{args.num_prompts} random inputs of {args.input_len} tokens a run, one per request, "
+        f"rate inf = {args.max_concurrency} at once; latency is a request's end to end; medians "
+        f"of {args.repeats} interleaved runs, each over inputs no server had seen; {stamp}."
+        f"\n\n{table}"
+    )
 
 
 if __name__ == "__main__":

@@ -524,6 +524,18 @@ def test_peers_serve_drafting_systems_and_copy_prompts() -> None:
     assert len(set(first)) == 32 and not set(first) & set(second)
 
 
+def test_peers_serve_embeddings_mode() -> None:
+    """``--dataset embed``: vLLM serves with its pooling runner, the client posts to
+    /v1/embeddings, and the table shows latency, requests/s and input tok/s."""
+    module = _load_benchmark("peers_serve")
+    args = module.parse_args(["--model", "m", "--dataset", "embed", "--input-len", "128"])
+    run = {"median_e2el_ms": 10.0, "p99_e2el_ms": 20.0, "request_throughput": 5.0,
+           "total_input_tokens": 2560, "duration": 2.0, "load1": (1.0, 1.5)}  # fmt: skip
+    text = module.render(args, {"inf": {"vllm": [run], "kvrelay-colo": []}}, stamp="now")
+    assert "| inf | vllm | 10.0 | 20.0 | 5.00 | 1,280 | 1.0-1.5 |" in text, text
+    assert "--runner pooling --convert embed" in text and "random inputs of 128 tokens" in text
+
+
 def test_peers_serve_waves_count_every_token_of_a_chunk() -> None:
     """A chunk may carry several tokens (a speculative step's): a request's TPOT is its time
     after the first token over its later tokens, not its chunks' mean gap."""
