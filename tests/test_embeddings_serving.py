@@ -126,6 +126,18 @@ def test_bad_requests_name_the_field(
     assert error["param"] == param and message in error["message"], error
 
 
+def test_an_input_may_fill_the_context_window(cluster: Launcher) -> None:
+    """Nothing is generated after an embedding's input: it may hold the whole window."""
+    max_len = cluster.get_json("/v1/models")["data"][0]["max_model_len"]
+    full = _client(cluster).embeddings.create(model="tiny", input=[([5, 6] * max_len)[:max_len]])
+    assert full.usage.prompt_tokens == max_len
+    r = httpx.post(
+        cluster.url + "/v1/embeddings", json={"model": "tiny", "input": [[5] * (max_len + 1)]}
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "input"
+
+
 def test_unknown_model_is_a_404(cluster: Launcher) -> None:
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         _client(cluster).embeddings.create(model="gpt-4", input="x")

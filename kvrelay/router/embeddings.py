@@ -37,10 +37,12 @@ from kvrelay.protocol.pooling import MAX_DIMENSIONS, PoolingParams
 from kvrelay.protocol.sampling_params import SamplingParams
 from kvrelay.router.api import OpenAIApi
 from kvrelay.router.backend import Delta, GenerateInput, GenerationFailed
-from kvrelay.router.errors import bad_request
+from kvrelay.router.errors import ApiError, bad_request
 from kvrelay.router.request_body import parse_request
 from kvrelay.router.request_models import Prompt, _check_prompt, _Strict
 from kvrelay.router.sse import ClientDisconnected, until_disconnected
+from kvrelay.router.text_workers import PromptTooLong
+from kvrelay.text.tokenizer import TokenizerError
 
 _CONCURRENT_INPUTS = 64  # one request's inputs on the workers at once
 
@@ -81,14 +83,7 @@ class EmbeddingRoutes:
         if req.dimensions is not None and not 1 <= req.dimensions <= MAX_DIMENSIONS:
             raise bad_request(f"'dimensions' must be >= 1, got {req.dimensions}", "dimensions")
         keep = self.api.prompts.tokens_kept(req.truncate_prompt_tokens)
-        prompts = []
-        for item in req.input:
-            if not item:
-                raise bad_request("'input' must not hold an empty string or array", "input")
-            info = await self.api.prompts.completion(
-                item, False, req.add_special_tokens, keep, "input"
-            )
-            prompts.append(info.token_ids)
+        prompts = [await self._tokens(item, req.add_special_tokens, keep) for item in req.input]
         flags = {req.use_activation, req.normalize} - {None}
         if len(flags) > 1:
             raise bad_request("'use_activation' and 'normalize' disagree", "use_activation")
@@ -124,6 +119,35 @@ class EmbeddingRoutes:
             }
         )
 
+    async def _tokens(
+        self, item: str | list[int], add_special: bool, keep: int | None
+    ) -> list[int]:
+        """One input's token ids (its last ``keep``); 400s name ``input``. An input may fill
+        the whole context window: nothing is generated after it."""
+        if not item:
+            raise bad_request("'input' must not hold an empty string or array", "input")
+        max_len = self.api.backend.max_model_len
+        if isinstance(item, str):
+            try:  # the child tokenizer stops counting past the window (text_workers)
+                ids = await self.api.text.encode(item, add_special, None if keep else max_len + 1)
+            except PromptTooLong as exc:
+                raise _too_long(exc.num_tokens, max_len) from None
+            except (TokenizerError, UnicodeError) as exc:
+                raise bad_request(f"cannot tokenize the input: {exc}", "input") from exc
+        else:
+            vocab = self.api.tokenizer.vocab_size
+            bad = next((t for t in item if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise bad_request(
+                    f"input token id {bad} is outside the vocabulary [0, {vocab})", "input"
+                )
+            ids = list(item)
+        if keep is not None:
+            return ids[-keep:]
+        if len(ids) > max_len:
+            raise _too_long(len(ids), max_len)
+        return ids
+
     async def _run(self, inputs: list[GenerateInput]) -> list[bytes]:
         """Every input's vector, in order; the first failure cancels the others (they abort
         on their workers)."""
@@ -149,6 +173,16 @@ class EmbeddingRoutes:
         if failed is not None:
             raise failed.exception()  # type: ignore[misc]
         return [task.result() for task in tasks]
+
+
+def _too_long(num_tokens: int, max_len: int) -> ApiError:
+    return ApiError(
+        400,
+        f"This model's maximum context length is {max_len} tokens. However, an input has "
+        f"{num_tokens} tokens. Shorten it or set 'truncate_prompt_tokens'.",
+        param="input",
+        code="context_length_exceeded",
+    )
 
 
 def _encode(vector: bytes, encoding_format: str) -> Any:
