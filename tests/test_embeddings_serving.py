@@ -145,8 +145,13 @@ def test_unknown_model_is_a_404(cluster: Launcher) -> None:
 
 def test_prefill_workers_compute_them_alone(cluster: Launcher) -> None:
     """In 1P+1D the prefill worker runs every embedding end to end: no hand-off, and the
-    decode worker runs no step for them."""
-    _client(cluster).embeddings.create(model="tiny", input=["a prompt only for this test"] * 4)
+    decode worker runs no step for them. The router counts the inputs and their tokens."""
+    router = read_text(cluster.url + "/metrics")
+    before = [metric_value(router, f"kvrelay_embedding_input{s}_total") for s in ("s", "_tokens")]
+    _client(cluster).embeddings.create(model="tiny", input=[TOKENS[0]] * 4)
+    router = read_text(cluster.url + "/metrics")
+    after = [metric_value(router, f"kvrelay_embedding_input{s}_total") for s in ("s", "_tokens")]
+    assert after[0] - before[0] == 4 and after[1] - before[1] == 4 * len(TOKENS[0])
     steps = {}
     for inst in cluster.get_json("/admin/instances")["data"]:
         text = read_text(inst["status_url"] + "/metrics")

@@ -266,6 +266,9 @@ class Dispatcher(Backend):
             raise Unavailable("no worker instance is ready", self.settings.retry_after)
         if request.params.lora_name is not None:
             self.metrics.lora_requests.labels(request.params.lora_name).inc()
+        if request.pooling is not None:
+            self.metrics.embedding_inputs.inc()
+            self.metrics.embedding_tokens.inc(len(request.prompt_token_ids))
         tr = _Tracked(
             request,
             StopChecker(self.tokenizer, request.prompt_token_ids, request.params),

@@ -86,6 +86,16 @@ class RouterMetrics:
             ["adapter"],
             registry=r,
         )
+        self.embedding_inputs = Counter(
+            "kvrelay_embedding_inputs",
+            "Embedding inputs placed (/v1/embeddings: one a vector)",
+            registry=r,
+        )
+        self.embedding_tokens = Counter(
+            "kvrelay_embedding_input_tokens",
+            "Tokens of the embedding inputs placed",
+            registry=r,
+        )
         self.placement_hits = Counter(
             "kvrelay_placement_prefix_hits",
             "Requests placed on a prefill instance expected to hold a prefix of the prompt, "
