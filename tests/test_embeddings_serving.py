@@ -7,6 +7,9 @@ the field at fault; and nothing leaks."""
 from __future__ import annotations
 
 import base64
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,3 +168,40 @@ def test_prefill_workers_compute_them_alone(cluster: Launcher) -> None:
         assert steps["decode"] == 0 and steps["prefill"] > 0
     else:
         assert steps["colocated"] > 0
+
+
+def test_workers_pool_as_their_pooler_config_says(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``--pooler-config`` on the workers: a colocated cluster answers with mean-pooled,
+    unnormalized vectors, the offline engine's with the same setting."""
+    pooler = {"pooling_type": "MEAN", "normalize": False}
+    args = ("--num-blocks", "256", "--threads", "1", "--pooler-config", json.dumps(pooler))
+    want = LLM(tiny_model_dir, warm_up=False, pooler_config=pooler).embed(TOKENS)
+    with running_cluster(
+        tiny_model_dir, tmp_path_factory.mktemp("embed-mean"), worker_args=args,
+        num_prefill=0, num_decode=0, num_colocated=1,
+    ) as launcher:  # fmt: skip
+        got = _client(launcher).embeddings.create(model="tiny", input=TOKENS)
+    for d, w in zip(got.data, want, strict=True):
+        assert _close(d.embedding, w.outputs.embedding)
+    assert abs(np.linalg.norm(got.data[0].embedding) - 1.0) > 1e-3  # not normalized
+
+
+def test_kvrelay_up_passes_the_pooler_config_and_refuses_a_bad_one(tiny_model_dir: Path) -> None:
+    from kvrelay.cli import build_parser
+    from kvrelay.cli.engine_args import engine_cli_args
+
+    args = build_parser().parse_args(
+        ["up", "--model", str(tiny_model_dir), "--pooler-config", '{"pooling_type": "cls"}']
+    )
+    words = engine_cli_args(args)
+    passed = json.loads(words[words.index("--pooler-config") + 1])
+    assert passed == {"pooling_type": "CLS", "normalize": True}
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvrelay", "up", "--model", str(tiny_model_dir),
+         "--pooler-config", '{"pooling_type": "max"}'],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert bad.returncode != 0
+    assert "pooling_type must be one of LAST, MEAN, CLS, got 'MAX'" in bad.stderr

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from kvrelay import envs
 from kvrelay.protocol.lora_modules import parse_lora_modules
-from kvrelay.protocol.pooling import PoolerConfig, PoolingConfigError
-from kvrelay.protocol.speculative import SpeculativeConfig, SpeculativeConfigError
+from kvrelay.protocol.pooling import PoolerConfig
+from kvrelay.protocol.speculative import SpeculativeConfig
+
+T = TypeVar("T")
 
 # engine.config.SCHEDULING_POLICIES, which validates them: not imported here, since importing
 # kvrelay.engine loads torch, and the router's command line is parsed here too
@@ -106,21 +109,21 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """``--speculative-config`` checked; argparse's error naming what is wrong."""
-    if args.speculative_config is None:
-        return None
-    try:
-        return SpeculativeConfig.parse(args.speculative_config)
-    except SpeculativeConfigError as exc:
-        raise SystemExit(f"kvrelay: error: {exc}") from None
+    return _parsed(args.speculative_config, SpeculativeConfig.parse)
 
 
 def pooler_config(args: argparse.Namespace) -> PoolerConfig | None:
     """``--pooler-config`` checked; argparse's error naming what is wrong."""
-    if args.pooler_config is None:
+    return _parsed(args.pooler_config, PoolerConfig.parse)
+
+
+def _parsed(text: str | None, parse: Callable[[str], T]) -> T | None:
+    """A JSON flag's setting (None when not given); the parser's ValueError as argparse's."""
+    if text is None:
         return None
     try:
-        return PoolerConfig.parse(args.pooler_config)
-    except PoolingConfigError as exc:
+        return parse(text)
+    except ValueError as exc:
         raise SystemExit(f"kvrelay: error: {exc}") from None
 
 

@@ -38,7 +38,7 @@ from kvrelay.engine.structured import GrammarCache, GrammarError
 from kvrelay.kernels.gemv import MAX_ROWS as _GEMV_ROWS
 from kvrelay.protocol.pooling import PoolerConfig, PoolingConfigError, PoolingParams
 from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
-from kvrelay.protocol.speculative import SpeculativeConfig, SpeculativeConfigError
+from kvrelay.protocol.speculative import SpeculativeConfig
 from kvrelay.text.stop import StopChecker
 from kvrelay.text.tokenizer import Tokenizer
 
@@ -146,18 +146,16 @@ def build_engine_config(model: str, dtype: str = "float32", **kwargs: Any) -> En
     max_len = kwargs.get("max_model_len") or model_config.max_position_embeddings
     sched = {k: v for k, v in kwargs.items() if k in sched_keys}
     sched["max_model_len"] = max_len
-    spec = kwargs.get("speculative_config")
-    if isinstance(spec, Mapping):  # vLLM's dict
-        try:
-            kwargs["speculative_config"] = SpeculativeConfig.from_dict(spec)
-        except SpeculativeConfigError as e:
-            raise ConfigError(str(e)) from None
-    pooler = kwargs.get("pooler_config")
-    if isinstance(pooler, Mapping):  # vLLM's dict
-        try:
-            kwargs["pooler_config"] = PoolerConfig.from_dict(pooler)
-        except PoolingConfigError as e:
-            raise ConfigError(str(e)) from None
+    configs: dict[str, Any] = {
+        "speculative_config": SpeculativeConfig, "pooler_config": PoolerConfig
+    }  # fmt: skip
+    for key, config_type in configs.items():
+        value = kwargs.get(key)
+        if isinstance(value, Mapping):  # vLLM's dict
+            try:
+                kwargs[key] = config_type.from_dict(value)
+            except ValueError as e:  # the config's own error, naming the key
+                raise ConfigError(str(e)) from None
     return EngineConfig(
         model=str(model),
         dtype=dtype,  # type: ignore[arg-type]

@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvrelay.protocol.json_flag import json_object
+
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 MAX_DIMENSIONS = 1 << 16
 
@@ -67,13 +69,7 @@ class PoolerConfig:
     @classmethod
     def parse(cls, text: str) -> PoolerConfig:
         """From the command line's JSON (``--pooler-config``)."""
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PoolingConfigError(f"--pooler-config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise PoolingConfigError("--pooler-config must be a JSON object")
-        return cls.from_dict(value)
+        return cls.from_dict(json_object(text, "--pooler-config", PoolingConfigError))
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvrelay.protocol.json_flag import json_object
+
 
 class SpeculativeConfigError(ValueError):
     """A speculative_config that kvrelay cannot use (the message names the key)."""
@@ -78,13 +80,7 @@ class SpeculativeConfig:
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
         """From the command line's JSON (``--speculative-config``)."""
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise SpeculativeConfigError(f"--speculative-config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise SpeculativeConfigError("--speculative-config must be a JSON object")
-        return cls.from_dict(value)
+        return cls.from_dict(json_object(text, "--speculative-config", SpeculativeConfigError))
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
