@@ -123,3 +123,21 @@ def test_restarted_router_gets_the_workers_back(tiny_model_dir, tmp_path, refere
         res = _request(_client(launcher), max_tokens=16)
         assert reference.startswith(res.choices[0].text)
         assert res.usage.completion_tokens == 16
+
+
+def test_embeddings_on_a_killed_prefill_are_re_run(tiny_model_dir, tmp_path):
+    """A batch of embedding inputs, some placed on a prefill worker that died before the
+    router noticed: every input is re-run on the survivor, and the vectors are the offline
+    engine's."""
+    import numpy as np
+
+    inputs = [[5 + i, 6, 7, 8] * (4 + i) for i in range(16)]
+    want = [o.outputs.embedding for o in LLM(tiny_model_dir, warm_up=False).embed(inputs)]
+    with running_cluster(tiny_model_dir, tmp_path, num_prefill=2, num_decode=1) as launcher:
+        launcher.kill("prefill-0", signal.SIGKILL)  # the router has not noticed yet
+        got = _client(launcher).embeddings.create(model="tiny", input=inputs)
+        assert len(got.data) == len(inputs)
+        for d, w in zip(got.data, want, strict=True):
+            assert np.allclose(d.embedding, w, atol=1e-5)
+        metrics = read_text(launcher.url + "/metrics")
+        assert metric_value(metrics, "kvrelay_request_retries_total") >= 1
