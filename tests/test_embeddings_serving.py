@@ -91,6 +91,24 @@ def test_raw_base64_and_vllm_extras(cluster: Launcher, offline: LLM) -> None:
     assert _close(r.json()["data"][0]["embedding"], want.outputs.embedding)
 
 
+def test_vllms_chat_form_embeds_the_rendered_conversation(cluster: Launcher, offline: LLM) -> None:
+    """``messages`` instead of ``input``: the chat template's tokens, as /tokenize renders
+    them (no generation prompt unless asked), embedded as one input."""
+    messages = [{"role": "system", "content": "Embed for search."},
+                {"role": "user", "content": "the quick brown fox"}]  # fmt: skip
+    for add in (False, True):
+        body = {"model": "tiny", "messages": messages, "add_generation_prompt": add}
+        ids = httpx.post(cluster.url + "/tokenize", json=body, timeout=30).json()["tokens"]
+        r = httpx.post(cluster.url + "/v1/embeddings", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        (want,) = offline.embed([ids])
+        assert _close(r.json()["data"][0]["embedding"], want.outputs.embedding)
+    both = {"model": "tiny", "messages": messages, "input": "x"}
+    r = httpx.post(cluster.url + "/v1/embeddings", json=both, timeout=30)
+    assert r.status_code == 400 and "exactly one of 'input' and 'messages'" in r.text
+
+
 def test_langchain_embeddings(cluster: Launcher, offline: LLM) -> None:
     langchain_openai = pytest.importorskip("langchain_openai")
     embeddings = langchain_openai.OpenAIEmbeddings(

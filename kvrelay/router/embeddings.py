@@ -6,7 +6,9 @@ strings, an array of token ids or an array of such arrays (at most
 (float32 little-endian, which the official client asks for and decodes); ``dimensions`` keeps
 the first N values, then normalizes (Matryoshka). vLLM's ``truncate_prompt_tokens``,
 ``add_special_tokens``, ``use_activation`` (its older name: ``normalize``), ``cache_salt``
-and ``priority`` are taken too. The answer is ``{object: "list", data:
+and ``priority`` are taken too, and its chat form: ``messages`` instead of ``input`` (one
+input, rendered by the chat template as ``/v1/chat/completions`` renders it, without the
+generation prompt unless ``add_generation_prompt``). The answer is ``{object: "list", data:
 [{object: "embedding", index, embedding}], model, usage: {prompt_tokens, total_tokens}}``.
 
 Each input is one backend request whose ``GenerateInput.pooling`` is set: the cluster places
@@ -39,7 +41,13 @@ from kvrelay.router.api import OpenAIApi
 from kvrelay.router.backend import Delta, GenerateInput, GenerationFailed
 from kvrelay.router.errors import ApiError, bad_request
 from kvrelay.router.request_body import parse_request
-from kvrelay.router.request_models import Prompt, _check_prompt, _Strict
+from kvrelay.router.request_models import (
+    ChatCompletionRequest,
+    ChatMessage,
+    Prompt,
+    _check_prompt,
+    _Strict,
+)
 from kvrelay.router.sse import ClientDisconnected, until_disconnected
 from kvrelay.router.text_workers import PromptTooLong
 from kvrelay.text.tokenizer import TokenizerError
@@ -48,13 +56,22 @@ _CONCURRENT_INPUTS = 64  # one request's inputs on the workers at once
 
 
 class EmbeddingRequest(_Strict):
+    """OpenAI's request, or vLLM's chat form: ``messages`` instead of ``input``."""
+
     model: str | None = None
-    input: Annotated[Prompt, PlainValidator(_check_prompt)]
+    input: Annotated[Prompt | None, PlainValidator(_check_prompt)] = None
+    messages: list[ChatMessage] | None = None  # vLLM: one input, through the chat template
+    add_generation_prompt: bool = False  # with messages (vLLM's default for embeddings)
+    continue_final_message: bool = False  # with messages
+    chat_template: str | None = None  # with messages: needs the router's trust flag
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None  # accepted, unused (OpenAI's end-user id)
     truncate_prompt_tokens: int | None = None  # vLLM: keep each input's last N tokens
-    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS (and such) around text
+    # vLLM: the tokenizer's BOS (and such) around text; None: true for input, false for
+    # messages (whose template writes its own)
+    add_special_tokens: bool | None = None
     use_activation: bool | None = None  # vLLM: unit L2 norm; None is the model's setting
     normalize: bool | None = None  # vLLM's older name of use_activation
     cache_salt: str | None = None  # as for completions: only requests with it share blocks
@@ -73,17 +90,9 @@ class EmbeddingRoutes:
     async def embeddings(self, request: Request) -> Response:
         req = parse_request(await request.body(), EmbeddingRequest)
         model = self.api.model_name(req.model)
-        limit = self.api.settings.max_embedding_inputs
-        if not req.input:
-            raise bad_request("'input' must not be empty", "input")
-        if len(req.input) > limit:
-            raise bad_request(
-                f"'input' has {len(req.input)} items; at most {limit} per request", "input"
-            )
         if req.dimensions is not None and not 1 <= req.dimensions <= MAX_DIMENSIONS:
             raise bad_request(f"'dimensions' must be >= 1, got {req.dimensions}", "dimensions")
-        keep = self.api.prompts.tokens_kept(req.truncate_prompt_tokens)
-        prompts = [await self._tokens(item, req.add_special_tokens, keep) for item in req.input]
+        prompts = await self._prompts(req)
         flags = {req.use_activation, req.normalize} - {None}
         if len(flags) > 1:
             raise bad_request("'use_activation' and 'normalize' disagree", "use_activation")
@@ -118,6 +127,34 @@ class EmbeddingRoutes:
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
             }
         )
+
+    async def _prompts(self, req: EmbeddingRequest) -> list[list[int]]:
+        """The inputs' token ids: each of ``input``, or ``messages`` rendered as the chat
+        endpoint renders them (one input)."""
+        if (req.input is None) == (req.messages is None):
+            raise bad_request("give exactly one of 'input' and 'messages'", "input")
+        keep = self.api.prompts.tokens_kept(req.truncate_prompt_tokens)
+        if req.messages is not None:
+            chat = ChatCompletionRequest(
+                messages=req.messages,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                chat_template=req.chat_template,
+                chat_template_kwargs=req.chat_template_kwargs,
+                add_special_tokens=bool(req.add_special_tokens),
+                truncate_prompt_tokens=req.truncate_prompt_tokens,
+            )
+            self.api.check_chat_options(chat)
+            return [(await self.api.prompts.chat(chat)).token_ids]
+        limit = self.api.settings.max_embedding_inputs
+        if not req.input:
+            raise bad_request("'input' must not be empty", "input")
+        if len(req.input) > limit:
+            raise bad_request(
+                f"'input' has {len(req.input)} items; at most {limit} per request", "input"
+            )
+        add_special = req.add_special_tokens is not False
+        return [await self._tokens(item, add_special, keep) for item in req.input]
 
     async def _tokens(
         self, item: str | list[int], add_special: bool, keep: int | None
