@@ -312,7 +312,7 @@ class LLMEngine:
         output is finished and holds ``embedding``; ``params`` only name a LoRA adapter.
         """
         if pooling is not None:
-            self._check_pooling(prompt_token_ids, pooling)
+            self._check_pooling(pooling)
         elif not self.config.model_config.generates:
             raise RequestError(
                 f"this model ({self.config.model_config.architecture}) has no LM head: it "
@@ -397,7 +397,7 @@ class LLMEngine:
                 raise RequestError(str(exc), param=exc.param) from exc
         return seq
 
-    def _check_pooling(self, prompt_token_ids: list[int], pooling: PoolingParams) -> None:
+    def _check_pooling(self, pooling: PoolingParams) -> None:
         hidden = self.config.model_config.hidden_size
         if pooling.dimensions is not None and pooling.dimensions > hidden:
             raise RequestError(
