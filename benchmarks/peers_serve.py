@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -393,9 +394,11 @@ def run_all(args: argparse.Namespace, vllm_python: Path, servers: list[Server], 
     return runs
 
 
-def summarize_embed(runs: dict[str, dict[str, list[dict]]]) -> list[list]:
-    """Rows of an embeddings run: latency end to end, requests and input tokens a second."""
-    rows = []
+def _system_runs(
+    runs: dict[str, dict[str, list[dict]]],
+) -> Iterator[tuple[str, str, list[dict], Callable[[str], float], str]]:
+    """Per rate and system that ran: its runs, the median of a result field over them, and
+    the range of the load averages seen."""
     for rate, by_system in runs.items():
         for name, results in by_system.items():
             if not results:
@@ -405,38 +408,30 @@ def summarize_embed(runs: dict[str, dict[str, list[dict]]]) -> list[list]:
                 return median([float(r.get(key) or 0.0) for r in results])
 
             loads = [x for r in results for x in r["load1"]]
-            tok_s = median([r["total_input_tokens"] / r["duration"] for r in results])
-            rows.append([
-                rate, name, *(f"{med(key):,.1f}" for key in EMBED_METRICS),
-                f"{med('request_throughput'):.2f}", f"{tok_s:,.0f}",
-                f"{min(loads):.1f}-{max(loads):.1f}",
-            ])  # fmt: skip
+            yield rate, name, results, med, f"{min(loads):.1f}-{max(loads):.1f}"
+
+
+def summarize_embed(runs: dict[str, dict[str, list[dict]]]) -> list[list]:
+    """Rows of an embeddings run: latency end to end, requests and input tokens a second."""
+    rows = []
+    for rate, name, results, med, loads in _system_runs(runs):
+        tok_s = median([r["total_input_tokens"] / r["duration"] for r in results])
+        rows.append([
+            rate, name, *(f"{med(key):,.1f}" for key in EMBED_METRICS),
+            f"{med('request_throughput'):.2f}", f"{tok_s:,.0f}", loads,
+        ])  # fmt: skip
     return rows
 
 
 def summarize(args: argparse.Namespace, runs: dict[str, dict[str, list[dict]]]) -> list[list]:
     rows = []
-    for rate, by_system in runs.items():
-        for name, results in by_system.items():
-            if not results:
-                continue
-
-            def med(key: str, results: list[dict] = results) -> float:
-                return median([float(r.get(key) or 0.0) for r in results])
-
-            loads = [x for r in results for x in r["load1"]]
-            cached = [r["cached_prompt_tokens"] for r in results]
-            rows.append(
-                [
-                    rate,
-                    name,
-                    *(f"{med(key):,.1f}" for key in METRICS),
-                    f"{med('output_throughput'):.1f}",
-                    f"{med('request_goodput'):.2f}",
-                    f"{max(cached):,}",
-                    f"{min(loads):.1f}-{max(loads):.1f}",
-                ]
-            )
+    for rate, name, results, med, loads in _system_runs(runs):
+        cached = [r["cached_prompt_tokens"] for r in results]
+        rows.append([
+            rate, name, *(f"{med(key):,.1f}" for key in METRICS),
+            f"{med('output_throughput'):.1f}", f"{med('request_goodput'):.2f}",
+            f"{max(cached):,}", loads,
+        ])  # fmt: skip
     return rows
 
 
