@@ -12,13 +12,21 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from kvrelay.protocol.pooling import PoolerConfig
+from kvrelay.protocol.pooling import ClassifierConfig, PoolerConfig
 from kvrelay.protocol.speculative import SpeculativeConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 # the same decoders without an LM head: embedding checkpoints (e5-mistral, gte-Qwen2), served
 # through /v1/embeddings only
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "Qwen2Model", "MistralModel")
+# with a ``score`` head instead: reward models, classifiers, cross-encoder rerankers, served
+# through /classify, /score and /rerank
+CLASSIFIER_ARCHITECTURES = (
+    "LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "MistralForSequenceClassification",
+)
+_ARCHITECTURES = SUPPORTED_ARCHITECTURES + EMBEDDING_ARCHITECTURES + CLASSIFIER_ARCHITECTURES
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES = ("float32", "bfloat16", "float16")
@@ -82,13 +90,16 @@ class ModelConfig:
     sliding_window: int | None = None  # attend only to the last N keys (Mistral v0.1)
     bos_token_id: int | None = None  # from config.json
     eos_token_ids: tuple[int, ...] = ()  # from config.json / generation_config.json
+    classifier: ClassifierConfig | None = None  # a *ForSequenceClassification's score head
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES + EMBEDDING_ARCHITECTURES:
+        if self.architecture not in _ARCHITECTURES:
             raise ConfigError(
                 f"unsupported architecture {self.architecture!r}; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES + EMBEDDING_ARCHITECTURES)}"
+                f"supported: {', '.join(_ARCHITECTURES)}"
             )
+        if (self.architecture in CLASSIFIER_ARCHITECTURES) != (self.classifier is not None):
+            raise ConfigError(f"{self.architecture}: a classifier head needs its architecture")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -106,7 +117,7 @@ class ModelConfig:
         head_dim = cfg.get("head_dim") or hidden // num_heads
         eos = cfg.get("eos_token_id")
         sliding = cfg.get("sliding_window")
-        qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2Model")
+        qwen2 = arch.startswith("Qwen2")
         if qwen2 and not cfg.get("use_sliding_window", False):
             sliding = None
         return cls(
@@ -126,6 +137,7 @@ class ModelConfig:
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_id_tuple(eos),
+            classifier=ClassifierConfig.from_hf(cfg) if arch in CLASSIFIER_ARCHITECTURES else None,
         )
 
     @classmethod

@@ -314,16 +314,20 @@ class LLMEngine:
         if pooling is not None:
             self._check_pooling(pooling)
         elif not self.config.model_config.generates:
+            mc = self.config.model_config
+            serves = (
+                "classifies and scores only (/classify, /score, /rerank, LLM.classify)"
+                if mc.classifier is not None
+                else "computes embeddings only (/v1/embeddings, LLM.embed)"
+            )
             raise RequestError(
-                f"this model ({self.config.model_config.architecture}) has no LM head: it "
-                "computes embeddings only (/v1/embeddings, LLM.embed)",
-                param="model",
+                f"this model ({mc.architecture}) has no LM head: it {serves}", param="model"
             )
         seq = self._new_sequence(
             request_id, prompt_token_ids, params, output_token_ids, pooling is not None
         )
         if pooling is not None:
-            seq.pool = PoolState.resolve(self.pooler, pooling)
+            seq.pool = PoolState.resolve(self.pooler, pooling, self.config.model_config.classifier)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         self.scheduler.add(seq)
@@ -399,6 +403,11 @@ class LLMEngine:
 
     def _check_pooling(self, pooling: PoolingParams) -> None:
         hidden = self.config.model_config.hidden_size
+        if pooling.dimensions is not None and self.config.model_config.classifier is not None:
+            raise RequestError(
+                "'dimensions' applies to embeddings; this model classifies (one score per label)",
+                param="dimensions",
+            )
         if pooling.dimensions is not None and pooling.dimensions > hidden:
             raise RequestError(
                 f"'dimensions' is {pooling.dimensions}; this model's embeddings have {hidden}",

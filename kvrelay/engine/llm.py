@@ -8,10 +8,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput
 from kvrelay.engine.lora import LoRARequest
 from kvrelay.protocol.pooling import PoolingParams
 from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
+from kvrelay.protocol.scoring import cosine, cross_encodes, pair_indices
 from kvrelay.text.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
@@ -53,6 +56,43 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # one per label: activated (softmax or sigmoid) unless asked not
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """``LLM.classify``'s result for one prompt (vLLM's shape: ``out.outputs.probs``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """``LLM.score``'s result for one pair (vLLM's shape: ``out.outputs.score``); the token
+    ids are the pair's input (a cross-encoder) or the two texts' (an embedding model)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
     finished: bool = True
     num_cached_tokens: int = 0
 
@@ -126,6 +166,107 @@ class LLM:
         """One embedding per prompt (``engine.pooling``): the model's pooling of the prompt's
         final hidden states (``pooler_config``: the last token's unless the checkpoint or
         the setting says otherwise), normalized unless a ``PoolingParams`` says not."""
+        if self.engine.config.model_config.classifier is not None:
+            raise RequestError(
+                "this model is a classifier: it answers LLM.classify and LLM.score, not embed",
+                param="model",
+            )
+        return [
+            EmbeddingRequestOutput(
+                out.request_id,
+                out.prompt_token_ids,
+                EmbeddingOutput(_vector(out).tolist()),
+                num_cached_tokens=out.num_cached_tokens,
+            )
+            for out in self._pool(prompts, pooling_params, lora_request)
+        ]
+
+    def classify(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """One score per label for every prompt, from a sequence classifier's head
+        (``*ForSequenceClassification``): its softmax (a sigmoid for one label or
+        independent labels), or the logits with ``PoolingParams(use_activation=False)``."""
+        self._classifier("LLM.classify")
+        return [
+            ClassificationRequestOutput(
+                out.request_id,
+                out.prompt_token_ids,
+                ClassificationOutput(_vector(out).tolist()),
+                num_cached_tokens=out.num_cached_tokens,
+            )
+            for out in self._pool(prompts, pooling_params, lora_request)
+        ]
+
+    def score(
+        self,
+        data_1: str | Seq[str],
+        data_2: str | Seq[str],
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The score of each (query, document) pair, 1:1, 1:N or N:N (``protocol.scoring``):
+        a cross-encoder's activated logit over the pair joined by the tokenizer's pair
+        template, or the cosine of an embedding model's two vectors."""
+        queries = [data_1] if isinstance(data_1, str) else list(data_1)
+        documents = [data_2] if isinstance(data_2, str) else list(data_2)
+        pairs = pair_indices(len(queries), len(documents))
+        mc = self.engine.config.model_config
+        tokenizer = self.get_tokenizer()
+        if cross_encodes(mc.classifier, mc.architecture):
+            inputs = [self._pair_ids(queries[i], documents[j]) for i, j in pairs]
+            outs = self._pool(inputs, pooling_params, lora_request)
+            return [
+                ScoringRequestOutput(
+                    out.request_id,
+                    out.prompt_token_ids,
+                    ScoringOutput(float(_vector(out)[0])),
+                    num_cached_tokens=out.num_cached_tokens,
+                )
+                for out in outs
+            ]
+        texts = queries + documents
+        outs = self._pool([tokenizer.encode(t) for t in texts], pooling_params, lora_request)
+        vectors = [_vector(out).numpy() for out in outs]
+        return [
+            ScoringRequestOutput(
+                f"{outs[i].request_id}_{outs[len(queries) + j].request_id}",
+                outs[i].prompt_token_ids + outs[len(queries) + j].prompt_token_ids,
+                ScoringOutput(cosine(vectors[i], vectors[len(queries) + j])),
+                num_cached_tokens=outs[i].num_cached_tokens
+                + outs[len(queries) + j].num_cached_tokens,
+            )
+            for i, j in pairs
+        ]
+
+    def _pair_ids(self, query: str, document: str) -> list[int]:
+        """A cross-encoder's input for one pair (``ClassifierConfig.pair_separator``)."""
+        tokenizer = self.get_tokenizer()
+        classifier = self.engine.config.model_config.classifier
+        assert classifier is not None, "only a cross-encoder reads pairs"
+        if not classifier.pair_separator:
+            return tokenizer.encode(query + document)
+        first, second = tokenizer.encode(query, False), tokenizer.encode(document, False)
+        return tokenizer.join_pair(first, second)
+
+    def _classifier(self, what: str) -> None:
+        if self.engine.config.model_config.classifier is None:
+            raise RequestError(
+                f"{what} needs a sequence classifier (*ForSequenceClassification); this model"
+                f" is {self.engine.config.model_config.architecture}",
+                param="model",
+            )
+
+    def _pool(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        pooling_params: PoolingParams | Seq[PoolingParams] | None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt as a pooled request; their finished outputs, in order."""
         prompt_list = _as_prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             pooling_list = [pooling_params or PoolingParams()] * len(prompt_list)
@@ -136,7 +277,7 @@ class LLM:
                     f"got {len(pooling_list)} pooling params for {len(prompt_list)} prompts"
                 )
         params_list = self._with_lora([SamplingParams()] * len(prompt_list), lora_request)
-        results: dict[str, EmbeddingRequestOutput] = {}
+        results: dict[str, RequestOutput] = {}
         order = []
         for prompt, params, pooling in zip(prompt_list, params_list, pooling_list, strict=True):
             _, ids = self._encode(prompt)
@@ -145,13 +286,7 @@ class LLM:
             order.append(request_id)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                assert out.embedding is not None, "an embedding request's output holds its vector"
-                results[out.request_id] = EmbeddingRequestOutput(
-                    out.request_id,
-                    out.prompt_token_ids,
-                    EmbeddingOutput(out.embedding.tolist()),
-                    num_cached_tokens=out.num_cached_tokens,
-                )
+                results[out.request_id] = out
             self.engine.flush_cache_events()
         return [results[request_id] for request_id in order]
 
@@ -268,3 +403,8 @@ def _as_params_list(
     if len(params) != num:
         raise ValueError(f"got {len(params)} sampling params for {num} prompts")
     return list(params)
+
+
+def _vector(out: RequestOutput) -> torch.Tensor:
+    assert out.embedding is not None, "a pooled request's output holds its vector"
+    return out.embedding

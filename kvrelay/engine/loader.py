@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from kvrelay.engine.config import ConfigError, ModelConfig
+from kvrelay.engine.config import EMBEDDING_ARCHITECTURES, ConfigError, ModelConfig
 from kvrelay.engine.identity import CheckpointError, weight_files
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def prepare_weights(
     Projection weights come out transposed to ``[in, out]`` (see ``models/llama.py``).
     """
     torch_dtype = TORCH_DTYPES[dtype]
-    if not config.generates and "embed_tokens.weight" in hf:
+    if config.architecture in EMBEDDING_ARCHITECTURES and "embed_tokens.weight" in hf:
         # an embedding checkpoint saved from the bare decoder (LlamaModel): no ``model.``
         hf = {f"model.{name}": hf.pop(name) for name in list(hf)}
 
@@ -68,6 +68,14 @@ def prepare_weights(
             "checkpoint has no tensor 'lm_head.weight' and embeddings are not tied"
         )
     hf.pop("lm_head.weight", None)
+    if config.classifier is not None:  # [labels, hidden], as nn.Linear keeps it
+        out["score"] = take("score.weight")
+        want = (config.classifier.num_labels, config.hidden_size)
+        if tuple(out["score"].shape) != want:
+            raise CheckpointError(
+                f"checkpoint's score.weight is {list(out['score'].shape)}; config.json's"
+                f" {want[0]} labels and hidden size {want[1]} need {list(want)}"
+            )
     for i in range(config.num_layers):
         a, m, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp.", f"layers.{i}."
         out[p + "in_norm"] = take(f"model.layers.{i}.input_layernorm.weight")

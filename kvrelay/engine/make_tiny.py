@@ -7,6 +7,10 @@ transformers 5 would for ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Mistral
 The same arguments give the same bytes. Qwen2 ties the output head to the embedding and has
 q/k/v biases; Llama and Mistral have a separate ``lm_head`` and no biases.
 
+``make_classifier(src, dir, labels)`` turns a causal LM checkpoint (a tiny one, or a real one)
+into a ``*ForSequenceClassification`` of the same decoder with a random ``score`` head: a
+reranker or classifier of the right shape for tests and benchmarks, not a trained one.
+
 ======  =====  ======  ======  =====  ========  =====  ============  ============  ============
 size    vocab  hidden  layers  heads  kv heads  inter  llama         mistral       qwen2
 ======  =====  ======  ======  =====  ========  =====  ============  ============  ============
@@ -26,6 +30,7 @@ import logging
 import math
 import random
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +41,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from kvrelay.engine.config import DTYPES, ConfigError
-from kvrelay.engine.identity import record_identity
+from kvrelay.engine.identity import IDENTITY_FILE, record_identity, weight_files
 
 logger = logging.getLogger(__name__)
 
@@ -381,3 +386,46 @@ def _synthetic_word(rng: random.Random, real_words: list[str], syllables: list[s
     num_syllables = 1 + min(int(rng.expovariate(0.8)), 4)
     ranks = [min(int(rng.expovariate(1 / 60)), len(syllables) - 1) for _ in range(num_syllables)]
     return "".join(syllables[r] for r in ranks)
+
+
+def make_classifier(
+    src_dir: str | Path, out_dir: str | Path, labels: tuple[str, ...] = ("LABEL_0",), seed: int = 0
+) -> Path:
+    """Writes ``src_dir``'s decoder with a random ``score`` head of ``len(labels)`` rows as a
+    ``*ForSequenceClassification`` checkpoint into ``out_dir`` (one label: a cross-encoder,
+    whose sigmoid is a pair's relevance). The tokenizer files are copied; the LM head, if
+    any, is dropped. The same arguments give the same bytes."""
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((src / "config.json").read_text())
+    arch = str((config.get("architectures") or [""])[0])
+    if not arch.endswith("ForCausalLM"):
+        raise ConfigError(f"{src}: make_classifier needs a *ForCausalLM checkpoint, got {arch!r}")
+    skip = {"config.json", "model.safetensors.index.json", IDENTITY_FILE}
+    for path in src.iterdir():
+        if (
+            path.is_file()
+            and path.name not in skip
+            and not path.name.startswith("kvrelay")
+            and (not path.name.endswith(".safetensors"))
+        ):
+            shutil.copyfile(path, out / path.name)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in weight_files(src):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                if name != "lm_head.weight":
+                    tensors[name] = f.get_tensor(name)
+    embed = tensors["model.embed_tokens.weight"]
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randn(len(labels), embed.shape[1], generator=gen) * 0.02
+    tensors["score.weight"] = head.to(embed.dtype)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config["architectures"] = [arch.replace("ForCausalLM", "ForSequenceClassification")]
+    config["id2label"] = {str(i): label for i, label in enumerate(labels)}
+    config["label2id"] = {label: i for i, label in enumerate(labels)}
+    config.pop("tie_word_embeddings", None)
+    _write_json(out / "config.json", config)
+    record_identity(out)
+    logger.info("wrote a %d-label classifier of %s to %s", len(labels), src, out)
+    return out

@@ -6,6 +6,9 @@ step's forward the runner hands the step's hidden states here (:func:`pool_step`
 final norm of the rows the pooling type reads (the last token's, the first's, or every
 token's, summed), so nothing beyond a chunk's rows is kept between steps. A chunk computed
 again after a preemption adds nothing twice (``PoolState.counted``).
+
+A classifier's pooled state then goes through its ``score`` head (``LlamaModel.classify``):
+the vector is one value per label, the activation applied unless the request says not.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvrelay.protocol.pooling import PoolerConfig, PoolingParams
+from kvrelay.protocol.pooling import ClassifierConfig, PoolerConfig, PoolingParams
 
 if TYPE_CHECKING:
     from kvrelay.engine.models.llama import LlamaModel
@@ -27,20 +30,35 @@ class PoolState:
     """One pooled request's settings and what its computed chunks left."""
 
     pooling_type: str  # PoolerConfig.pooling_type
-    normalize: bool
+    normalize: bool  # embeddings: unit L2 norm; a classifier's scores: its activation
     dimensions: int | None
+    activation: str | None  # a classifier's (ClassifierConfig.activation); None: an embedding
     total: torch.Tensor | None = None  # float32 [hidden]: CLS the first state, MEAN the sum
     counted: int = 0  # prompt tokens in ``total``
     embedding: torch.Tensor | None = None  # float32, set when the last prompt token is in
 
     @classmethod
-    def resolve(cls, config: PoolerConfig, params: PoolingParams) -> PoolState:
+    def resolve(
+        cls,
+        config: PoolerConfig,
+        params: PoolingParams,
+        classifier: ClassifierConfig | None = None,
+    ) -> PoolState:
         asked = params.use_activation
         normalize = config.normalize if asked is None else asked
-        return cls(config.pooling_type, normalize, params.dimensions)
+        activation = None if classifier is None else classifier.activation
+        return cls(config.pooling_type, normalize, params.dimensions, activation)
 
-    def finish(self, state: torch.Tensor) -> torch.Tensor:
-        """The pooled ``state`` truncated to ``dimensions`` and normalized when asked."""
+    def finish(self, model: LlamaModel, state: torch.Tensor) -> torch.Tensor:
+        """An embedding: the pooled ``state`` truncated to ``dimensions`` and normalized when
+        asked. A classifier's: its head's logits, through its activation when asked."""
+        if self.activation is not None:
+            logits = model.classify(state)
+            if not self.normalize or self.activation == "identity":
+                return logits
+            if self.activation == "sigmoid":
+                return torch.sigmoid(logits)
+            return torch.softmax(logits, dim=0)
         if self.dimensions is not None:
             state = state[: self.dimensions]
         if self.normalize:
@@ -75,5 +93,5 @@ def pool_step(model: LlamaModel, plan: StepPlan, hidden: torch.Tensor) -> None:
                 pooled = (
                     state.total / seq.num_tokens if state.pooling_type == "MEAN" else state.total
                 )
-                state.embedding = state.finish(pooled).cpu()
+                state.embedding = state.finish(model, pooled).cpu()
         row += n

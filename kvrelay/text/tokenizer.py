@@ -78,6 +78,7 @@ class Tokenizer:
         self._all_special_ids = self._collect_special_ids()
         self._chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
+        self._pair_template: tuple[tuple[int, ...], ...] | None = None  # join_pair's specials
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
@@ -152,6 +153,24 @@ class Tokenizer:
         are added; ``add_bos_token``/``add_eos_token`` in tokenizer_config.json are ignored.
         """
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def join_pair(self, first: Sequence[int], second: Sequence[int]) -> list[int]:
+        """The ids of a text pair (a cross-encoder's query and document) from each text's ids
+        encoded without special tokens: what ``tokenizer(text, text_pair)`` gives, the
+        post-processor's pair template (its separators) around them. Plain concatenation when
+        the tokenizer has no pair template."""
+        if self._pair_template is None:
+            joined = self._backend.encode("a", "b", add_special_tokens=True)
+            parts: list[list[int]] = [[], [], []]  # before, between and after the two texts
+            part = 0
+            for token_id, seq in zip(joined.ids, joined.sequence_ids):
+                if seq is None:
+                    parts[part].append(token_id)
+                else:  # past text 0: between; past text 1: after
+                    part = seq + 1
+            self._pair_template = (tuple(parts[0]), tuple(parts[1]), tuple(parts[2]))
+        before, between, after = self._pair_template
+        return [*before, *first, *between, *second, *after]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 becomes U+FFFD; unknown ids are dropped."""

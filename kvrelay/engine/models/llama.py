@@ -5,7 +5,8 @@ embeddings, norms, projections and the MLP; only attention is split per sequence
 ``kvrelay.kernels.attention``. The model holds no parameters of its own: it reads a flat
 dict of runtime tensors (``loader.prepare_weights``), so weights can live in a shared pool.
 
-Runtime weight names: ``embed``, ``norm``, ``lm_head`` (absent when tied) and, per layer
+Runtime weight names: ``embed``, ``norm``, ``lm_head`` (absent when tied), ``score`` (a
+classifier's head, ``[labels, hidden]``) and, per layer
 ``i``: ``layers.i.in_norm``, ``layers.i.qkv``, ``layers.i.qkv_bias`` (Qwen2), ``layers.i.o``,
 ``layers.i.post_norm``, ``layers.i.gate_up``, ``layers.i.down``.
 
@@ -287,6 +288,14 @@ class LlamaModel:
         """The final RMSNorm of ``forward``'s rows: the states embeddings pool (as
         transformers' ``last_hidden_state``)."""
         return rms_norm(hidden, self.weights["norm"], self.config.rms_norm_eps)
+
+    @torch.inference_mode()
+    def classify(self, state: torch.Tensor) -> torch.Tensor:
+        """A sequence classifier's float32 logits ``[labels]`` for one pooled ``state``
+        (``final_norm``'s output, as float32): its ``score`` head in the model's dtype, as
+        transformers' ``*ForSequenceClassification`` computes it."""
+        score = self.weights["score"]
+        return torch.nn.functional.linear(state.to(score.dtype), score).float()
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
