@@ -140,8 +140,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "where `kvrelay model get` keeps the models it downloads", "--cache-dir",
          commands=("model",)),
     _var("KVRELAY_API_KEY", str, None,
-         "router: API keys required as `Authorization: Bearer` on /v1/* (comma-separated; "
-         "unset: open)", "--api-key"),
+         "router: API keys required as `Authorization: Bearer` on every route but the probes "
+         "(comma-separated; unset: open)", "--api-key"),
     _var("KVRELAY_API_KEY_FILE", str, None,
          "router: file of API keys, one a line (added to --api-key)", "--api-key-file"),
     _var("KVRELAY_SSL_CERTFILE", str, None, "router: TLS certificate (PEM) of the HTTP API",

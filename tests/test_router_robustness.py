@@ -465,6 +465,10 @@ def test_wrong_or_missing_api_key_is_401(tls_cluster: tuple[str, Path]) -> None:
     assert err.value.code == "invalid_api_key"
     bare = httpx.get(url + "/v1/models", verify=_trust(ca))
     assert bare.status_code == 401 and bare.json()["error"]["type"] == "invalid_request_error"
+    # vLLM's routes outside /v1 run the model or read its tokenizer: guarded too
+    for path in ("/tokenize", "/detokenize", "/classify", "/score", "/rerank", "/v2/rerank"):
+        r = httpx.post(url + path, json={"model": "tiny"}, verify=_trust(ca))
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
     for open_path in ("/health", "/ready", "/metrics"):  # probes stay open
         assert httpx.get(url + open_path, verify=_trust(ca)).status_code == 200
 

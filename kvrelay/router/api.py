@@ -1,15 +1,16 @@
 """The OpenAI-compatible HTTP API: ``create_app(backend, tokenizer, settings) -> FastAPI``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/embeddings``
-(``router/embeddings.py``), ``GET /v1/models``,
+and vLLM's ``POST /classify`` (``router/embeddings.py``), vLLM's ``POST /score`` and
+``/rerank`` (``router/scoring.py``), ``POST /v1/responses``, ``GET /v1/models``,
 ``GET /health`` (the process is up), ``GET /ready`` (``backend.is_ready()``), and vLLM's
 ``POST /tokenize`` / ``POST /detokenize`` (``router/tokenize.py``). Other routes
 (``/metrics``, ``/admin/*``) are added by the caller with ``app.include_router``; admin
 routers should depend on ``errors.require_admin_token(settings)``. Add middleware as pure
 ASGI middleware (not ``@app.middleware("http")``), so client disconnects still reach the
 streaming responses and abort generation. Before a handler runs, ``http_guards`` checks the
-API key and the JSON content type on ``/v1/*`` and ``errors.BodyLimitMiddleware`` reads the
-body within its size and time limits.
+API key and the JSON content type (every path but the probes) and
+``errors.BodyLimitMiddleware`` reads the body within its size and time limits.
 
 A request is validated and tokenized here (long inputs off the event loop: ``text_workers``),
 then fans out into one ``Backend.generate`` call per choice (``n`` times per prompt), with
@@ -29,6 +30,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvrelay.protocol.pooling import ClassifierConfig
 from kvrelay.protocol.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, StructuredOutput
 from kvrelay.router.backend import Backend, Delta, GenerateInput
 from kvrelay.router.errors import (
@@ -105,11 +107,14 @@ class ApiSettings:
     max_logprobs: int = MAX_LOGPROBS  # logprobs (completions) / top_logprobs (chat)
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     max_tokens_limit: int | None = None  # clamps every request's max_tokens; None = no cap
-    api_keys: tuple[str, ...] = ()  # bearer keys accepted on /v1/*; () = no check
+    api_keys: tuple[str, ...] = ()  # bearer keys accepted (all but the probes); () = no check
     body_timeout: float = 30.0  # seconds to receive a request body before 408
     tool_call_parser: str | None = "auto"  # tool_choice "auto": a parser name; "auto" detects
     # it from the chat template; None: no parser ("auto" tool choice answers 400)
     trust_request_chat_template: bool = False  # apply a request's `chat_template` (else 400)
+    # the served model's head when it is a sequence classifier (its config.json): /classify,
+    # and /score and /rerank as a cross-encoder; None: a generative or embedding model
+    classifier: ClassifierConfig | None = None
 
     def __post_init__(self) -> None:
         if any(not name for name in self.served_model_names):
@@ -175,6 +180,9 @@ def create_app(
     from kvrelay.router.embeddings import add_embedding_routes
 
     add_embedding_routes(app, api)
+    from kvrelay.router.scoring import add_scoring_routes
+
+    add_scoring_routes(app, api)
     return app
 
 

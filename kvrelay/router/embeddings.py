@@ -55,41 +55,65 @@ from kvrelay.text.tokenizer import TokenizerError
 _CONCURRENT_INPUTS = 64  # one request's inputs on the workers at once
 
 
-class EmbeddingRequest(_Strict):
-    """OpenAI's request, or vLLM's chat form: ``messages`` instead of ``input``."""
+class PooledInputRequest(_Strict):
+    """What ``/v1/embeddings`` and ``/classify`` share: the inputs, or vLLM's chat form
+    (``messages`` instead of ``input``), and the options of a pooled request."""
 
     model: str | None = None
     input: Annotated[Prompt | None, PlainValidator(_check_prompt)] = None
     messages: list[ChatMessage] | None = None  # vLLM: one input, through the chat template
-    add_generation_prompt: bool = False  # with messages (vLLM's default for embeddings)
+    add_generation_prompt: bool = False  # with messages (vLLM's default for pooling)
     continue_final_message: bool = False  # with messages
     chat_template: str | None = None  # with messages: needs the router's trust flag
     chat_template_kwargs: dict[str, Any] | None = None  # with messages
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
     user: str | None = None  # accepted, unused (OpenAI's end-user id)
     truncate_prompt_tokens: int | None = None  # vLLM: keep each input's last N tokens
     # vLLM: the tokenizer's BOS (and such) around text; None: true for input, false for
     # messages (whose template writes its own)
     add_special_tokens: bool | None = None
-    use_activation: bool | None = None  # vLLM: unit L2 norm; None is the model's setting
-    normalize: bool | None = None  # vLLM's older name of use_activation
+    # vLLM: embeddings' unit L2 norm, a classifier's softmax / sigmoid; None: the model's
+    use_activation: bool | None = None
     cache_salt: str | None = None  # as for completions: only requests with it share blocks
     priority: int = 0  # as for completions (workers scheduling by priority)
 
 
+class EmbeddingRequest(PooledInputRequest):
+    """OpenAI's request (with vLLM's extras)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    normalize: bool | None = None  # vLLM's older name of use_activation
+
+
+class ClassificationRequest(PooledInputRequest):
+    """vLLM's ``/classify`` request: the inputs' scores per label."""
+
+
 def add_embedding_routes(app: FastAPI, api: OpenAIApi) -> None:
-    """Adds ``/v1/embeddings`` to ``app``, served through ``api``'s backend."""
-    app.add_api_route("/v1/embeddings", EmbeddingRoutes(api).embeddings, methods=["POST"])
+    """Adds ``/v1/embeddings`` and ``/classify`` to ``app``, served through ``api``'s
+    backend."""
+    routes = PooledRoutes(api)
+    app.add_api_route("/v1/embeddings", routes.embeddings, methods=["POST"])
+    app.add_api_route("/classify", routes.classify, methods=["POST"])
 
 
 @dataclass(slots=True)
-class EmbeddingRoutes:
+class PooledRoutes:
+    """Pooled requests' handlers, and what ``router/scoring.py`` builds on: ``params``,
+    ``text_ids``, ``run``."""
+
     api: OpenAIApi
 
     async def embeddings(self, request: Request) -> Response:
         req = parse_request(await request.body(), EmbeddingRequest)
         model = self.api.model_name(req.model)
+        classifier = self.api.settings.classifier
+        if classifier is not None:
+            raise bad_request(
+                f"this model is a sequence classifier ({_labels(classifier.num_labels)}): it"
+                " answers /classify, /score and /rerank, not embeddings",
+                "model",
+            )
         if req.dimensions is not None and not 1 <= req.dimensions <= MAX_DIMENSIONS:
             raise bad_request(f"'dimensions' must be >= 1, got {req.dimensions}", "dimensions")
         prompts = await self._prompts(req)
@@ -97,20 +121,10 @@ class EmbeddingRoutes:
         if len(flags) > 1:
             raise bad_request("'use_activation' and 'normalize' disagree", "use_activation")
         pooling = PoolingParams(req.dimensions, flags.pop() if flags else None)
-        try:
-            lora_name = self.api.lora_name(model)
-            params = SamplingParams(
-                lora_name=lora_name, cache_salt=req.cache_salt, priority=req.priority
-            )
-        except ValueError as exc:
-            raise bad_request(str(exc), _param(exc)) from None
         request_id = f"embd-{uuid.uuid4().hex}"
-        inputs = [
-            GenerateInput(f"{request_id}-{i}", ids, params, pooling)
-            for i, ids in enumerate(prompts)
-        ]
+        inputs = self.inputs(request_id, prompts, self.params(model, req), pooling)
         try:
-            vectors = await until_disconnected(request, self._run(inputs))
+            vectors = await until_disconnected(request, self.run(inputs))
         except ClientDisconnected:
             return Response(status_code=499)
         num_tokens, fmt = sum(len(ids) for ids in prompts), req.encoding_format
@@ -128,7 +142,64 @@ class EmbeddingRoutes:
             }
         )
 
-    async def _prompts(self, req: EmbeddingRequest) -> list[list[int]]:
+    async def classify(self, request: Request) -> Response:
+        """vLLM's ``/classify``: per input, every label's score (softmax, or sigmoid for
+        one label; the logits with ``use_activation: false``) and the top label."""
+        req = parse_request(await request.body(), ClassificationRequest)
+        model = self.api.model_name(req.model)
+        classifier = self.api.settings.classifier
+        if classifier is None:
+            raise bad_request(
+                "this model is not a sequence classifier (*ForSequenceClassification):"
+                " /classify needs one; /v1/embeddings and /score serve this model",
+                "model",
+            )
+        prompts = await self._prompts(req)
+        request_id = f"classify-{uuid.uuid4().hex}"
+        pooling = PoolingParams(use_activation=req.use_activation)
+        inputs = self.inputs(request_id, prompts, self.params(model, req), pooling)
+        try:
+            vectors = await until_disconnected(request, self.run(inputs))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        data = []
+        for i, vector in enumerate(vectors):
+            probs = floats(vector)
+            top = max(range(len(probs)), key=probs.__getitem__)
+            label = classifier.labels[top]
+            data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
+        return JSONResponse(
+            {
+                "id": request_id,
+                "object": "list",
+                "created": int(time.time()),
+                "model": model,
+                "data": data,
+                "usage": usage(sum(len(ids) for ids in prompts)),
+            }
+        )
+
+    def params(self, model: str, req: Any) -> SamplingParams:
+        """The sampling params a pooled request carries: its adapter, salt and priority."""
+        try:
+            return SamplingParams(
+                lora_name=self.api.lora_name(model),
+                cache_salt=req.cache_salt,
+                priority=req.priority,
+            )
+        except ValueError as exc:
+            raise bad_request(str(exc), _param(exc)) from None
+
+    @staticmethod
+    def inputs(
+        request_id: str, prompts: list[list[int]], params: SamplingParams, pooling: PoolingParams
+    ) -> list[GenerateInput]:
+        return [
+            GenerateInput(f"{request_id}-{i}", ids, params, pooling)
+            for i, ids in enumerate(prompts)
+        ]
+
+    async def _prompts(self, req: PooledInputRequest) -> list[list[int]]:
         """The inputs' token ids: each of ``input``, or ``messages`` rendered as the chat
         endpoint renders them (one input)."""
         if (req.input is None) == (req.messages is None):
@@ -185,7 +256,7 @@ class EmbeddingRoutes:
             raise _too_long(len(ids), max_len)
         return ids
 
-    async def _run(self, inputs: list[GenerateInput]) -> list[bytes]:
+    async def run(self, inputs: list[GenerateInput]) -> list[bytes]:
         """Every input's vector, in order; the first failure cancels the others (they abort
         on their workers)."""
         slots = asyncio.Semaphore(_CONCURRENT_INPUTS)
@@ -226,10 +297,20 @@ def _encode(vector: bytes, encoding_format: str) -> Any:
     """The wire's float32 little-endian bytes as OpenAI answers them."""
     if encoding_format == "base64":
         return base64.b64encode(vector).decode("ascii")
+    return floats(vector)
+
+
+def floats(vector: bytes) -> list[float]:
+    """The wire's float32 little-endian bytes (``TokenEvent.embedding``) as floats."""
     values = array.array("f", vector)
     if sys.byteorder == "big":
         values.byteswap()
     return values.tolist()
+
+
+def usage(num_tokens: int) -> dict[str, int]:
+    """vLLM's usage of a pooled request: its inputs' tokens, nothing generated."""
+    return {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
 
 
 def _param(exc: ValueError) -> str | None:
@@ -239,3 +320,7 @@ def _param(exc: ValueError) -> str | None:
         if f"SamplingParams.{name}" in text:
             return name
     return None
+
+
+def _labels(n: int) -> str:
+    return "1 label" if n == 1 else f"{n} labels"

@@ -11,7 +11,7 @@ code   type                            raised for
 405    invalid_request_error           a known route with the wrong method
 408    invalid_request_error           headers or body not received within their timeout
 413    invalid_request_error           body over ``max_body_bytes`` (checked before parsing)
-415    invalid_request_error           a POST to /v1/* whose Content-Type is not JSON
+415    invalid_request_error           a POST (not /admin/*) whose Content-Type is not JSON
 429    rate_limit_error                ``Overloaded`` (with Retry-After)
 500    server_error                    ``GenerationFailed`` or an unexpected error (logged)
 503    server_error                    ``Unavailable`` (with Retry-After)

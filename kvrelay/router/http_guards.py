@@ -1,11 +1,14 @@
 """What the HTTP API checks before a handler runs, and the header read timeout.
 
-- ``ApiGuardMiddleware`` (pure ASGI, outermost): on ``/v1/*`` a request must carry one of
-  the API keys as ``Authorization: Bearer KEY`` when keys are set (401 otherwise), and a
-  POST must say ``Content-Type: application/json`` (415 otherwise, a missing one included:
-  a browser may POST ``text/plain`` cross-site without a CORS preflight). Both are decided
-  from the headers, before a byte of the body is read. ``/health``, ``/ready`` and
-  ``/metrics`` stay open; ``/admin/*`` keeps its own admin token.
+- ``ApiGuardMiddleware`` (pure ASGI, outermost): on every path but the probes a request
+  must carry one of the API keys as ``Authorization: Bearer KEY`` when keys are set (401
+  otherwise), and a POST must say ``Content-Type: application/json`` (415 otherwise, a
+  missing one included: a browser may POST ``text/plain`` cross-site without a CORS
+  preflight). Both are decided from the headers, before a byte of the body is read.
+  ``/health``, ``/ready`` and ``/metrics`` stay open; ``/admin/*`` keeps its own admin
+  token. Deny by default: vLLM's routes outside ``/v1`` (``/tokenize``, ``/classify``,
+  ``/score``, ``/rerank``, ``/v2/rerank``) run the model or read its tokenizer, and a route
+  added later is guarded without anyone remembering to.
 - ``HeaderTimeoutH11Protocol``: uvicorn's h11 protocol with a deadline on a request's headers.
   uvicorn bounds only the idle time between requests (``timeout_keep_alive``); a client that
   sends half a request line and stops holds the connection for ever. Here the headers of
@@ -26,19 +29,23 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvrelay.router.errors import ApiError
 
-_GUARDED_PREFIX = "/v1/"
+_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes: no key
+_ADMIN_PREFIX = "/admin/"  # its own token (errors.require_admin_token)
 _JSON_MEDIA_TYPE = "application/json"
 
 
 class ApiGuardMiddleware:
-    """API keys and the JSON content type on ``/v1/*`` (see the module docstring)."""
+    """API keys and the JSON content type on every path but the probes and ``/admin/*``
+    (see the module docstring)."""
 
     def __init__(self, app: ASGIApp, api_keys: tuple[str, ...] = ()) -> None:
         self.app = app
         self._keys = tuple(key.encode() for key in api_keys)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_GUARDED_PREFIX):
+        path = scope.get("path", "")
+        guarded = path not in _OPEN_PATHS and not path.startswith(_ADMIN_PREFIX)
+        if scope["type"] == "http" and guarded:
             error = self._check(scope)
             if error is not None:
                 await error.to_response()(scope, receive, send)

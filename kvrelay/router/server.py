@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvrelay.autoscale.autoscaler import Autoscaler, AutoscalerSettings, UpdateError
 from kvrelay.autoscale.policy import Policy, PolicyConfig
 from kvrelay.protocol.credential import ClusterCredential
+from kvrelay.protocol.pooling import ClassifierConfig
 from kvrelay.router.api import ApiSettings, create_app
 from kvrelay.router.cache_stats import build_report, fetch_worker_stats
 from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
@@ -59,7 +60,7 @@ class RouterConfig:
     cache_weight: float = 1.0  # DispatcherSettings.cache_weight (placement)
     prefill_queue_limit: float = DEFAULT_PREFILL_QUEUE_LIMIT  # DispatcherSettings (placement)
     max_body_bytes: int = 4 << 20  # larger bodies get 413
-    api_keys: tuple[str, ...] = ()  # bearer keys required on /v1/*; () = open
+    api_keys: tuple[str, ...] = ()  # bearer keys required on all but the probes; () = open
     ssl_certfile: str | None = None  # TLS certificate of the HTTP API (PEM); None = plain HTTP
     ssl_keyfile: str | None = None  # its private key (PEM)
     header_timeout: float = 10.0  # seconds to receive a request's headers before 408
@@ -135,6 +136,7 @@ def build_app(config: RouterConfig) -> tuple[FastAPI, Dispatcher]:
         body_timeout=config.body_timeout,
         tool_call_parser=config.tool_call_parser,
         trust_request_chat_template=config.trust_request_chat_template,
+        classifier=ClassifierConfig.from_model_dir(config.model),
     )
     text = TextWorkers(tokenizer, config.model)
     app = create_app(backend, tokenizer, settings, text)
