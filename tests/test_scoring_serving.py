@@ -189,6 +189,20 @@ def test_max_tokens_per_doc_fits_a_long_document(cluster: Launcher, offline: LLM
     (want,) = offline.classify([ids])
     assert abs(r.json()["results"][0]["relevance_score"] - want.outputs.probs[0]) < TOL
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    # truncate_prompt_tokens caps the pair, cutting the document (vLLM's bench client sends
+    # -1: the context window)
+    max_len = cluster.get_json("/v1/models")["data"][0]["max_model_len"]
+    for cap, length in ((-1, max_len), (30, 30)):
+        body = {"query": QUERY, "documents": [long_doc], "truncate_prompt_tokens": cap}
+        r = _post(cluster, "/rerank", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == length
+        query_ids = tokenizer.encode(QUERY, False)
+        doc_ids = tokenizer.encode(long_doc, False)[: length - len(query_ids) - 2]  # two BOS
+        (want,) = offline.classify([tokenizer.join_pair(query_ids, doc_ids)])
+        assert abs(r.json()["results"][0]["relevance_score"] - want.outputs.probs[0]) < TOL
+    body = {"query": QUERY, "documents": ["x"], "truncate_prompt_tokens": 0}
+    assert _post(cluster, "/rerank", body).json()["error"]["param"] == "truncate_prompt_tokens"
 
 
 def test_a_classifier_refuses_generation_and_embeddings(cluster: Launcher) -> None:

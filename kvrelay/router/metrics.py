@@ -88,12 +88,13 @@ class RouterMetrics:
         )
         self.embedding_inputs = Counter(
             "kvrelay_embedding_inputs",
-            "Embedding inputs placed (/v1/embeddings: one a vector)",
+            "Pooled inputs placed: one a vector (/v1/embeddings), a text's scores"
+            " (/classify) or a scored text or pair (/score, /rerank)",
             registry=r,
         )
         self.embedding_tokens = Counter(
             "kvrelay_embedding_input_tokens",
-            "Tokens of the embedding inputs placed",
+            "Tokens of the pooled inputs placed",
             registry=r,
         )
         self.placement_hits = Counter(

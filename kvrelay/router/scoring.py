@@ -20,7 +20,9 @@ How a pair is scored depends on the model (``protocol.scoring``):
   pair's score is the cosine of the two vectors, computed here.
 
 ``max_tokens_per_query`` and ``max_tokens_per_doc`` keep each text's first N tokens (vLLM's
-meaning); a pair or text still over the context window is a 400 that names them.
+meaning); ``truncate_prompt_tokens`` then caps each computed input (-1: the context window),
+cutting a pair's document before its query. A pair or text still over the context window
+is a 400 that names them.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class _ScoringOptions(_Strict):
     use_activation: bool | None = None  # a cross-encoder's sigmoid; None: the model's
     max_tokens_per_query: int = Field(default=0, ge=0)  # keep the first N; 0: all
     max_tokens_per_doc: int = Field(default=0, ge=0)  # keep the first N; 0: all
+    # each computed input at most N tokens (-1: the context window): a pair loses its
+    # document's end first, then its query's; an embedded text its end (vLLM's bench
+    # client sends -1)
+    truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None  # as for completions: only requests with it share blocks
     priority: int = 0  # as for completions (workers scheduling by priority)
 
@@ -192,18 +198,23 @@ class ScoringRoutes:
         except ScoringError as exc:
             raise bad_request(str(exc), "model") from None
         params = self.pooled.params(model, req)
+        cap = self.api.prompts.tokens_kept(req.truncate_prompt_tokens)
         if cross:
             assert classifier is not None, "a cross-encoder is a classifier"
             prompts = await self._pair_ids(
-                queries, documents, pairs, req, classifier.pair_separator, second
+                queries, documents, pairs, req, classifier.pair_separator, second, cap
             )
             pooling = PoolingParams(use_activation=req.use_activation)
             inputs = self.pooled.inputs(request_id, prompts, params, pooling)
             vectors = await self.pooled.run(inputs)
             return [floats(v)[0] for v in vectors], sum(len(ids) for ids in prompts)
         n = len(queries)
-        prompts = [await self._ids(q, req.max_tokens_per_query, True, "query") for q in queries]
-        prompts += [await self._ids(d, req.max_tokens_per_doc, True, second) for d in documents]
+        per_query, per_doc = (
+            _tighter(req.max_tokens_per_query, cap),
+            _tighter(req.max_tokens_per_doc, cap),
+        )
+        prompts = [await self._ids(q, per_query, True, "query") for q in queries]
+        prompts += [await self._ids(d, per_doc, True, second) for d in documents]
         inputs = self.pooled.inputs(request_id, prompts, params, PoolingParams())
         embedded = [np.frombuffer(v, dtype="<f4") for v in await self.pooled.run(inputs)]
         scores = [cosine(embedded[i], embedded[n + j]) for i, j in pairs]
@@ -217,19 +228,31 @@ class ScoringRoutes:
         req: _ScoringOptions,
         separator: bool,
         second: str,
+        cap: int | None,
     ) -> list[list[int]]:
-        """A cross-encoder's inputs: each pair's ids, within the context window."""
+        """A cross-encoder's inputs: each pair's ids (at most ``cap``: the document's end
+        cut first, then the query's), within the context window."""
         tokenizer = self.api.tokenizer
         max_len = self.api.backend.max_model_len
-        firsts = [await self._ids(q, req.max_tokens_per_query, False, "query") for q in queries]
-        seconds = [await self._ids(d, req.max_tokens_per_doc, False, second) for d in documents]
+        per_query, per_doc = (
+            _tighter(req.max_tokens_per_query, cap),
+            _tighter(req.max_tokens_per_doc, cap),
+        )
+        firsts = [await self._ids(q, per_query, False, "query") for q in queries]
+        seconds = [await self._ids(d, per_doc, False, second) for d in documents]
         out = []
+        num_special = len(tokenizer.join_pair([], [])) if separator else 0
         for i, j in pairs:
+            first, rest = firsts[i], seconds[j]
+            if cap is not None and len(first) + len(rest) + num_special > cap:
+                room = max(0, cap - num_special)
+                rest = rest[: max(0, room - len(first))]
+                first = first[:room]
             if separator:
-                ids = tokenizer.join_pair(firsts[i], seconds[j])
+                ids = tokenizer.join_pair(first, rest)
             else:  # one text: the two (each within its limit) concatenated, then tokenized
-                text = tokenizer.decode(firsts[i], False) + tokenizer.decode(seconds[j], False)
-                ids = await self._ids(text, 0, True, second)
+                text = tokenizer.decode(first, False) + tokenizer.decode(rest, False)
+                ids = await self._ids(text, cap or 0, True, second)
             if len(ids) > max_len:
                 raise _too_long(len(ids), max_len, second)
             out.append(ids)
@@ -251,6 +274,11 @@ class ScoringRoutes:
         if len(ids) > max_len:
             raise _too_long(len(ids), max_len, param)
         return ids
+
+
+def _tighter(limit: int, cap: int | None) -> int:
+    """The smaller of two token limits, where 0 and None mean none (0: none at all)."""
+    return min(limit or cap or 0, cap or limit)
 
 
 def _as_list(texts: Texts) -> list[str]:
