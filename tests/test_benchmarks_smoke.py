@@ -557,6 +557,20 @@ def test_peers_serve_embeddings_mode() -> None:
     assert "--runner pooling --convert embed" in text and "random inputs of 128 tokens" in text
 
 
+def test_peers_serve_rerank_mode() -> None:
+    """``--dataset rerank``: vLLM's pooling runner, ``vllm-rerank`` client requests of one
+    query and ``--rerank-batch`` documents, and the table of the pooled datasets."""
+    module = _load_benchmark("peers_serve")
+    args = module.parse_args(
+        ["--model", "ce", "--dataset", "rerank", "--rerank-batch", "8", "--num-prompts", "4"]
+    )
+    run = {"median_e2el_ms": 10.0, "p99_e2el_ms": 20.0, "request_throughput": 5.0,
+           "total_input_tokens": 2560, "duration": 2.0, "load1": (1.0, 1.5)}  # fmt: skip
+    text = module.render(args, {"inf": {"kvrelay-colo": [run]}}, stamp="now")
+    assert "| inf | kvrelay-colo | 10.0 | 20.0 | 5.00 | 1,280 | 1.0-1.5 |" in text, text
+    assert "each one query against 8 documents" in text and "--runner pooling" in text
+
+
 def test_peers_serve_waves_count_every_token_of_a_chunk() -> None:
     """A chunk may carry several tokens (a speculative step's): a request's TPOT is its time
     after the first token over its later tokens, not its chunks' mean gap."""
