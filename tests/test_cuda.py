@@ -595,3 +595,19 @@ def test_embeddings_on_cuda_equal_the_cpu_engine(tiny_model_dir, kind):
     for i, expected in enumerate(want):
         assert torch.allclose(got[f"emb-{i}"], torch.tensor(expected.outputs.embedding), atol=1e-4)
     assert engine.block_manager.num_leaked() == 0
+
+
+@needs_cuda
+def test_a_cross_encoder_on_cuda_scores_as_the_cpu_engine(tiny_model_dir, tmp_path):
+    """A one-label classifier's head on a GPU (``LlamaModel.classify`` on the device's
+    pooled state): ``LLM.score`` and ``LLM.classify`` equal the CPU engine's within 1e-4."""
+    from kvrelay.engine.make_tiny import make_classifier
+
+    ckpt = make_classifier(tiny_model_dir, tmp_path / "ce", ("relevant",), seed=3)
+    docs = ["a cat purrs", "stocks fell", "dogs bark " * 20]
+    cpu = LLM(ckpt, warm_up=False, num_blocks=128)
+    gpu = LLM(ckpt, device="cuda", num_blocks=128)
+    for a, b in zip(cpu.score("which animal purrs?", docs), gpu.score("which animal purrs?", docs)):
+        assert abs(a.outputs.score - b.outputs.score) < 1e-4
+    (a,), (b,) = cpu.classify([[5, 6, 7] * 9]), gpu.classify([[5, 6, 7] * 9])
+    assert abs(a.outputs.probs[0] - b.outputs.probs[0]) < 1e-4
