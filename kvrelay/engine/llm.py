@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -18,6 +18,7 @@ from kvrelay.protocol.scoring import cosine, cross_encodes, pair_indices
 from kvrelay.text.tokenizer import Tokenizer
 
 PromptType = str | list[int] | dict[str, Any]
+OutputT = TypeVar("OutputT")  # a pooled output's kind
 Message = dict[str, Any]
 
 
@@ -50,14 +51,21 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
-class EmbeddingRequestOutput:
-    """``LLM.embed``'s result for one prompt (vLLM's shape: ``out.outputs.embedding``)."""
+class PoolingRequestOutput(Generic[OutputT]):
+    """One pooled prompt's result (vLLM's shape): ``outputs`` an ``EmbeddingOutput``,
+    ``ClassificationOutput`` or ``ScoringOutput``."""
 
     request_id: str
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
+    outputs: OutputT
     finished: bool = True
     num_cached_tokens: int = 0
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
+    """``LLM.embed``'s result for one prompt (``out.outputs.embedding``)."""
+
+    __slots__ = ()
 
 
 @dataclass(slots=True)
@@ -69,15 +77,10 @@ class ClassificationOutput:
         return len(self.probs)
 
 
-@dataclass(slots=True)
-class ClassificationRequestOutput:
-    """``LLM.classify``'s result for one prompt (vLLM's shape: ``out.outputs.probs``)."""
+class ClassificationRequestOutput(PoolingRequestOutput[ClassificationOutput]):
+    """``LLM.classify``'s result for one prompt (``out.outputs.probs``)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: ClassificationOutput
-    finished: bool = True
-    num_cached_tokens: int = 0
+    __slots__ = ()
 
 
 @dataclass(slots=True)
@@ -85,16 +88,11 @@ class ScoringOutput:
     score: float
 
 
-@dataclass(slots=True)
-class ScoringRequestOutput:
-    """``LLM.score``'s result for one pair (vLLM's shape: ``out.outputs.score``); the token
-    ids are the pair's input (a cross-encoder) or the two texts' (an embedding model)."""
+class ScoringRequestOutput(PoolingRequestOutput[ScoringOutput]):
+    """``LLM.score``'s result for one pair (``out.outputs.score``); the token ids are the
+    pair's input (a cross-encoder) or the two texts' (an embedding model)."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: ScoringOutput
-    finished: bool = True
-    num_cached_tokens: int = 0
+    __slots__ = ()
 
 
 class LLM:

@@ -128,19 +128,12 @@ class PooledRoutes:
         except ClientDisconnected:
             return Response(status_code=499)
         num_tokens, fmt = sum(len(ids) for ids in prompts), req.encoding_format
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "list",
-                "created": int(time.time()),
-                "model": model,
-                "data": [
-                    {"object": "embedding", "index": i, "embedding": _encode(v, fmt)}
-                    for i, v in enumerate(vectors)
-                ],
-                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
-            }
-        )
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encode(v, fmt)}
+            for i, v in enumerate(vectors)
+        ]
+        usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}  # OpenAI's: no more
+        return list_response(request_id, model, data, usage)
 
     async def classify(self, request: Request) -> Response:
         """vLLM's ``/classify``: per input, every label's score (softmax, or sigmoid for
@@ -168,16 +161,7 @@ class PooledRoutes:
             top = max(range(len(probs)), key=probs.__getitem__)
             label = classifier.labels[top]
             data.append({"index": i, "label": label, "probs": probs, "num_classes": len(probs)})
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "list",
-                "created": int(time.time()),
-                "model": model,
-                "data": data,
-                "usage": usage(sum(len(ids) for ids in prompts)),
-            }
-        )
+        return list_response(request_id, model, data, usage(sum(len(ids) for ids in prompts)))
 
     def params(self, model: str, req: Any) -> SamplingParams:
         """The sampling params a pooled request carries: its adapter, salt and priority."""
@@ -306,6 +290,22 @@ def floats(vector: bytes) -> list[float]:
     if sys.byteorder == "big":
         values.byteswap()
     return values.tolist()
+
+
+def list_response(
+    request_id: str, model: str, data: list[dict[str, Any]], usage: dict[str, int]
+) -> JSONResponse:
+    """The ``{id, object: "list", created, model, data, usage}`` answer of the pooled routes."""
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "list",
+            "created": int(time.time()),
+            "model": model,
+            "data": data,
+            "usage": usage,
+        }
+    )
 
 
 def usage(num_tokens: int) -> dict[str, int]:

@@ -27,7 +27,6 @@ is a 400 that names them.
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,7 @@ from starlette.responses import JSONResponse, Response
 from kvrelay.protocol.pooling import PoolingParams
 from kvrelay.protocol.scoring import ScoringError, cosine, cross_encodes, pair_indices
 from kvrelay.router.api import OpenAIApi
-from kvrelay.router.embeddings import PooledRoutes, floats, usage
+from kvrelay.router.embeddings import PooledRoutes, floats, list_response, usage
 from kvrelay.router.errors import ApiError, bad_request
 from kvrelay.router.request_body import parse_request
 from kvrelay.router.request_models import _Strict
@@ -131,19 +130,8 @@ class ScoringRoutes:
         except ClientDisconnected:
             return Response(status_code=499)
         scores, num_tokens = scored
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": "list",
-                "created": int(time.time()),
-                "model": model,
-                "data": [
-                    {"index": i, "object": "score", "score": score}
-                    for i, score in enumerate(scores)
-                ],
-                "usage": usage(num_tokens),
-            }
-        )
+        data = [{"index": i, "object": "score", "score": x} for i, x in enumerate(scores)]
+        return list_response(request_id, model, data, usage(num_tokens))
 
     async def rerank(self, request: Request) -> Response:
         req = parse_request(await request.body(), RerankRequest)
