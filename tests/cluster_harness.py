@@ -30,10 +30,20 @@ def worker_stats(launcher: Launcher) -> dict[str, dict[str, Any]]:
 
 
 def wait_idle(launcher: Launcher, timeout: float = 30.0) -> dict[str, dict[str, Any]]:
-    """Waits until no worker holds a request or a hand-off; returns their stats."""
+    """Waits until no worker holds a request or a hand-off; returns their stats.
+
+    A worker a test killed stays in the router's list until its heartbeats are missed for
+    ``--dead-after``, and its status port refuses connections meanwhile: that is waited out
+    too (within ``timeout``; a worker still listed and unreachable then fails the test)."""
     deadline = time.monotonic() + timeout
     while True:
-        stats = worker_stats(launcher)
+        try:
+            stats = worker_stats(launcher)
+        except urllib.error.URLError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
         busy = [
             s
             for s in stats.values()
