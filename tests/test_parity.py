@@ -66,18 +66,24 @@ def hf_checkpoint(request, tmp_path_factory):
     expected, last_logits = [], []
     with torch.no_grad():
         for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            expected.append(out[0, len(p) :].tolist())
-            last_logits.append(model(ids).logits[0, -1].float())
+            expected.append(_hf_greedy(model, p))
+            last_logits.append(model(torch.tensor([p])).logits[0, -1].float())
     return path, prompts, expected, last_logits
+
+
+def _hf_greedy(model, prompt: list[int]) -> list[int]:
+    """transformers' greedy continuation of ``prompt``: MAX_NEW tokens, eos ignored."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -114,6 +120,28 @@ def test_prefix_cache_hits_keep_tokens_identical(hf_checkpoint):
     # every full block but the last token's is a hit on the second pass
     assert [o.num_cached_tokens for o in again] == [(n - 1) // 16 * 16 for n in PROMPT_LENS]
     llm.engine.block_manager.check_integrity()
+
+
+@pytest.mark.parametrize("variant", ["default", "chunked-prefill-32"])
+def test_a_burst_sharing_a_prefix_computes_it_once_and_keeps_tokens_identical(
+    hf_checkpoint, variant
+):
+    """Prompts that share a 100-token prefix, sent together into a fresh engine: the first
+    computes the prefix and the others adopt its blocks within the same step (no cache
+    hit was possible before it ran), and every greedy output is still transformers'."""
+    path, prompts, _, _ = hf_checkpoint
+    prefix = prompts[4][:100]
+    burst = [prefix + tail for tail in (prompts[0], prompts[1][:9], prompts[5], [7])]
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = [_hf_greedy(model, p) for p in burst]
+    llm = LLM(path, skip_tokenizer_init=True, warm_up=False, **ENGINE_VARIANTS[variant])
+    outs = llm.generate([{"prompt_token_ids": p} for p in burst], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    bm = llm.engine.block_manager
+    assert [o.num_cached_tokens for o in outs] == [0, 96, 96, 96]  # 6 full blocks of 16
+    assert bm.num_hit_tokens == 3 * 96
+    bm.check_integrity()
+    assert bm.num_leaked() == 0
 
 
 @pytest.mark.parametrize("variant", ["default", "chunked-prefill-32"])

@@ -25,8 +25,12 @@ def make(num_blocks=16, max_tokens_step=64, max_seqs=8, max_len=128, policy="fcf
     return Scheduler(cfg, bm, eos_token_ids=[EOS])
 
 
-def add(s: Scheduler, seq_id: str, n: int, max_tokens: int = 4, **kw) -> Sequence:
-    seq = Sequence(seq_id, list(range(10, 10 + n)), SamplingParams(max_tokens=max_tokens, **kw))
+def add(s: Scheduler, seq_id: str, n: int, max_tokens: int = 4, first: int = 10, **kw) -> Sequence:
+    """A sequence of prompt ``first, first + 1, ...``: the same default prompt for all, so
+    sequences share prefix blocks unless a test gives them another ``first``."""
+    seq = Sequence(
+        seq_id, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens, **kw)
+    )
     s.add(seq)
     return seq
 
@@ -99,7 +103,7 @@ def test_max_num_seqs_caps_the_running_set():
 def test_preemption_frees_the_newest_and_recomputes_it():
     s = make(num_blocks=4)  # 16 tokens of KV
     a = add(s, "a", 7, max_tokens=6)
-    b = add(s, "b", 7, max_tokens=6)
+    b = add(s, "b", 7, max_tokens=6, first=40)  # no block in common with a
     plan, _ = step(s)
     assert shape(plan) == [("a", 0, 7), ("b", 0, 7)]  # 2 blocks each: pool full
     plan, _ = step(s)  # a: 8 tokens fits its 2 blocks; b: 8 too
@@ -236,7 +240,7 @@ def test_an_urgent_arrival_preempts_the_least_urgent_running_for_a_seat():
 def test_an_urgent_arrival_preempts_for_blocks_and_block_shortage_takes_the_least_urgent():
     s = make(num_blocks=4, policy="priority")  # 16 tokens of KV
     low = add(s, "low", 7, max_tokens=6, priority=3)
-    high = add(s, "high", 7, max_tokens=6, priority=1)
+    high = add(s, "high", 7, max_tokens=6, priority=1, first=40)  # no block in common
     plan, _ = step(s)
     assert shape(plan) == [("high", 0, 7), ("low", 0, 7)]  # the most urgent first
     step(s)
@@ -246,7 +250,7 @@ def test_an_urgent_arrival_preempts_for_blocks_and_block_shortage_takes_the_leas
     plan, _ = step(s)
     assert plan.preempted == ("high",)
     # urgent first; high comes back in the same step on its prefix-cached blocks
-    assert shape(plan)[0] == ("urgent", 4, 2)  # its first block is the others' prefix
+    assert shape(plan)[0] == ("urgent", 4, 2)  # its first block is low's prefix
     while s.has_unfinished():
         step(s)
     assert [x.num_output_tokens for x in (low, high, urgent)] == [6, 6, 1]
@@ -261,3 +265,37 @@ def test_an_unknown_policy_is_refused():
     assert CLI_POLICIES == SCHEDULING_POLICIES
     with pytest.raises(ConfigError, match="scheduling_policy must be one of"):
         SchedulerConfig(scheduling_policy="lifo")
+
+
+def test_a_burst_sharing_a_prefix_adopts_the_blocks_the_first_fills_in_the_same_step():
+    """Three prompts of the same 10 tokens arrive together: the first computes them, the
+    others adopt its two full blocks in the same step (its rows store their K/V before any
+    attention reads it) and compute only the rest. A prompt that needs every token's
+    logits adopts nothing; with a budget that cuts the first's chunk, only the blocks it
+    fills in the step are adopted."""
+    s = make()
+    a, b, c = (add(s, name, 10) for name in "abc")
+    d = add(s, "d", 10, prompt_logprobs=0)
+    plan, _ = step(s)
+    assert shape(plan) == [("a", 0, 10), ("b", 8, 2), ("c", 8, 2), ("d", 0, 10)]
+    assert b.block_ids[:2] == a.block_ids[:2] == c.block_ids[:2]
+    assert not set(d.block_ids) & set(a.block_ids)
+    bm = s.block_manager
+    assert bm.num_hit_tokens == 16 and b.num_cached_tokens == 8
+    bm.check_integrity()
+    while s.has_unfinished():
+        step(s)
+    assert bm.num_leaked() == 0
+    s = make(max_tokens_step=12)
+    first = add(s, "first", 10, first=50)
+    add(s, "second", 10, first=50)
+    plan, _ = step(s)  # first fills blocks 0-1 (8 tokens) and part of block 2
+    assert shape(plan) == [("first", 0, 10), ("second", 8, 2)]
+    s = make(max_tokens_step=6)
+    add(s, "first", 10, first=50)
+    add(s, "second", 10, first=50)
+    plan, _ = step(s)  # first's 6 tokens fill one block, and spend the budget
+    assert shape(plan) == [("first", 0, 6)]
+    plan, _ = step(s)  # block 0 is cached now, block 1 fills in this step: both adopted
+    assert shape(plan) == [("first", 6, 4), ("second", 8, 2)]
+    assert first.block_ids[:2] == s.running[1].block_ids[:2]

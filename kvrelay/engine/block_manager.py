@@ -18,7 +18,7 @@ cached block (dropping its hash). A prefix hit on an evictable block revives it.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from typing import NamedTuple
 
@@ -91,11 +91,15 @@ class BlockManager:
             seed = chain_seed(self.fingerprint, seq.params.cache_salt, adapter)
             seq.block_hashes.extend(hash_blocks(seq.token_ids, self.block_size, seed, done, parent))
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+    def find_cached_prefix(
+        self, seq: Sequence, filling: Mapping[BlockHash, int] | None = None
+    ) -> list[int]:
         """Block ids of the longest cached prefix of ``seq`` (no side effects on blocks).
 
         At most ``(num_tokens - 1) // block_size`` blocks: the last token is always computed
-        so the step that finishes the prompt has logits to sample from.
+        so the step that finishes the prompt has logits to sample from. ``filling``: blocks
+        that sequences scheduled earlier in the step being planned fill in it
+        (:meth:`blocks_filled_by`); they count as cached.
         """
         if not self.enable_prefix_caching or seq.needs_every_prompt_token:
             return []  # prompt logprobs need every prompt token's logits (mean pooling, states)
@@ -104,10 +108,33 @@ class BlockManager:
         hits: list[int] = []
         for block_hash in seq.block_hashes[:limit]:
             block_id = self._cached.get(block_hash)
+            if block_id is None and filling:
+                block_id = filling.get(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def blocks_filled_by(
+        self, seq: Sequence, start: int, num_new_tokens: int
+    ) -> Iterator[tuple[BlockHash, int]]:
+        """The (hash, block id) of each block of ``seq`` that a step computing its tokens
+        ``[start, start + num_new_tokens)`` fills, and that is not cached yet.
+
+        A sequence scheduled after ``seq`` in the same step may adopt them as a cached
+        prefix: every layer of a step stores all of its rows' K/V in the pool before any
+        row's attention reads it, so the adopting rows see the keys and values ``seq``'s
+        rows write. A burst of prompts sharing a prefix (a system prompt, a reranker's query
+        before each document) computes it once, not once per prompt of the step.
+        """
+        if not self.enable_prefix_caching:
+            return
+        self.update_hashes(seq)
+        last = min((start + num_new_tokens) // self.block_size, len(seq.block_hashes))
+        for i in range(start // self.block_size, last):
+            block_id = seq.block_ids[i]
+            if self._block_hash[block_id] is None:
+                yield seq.block_hashes[i], block_id
 
     def can_allocate(
         self, seq: Sequence, num_new_tokens: int, cached: Seq[int] = (), num_external: int = 0

@@ -11,7 +11,8 @@ Policy, every step, under a token budget (``max_num_batched_tokens``):
    chunk of the prompt otherwise). If blocks run out, the newest running sequence is
    preempted (blocks freed, recomputed later from its tokens) until the older one fits.
 2. If nothing was preempted, waiting sequences are admitted in order while the budget,
-   ``max_num_seqs`` and the free blocks allow; a prefix-cache hit skips computed blocks.
+   ``max_num_seqs`` and the free blocks allow; a prefix-cache hit skips computed blocks,
+   and so does a block that a sequence scheduled before it fills in this same step.
 Finished and aborted sequences leave at once and free their blocks.
 
 With speculative decoding (``engine.spec_decode``) a decoding sequence that finds an n-gram
@@ -336,12 +337,20 @@ class Scheduler:
         self._queue(seq, front=True)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSeq]) -> int:
-        """Admits waiting sequences in order; returns the tokens of budget used."""
+        """Admits waiting sequences in order; returns the tokens of budget used.
+
+        A waiting prompt's prefix hit counts the blocks that sequences scheduled before it
+        in this step fill (``BlockManager.blocks_filled_by``): a burst sharing a prefix
+        computes it once."""
         used = 0
         bm = self.block_manager
+        filling: dict[BlockHash, int] = {}
+        for item in scheduled:
+            if not item.draft:  # a draft's blocks may be rejected
+                filling.update(bm.blocks_filled_by(item.seq, item.start, item.num_new_tokens))
         while self.waiting and used < budget and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            cached = bm.find_cached_prefix(seq)
+            cached = bm.find_cached_prefix(seq, filling)
             external = self._external_prefix(seq, len(cached))
             num_ext = external.num_blocks if external else 0
             num_new = min(seq.num_tokens - (len(cached) + num_ext) * bm.block_size, budget - used)
@@ -355,6 +364,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            filling.update(bm.blocks_filled_by(seq, seq.num_computed_tokens, num_new))
             used += num_new
         return used
 
