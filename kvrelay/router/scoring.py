@@ -14,8 +14,8 @@ How a pair is scored depends on the model (``protocol.scoring``):
 - a **cross-encoder** (a one-label sequence classifier): each pair is one input, the query's
   and the document's ids joined by the tokenizer's pair template (``Tokenizer.join_pair``),
   and the score is the head's activated logit. Every pair of a request starts with the same
-  query tokens, so with the prefix cache and cache-aware placement the query is computed
-  once per worker, not once per document;
+  query tokens, so with the prefix cache (which shares blocks within a step too) and
+  cache-aware placement the query is computed once per worker, not once per document;
 - any **other model**: every text is embedded once (the query once for all documents) and a
   pair's score is the cosine of the two vectors, computed here.
 
