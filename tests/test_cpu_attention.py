@@ -140,7 +140,10 @@ def test_engine_decode_tokens_use_the_native_kernel(
     assert llm.engine.runner.native_attention
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     lens = [9, 40, 17, 3, 25, 11, 30, 5, 19, 8]  # 10 sequences: more than gemv.MAX_ROWS
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in lens]
+    # no prompt a prefix of another: a batch shares common prefixes within a step, and every
+    # prompt token must run here
+    prompts = [{"prompt_token_ids": list(range(3 + 100 * i, 3 + 100 * i + n))}
+               for i, n in enumerate(lens)]  # fmt: skip
     native = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     layers = llm.engine.runner.model.config.num_layers
     assert calls and len(calls) % layers == 0

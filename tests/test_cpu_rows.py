@@ -125,7 +125,10 @@ def test_batched_steps_use_them_and_match_the_torch_ops(
     monkeypatch.setattr(cpu_rows, "silu_mul", lambda g: calls.append(g.shape[0]) or real(g))
     llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2, dtype=dtype)
     calls.clear()  # the LLM's warm-up steps: this test counts its own generate's
-    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in range(5, 5 + 3 * 12, 3)]
+    # no prompt a prefix of another (a batch shares common prefixes within a step): every
+    # prompt token runs in the one prefill step counted below
+    prompts = [{"prompt_token_ids": list(range(3 + 60 * i, 3 + 60 * i + n))}
+               for i, n in enumerate(range(5, 5 + 3 * 12, 3))]  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=1)
 
     def generate():
