@@ -17,7 +17,8 @@ timed on every engine in turn (the idle one frozen; A, B, then B, A), medians of
 - ``long query``: one query of over a thousand tokens (an agent's whole context) against 32
   short documents: pairs per second. Each pair repeats the query, so this is where the
   prefix cache decides the cost;
-- ``lone pair``: one query and one document: milliseconds.
+- ``lone pair``: one query and one document (a new one each repeat, so nothing of the pair
+  is cached): milliseconds.
 
 Texts are random token ids (16-32, 64-256, 1,024, 32 and 128 of them) decoded to text, the
 same texts for both; the table gives their lengths as they tokenize again. Agreement: the largest
@@ -111,7 +112,7 @@ def measure(engines: list[Any], args: argparse.Namespace, model: Path) -> dict[s
     queries = random_texts(tok, args.num_queries, 16, 32, seed=1)
     docs = [random_texts(tok, n_docs, 64, 256, seed=10 + i) for i in range(len(queries))]
     short_docs = random_texts(tok, n_docs, 32, 32, seed=4)
-    lone = (queries[0], random_texts(tok, 1, 128, 128, seed=5)[0])
+    lone_query = queries[0]
     for engine in engines:  # warm-up, every shape (other texts: nothing cached for the runs)
         engine.call(op="score", query=short_docs[0], documents=docs[-1][:8])
         engine.call(op="score", query=random_texts(tok, 1, 1024, 1024, seed=6)[0],
@@ -144,10 +145,13 @@ def measure(engines: list[Any], args: argparse.Namespace, model: Path) -> dict[s
     size = _sizes(tok, [query]), _sizes(tok, short_docs)
     label = f"long query ({size[0]} tokens) x {n_docs} docs of {size[1]}: pairs/s"
     out["rates"][label] = {name: [n_docs / a["seconds"] for a in got] for name, got in runs.items()}
-    runs = interleaved(engines, args.repeats, op="score", query=lone[0], documents=[lone[1]])
-    out["lone_ms"] = {
-        name: 1e3 * statistics.median(a["seconds"] for a in got) for name, got in runs.items()
-    }
+    lone_s: dict[str, list[float]] = {e.name: [] for e in engines}
+    for r in range(args.repeats):  # a new document each repeat: nothing of the pair cached
+        document = random_texts(tok, 1, 128, 128, seed=300 + r)[0]
+        for name, got in interleaved(engines, 1, op="score", query=lone_query,
+                                     documents=[document]).items():  # fmt: skip
+            lone_s[name] += [a["seconds"] for a in got]
+    out["lone_ms"] = {name: 1e3 * statistics.median(v) for name, v in lone_s.items()}
     out["sample"] = (queries[0], docs[0])
     out["scores"] = {
         e.name: e.call(op="score", query=queries[0], documents=docs[0], return_scores=True)[
