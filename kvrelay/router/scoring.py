@@ -187,22 +187,25 @@ class ScoringRoutes:
             raise bad_request(str(exc), "model") from None
         params = self.pooled.params(model, req)
         cap = self.api.prompts.tokens_kept(req.truncate_prompt_tokens)
+        # a cross-encoder's pair template adds the specials around both texts
+        add_special = not cross
+        per_query, per_doc = (
+            _tighter(req.max_tokens_per_query, cap),
+            _tighter(req.max_tokens_per_doc, cap),
+        )
+        firsts = [await self._ids(q, per_query, add_special, "query") for q in queries]
+        seconds = [await self._ids(d, per_doc, add_special, second) for d in documents]
         if cross:
             assert classifier is not None, "a cross-encoder is a classifier"
             prompts = await self._pair_ids(
-                queries, documents, pairs, req, classifier.pair_separator, second, cap
+                firsts, seconds, pairs, classifier.pair_separator, second, cap
             )
             pooling = PoolingParams(use_activation=req.use_activation)
             inputs = self.pooled.inputs(request_id, prompts, params, pooling)
             vectors = await self.pooled.run(inputs)
             return [floats(v)[0] for v in vectors], sum(len(ids) for ids in prompts)
         n = len(queries)
-        per_query, per_doc = (
-            _tighter(req.max_tokens_per_query, cap),
-            _tighter(req.max_tokens_per_doc, cap),
-        )
-        prompts = [await self._ids(q, per_query, True, "query") for q in queries]
-        prompts += [await self._ids(d, per_doc, True, second) for d in documents]
+        prompts = firsts + seconds
         inputs = self.pooled.inputs(request_id, prompts, params, PoolingParams())
         embedded = [np.frombuffer(v, dtype="<f4") for v in await self.pooled.run(inputs)]
         scores = [cosine(embedded[i], embedded[n + j]) for i, j in pairs]
@@ -210,24 +213,18 @@ class ScoringRoutes:
 
     async def _pair_ids(
         self,
-        queries: list[str],
-        documents: list[str],
+        firsts: list[list[int]],
+        seconds: list[list[int]],
         pairs: list[tuple[int, int]],
-        req: _ScoringOptions,
         separator: bool,
         second: str,
         cap: int | None,
     ) -> list[list[int]]:
-        """A cross-encoder's inputs: each pair's ids (at most ``cap``: the document's end
-        cut first, then the query's), within the context window."""
+        """A cross-encoder's inputs from the texts' ids (no specials): each pair's ids (at
+        most ``cap``: the document's end cut first, then the query's), within the context
+        window."""
         tokenizer = self.api.tokenizer
         max_len = self.api.backend.max_model_len
-        per_query, per_doc = (
-            _tighter(req.max_tokens_per_query, cap),
-            _tighter(req.max_tokens_per_doc, cap),
-        )
-        firsts = [await self._ids(q, per_query, False, "query") for q in queries]
-        seconds = [await self._ids(d, per_doc, False, second) for d in documents]
         out = []
         num_special = len(tokenizer.join_pair([], [])) if separator else 0
         for i, j in pairs:

@@ -78,7 +78,7 @@ class Tokenizer:
         self._all_special_ids = self._collect_special_ids()
         self._chat_template = chat_template
         self._compiled_template: jinja2.Template | None = None
-        self._pair_template: tuple[tuple[int, ...], ...] | None = None  # join_pair's specials
+        self._pair_template = _pair_template(backend)  # join_pair's specials
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
@@ -159,16 +159,6 @@ class Tokenizer:
         encoded without special tokens: what ``tokenizer(text, text_pair)`` gives, the
         post-processor's pair template (its separators) around them. Plain concatenation when
         the tokenizer has no pair template."""
-        if self._pair_template is None:
-            joined = self._backend.encode("a", "b", add_special_tokens=True)
-            parts: list[list[int]] = [[], [], []]  # before, between and after the two texts
-            part = 0
-            for token_id, seq in zip(joined.ids, joined.sequence_ids):
-                if seq is None:
-                    parts[part].append(token_id)
-                else:  # past text 0: between; past text 1: after
-                    part = seq + 1
-            self._pair_template = (tuple(parts[0]), tuple(parts[1]), tuple(parts[2]))
         before, between, after = self._pair_template
         return [*before, *first, *between, *second, *after]
 
@@ -393,6 +383,19 @@ def _text_part(part: Any, index: int) -> str:
     if not isinstance(text, str):
         raise TokenizerError(f"message {index}: a text part needs a string 'text'")
     return text
+
+
+def _pair_template(backend: BackendTokenizer) -> tuple[list[int], list[int], list[int]]:
+    """The special ids the post-processor puts before, between and after a pair's texts."""
+    joined = backend.encode("a", "b", add_special_tokens=True)
+    parts: tuple[list[int], list[int], list[int]] = ([], [], [])
+    part = 0
+    for token_id, seq in zip(joined.ids, joined.sequence_ids):
+        if seq is None:
+            parts[part].append(token_id)
+        else:  # past text 0: between; past text 1: after
+            part = seq + 1
+    return parts
 
 
 def _load_backend(path: Path) -> BackendTokenizer:
