@@ -64,7 +64,10 @@ def test_an_urgent_request_takes_the_only_seat_from_a_long_stream(by_priority: A
         extra_body={"ignore_eos": True, "priority": 5},
     )  # fmt: skip
     chunks = iter(stream)
-    text = next(chunks).choices[0].text
+    # 1P+1D: the first token comes from prefill, later ones from decode; waiting for the
+    # third makes sure the stream holds the decode seat (else a more urgent hand-off, queued
+    # in priority order beside it, would simply go first and preempt nothing)
+    text = "".join(next(chunks).choices[0].text for _ in range(3))
     urgent = client.completions.create(
         model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
         extra_body={"ignore_eos": True, "priority": -1},
