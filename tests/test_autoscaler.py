@@ -366,6 +366,27 @@ def test_no_decision_before_the_cluster_came_up_and_none_while_disabled(make_aut
     assert [d.decode for d in hook.applied] == [2]
 
 
+def test_a_forced_count_waits_for_the_instances_it_added_to_join(make_autoscaler):
+    """A forced count is applied once: while the instance it added is still starting (a slow
+    start on a loaded host), evaluations hold the role rather than compare the count with
+    the instances registered so far and add another."""
+    hook = RecordingHook()
+    scaler = make_autoscaler(hook, ("p0", Role.PREFILL), ("d0", Role.DECODE))
+    scaler.update({"enabled": False, "force": {"decode": 2}})
+    first = evaluate(scaler)
+    assert first.decode == 2 and first.forced
+    assert first.reasons == ("decode 1->2: forced by the operator",)
+    for _ in range(3):  # decode-as0 has not registered yet
+        held = evaluate(scaler)
+        assert not held.is_change and held.decode == 1
+        assert "decode: waiting for 1 instance(s) to join" in held.reasons
+    assert [d.decode for d in hook.applied] == [2]
+    join(scaler.backend, "decode-as0", Role.DECODE)
+    joined = evaluate(scaler)
+    assert not joined.is_change and "decode: held at 2 by the operator" in joined.reasons
+    assert [d.decode for d in hook.applied] == [2]
+
+
 class PlatformPicksHook(ScalingHook):
     """Like compose or Kubernetes: gets counts only and removes a replica of its choosing,
     here always one the autoscaler did not drain."""

@@ -173,7 +173,14 @@ class Autoscaler:
         """Observes, decides and, on a change, drains and applies; returns the decision."""
         now = time.monotonic()
         obs = self.observe(now)
-        decision = self.policy.decide(obs, now, forced=self.forced, hold=self._holds(obs, now))
+        # a role whose instances are joining or leaving waits, forced or not: a forced count
+        # compared with the instances registered so far would add (or drain) them again
+        hold = self._holds(obs, now)
+        forced = {role: count for role, count in self.forced.items() if role not in hold}
+        if not self.enabled:
+            for role in ROLES:
+                hold.setdefault(role, "autoscaling disabled")
+        decision = self.policy.decide(obs, now, forced=forced, hold=hold)
         self._last_reasons = decision.reasons
         if decision.is_change:
             await self._execute(decision)
@@ -202,7 +209,8 @@ class Autoscaler:
         return not isinstance(self.hook, OwningHook) or self.hook.owns(instance_id)
 
     def _holds(self, obs: Observation, now: float) -> dict[ScaledRole, str]:
-        """Roles the policy must leave alone now, and why."""
+        """Roles nothing may move now, and why: the cluster coming up, instances joining,
+        the platform removing some."""
         holds: dict[ScaledRole, str] = {}
         for role in set(ROLES) - self._came_up:
             n, wanted = len(obs.role(role).instances), self.policy.config.target(role).min_instances
@@ -227,9 +235,6 @@ class Autoscaler:
             num_left = self._settle(role, now)
             if num_left:
                 holds[role] = f"waiting for the platform to remove {num_left} instance(s)"
-        if not self.enabled:
-            for role in ROLES:
-                holds.setdefault(role, "autoscaling disabled")
         return holds
 
     def _settle(self, role: ScaledRole, now: float) -> int:
