@@ -42,6 +42,7 @@ from safetensors import safe_open
 
 from kvrelay.engine.config import ModelConfig
 from kvrelay.engine.identity import cached_file_digest
+from kvrelay.kernels import gemv
 from kvrelay.protocol.lora_modules import check_name
 
 CONFIG_FILE = "adapter_config.json"
@@ -302,9 +303,11 @@ class LoRABatch:
         """Adds to ``out`` (the base projection ``key`` of ``x``, in place) each adapter's
         ``(x A) B`` on its rows: in float32 for a span of at most ``SMALL_ROWS`` rows (on CPU a
         bfloat16 matmul of a few rows costs ~4x a float32 one), else in the base's dtype
-        (there a float32 product costs more than the base projection: BENCHMARKS.md "LoRA")."""
+        (there a float32 product costs more than the base projection: BENCHMARKS.md "LoRA");
+        always in float32 where torch's bfloat16 products are slow (``gemv.widens_bfloat16``)."""
+        widen = x.device.type == "cpu" and x.dtype == torch.bfloat16 and gemv.widens_bfloat16()
         for adapter, start, end in self.spans:
-            small = end - start <= SMALL_ROWS
+            small = widen or end - start <= SMALL_ROWS
             pair = (adapter.small if small else adapter.weights).get(key)
             if pair is None:
                 continue

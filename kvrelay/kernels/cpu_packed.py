@@ -9,8 +9,11 @@ on copies reordered once (``torch.ops.mkldnn``), its tied LM head 42 against 18 
 
 The cost is memory: the packed copy sits beside the plain weights (which the native decode
 kernels and the parameter pool keep using), private to the process, and the time to write it
-when the engine starts. It applies to a float32 or bfloat16 model on a CPU whose oneDNN
-computes that dtype; there ``KVRELAY_CPU_PACKED_WEIGHTS`` decides: unset, the engine packs
+when the engine starts. It applies to a float32 or bfloat16 model; where oneDNN does not
+compute bfloat16 (an AVX2 CPU: ``gemv.widens_bfloat16``), a bfloat16 model's copies are
+float32 (twice the bytes) and its steps of many rows multiply in float32, rounding the
+result to bfloat16, instead of taking torch's bfloat16 conversion path (8-190x slower).
+``KVRELAY_CPU_PACKED_WEIGHTS`` decides: unset, the engine packs
 when the copy fits in ``AUTO_SHARE`` of the memory available (``MemAvailable``), as vLLM's CPU
 backend packs its weights when it loads them, but on a background thread, so the engine starts
 and serves on the plain weights meanwhile (start to first token stays as it was; the packed
@@ -51,12 +54,20 @@ AUTO_SHARE = 0.25  # unset: pack when the copy takes at most this share of the m
 
 @functools.cache
 def supported(dtype: torch.dtype) -> bool:
-    """oneDNN is built in and computes ``dtype`` on this CPU (bfloat16: AVX512-BF16 or AMX)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return dtype == torch.float32
+    """oneDNN is built in and ``dtype`` is float32 or bfloat16 (packed as float32 where oneDNN
+    does not compute bfloat16: ``packed_dtype``)."""
+    return torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+
+
+def packed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a ``dtype`` weight's packed copy holds: float32 for bfloat16 where oneDNN does
+    not compute it (``gemv.widens_bfloat16``), else ``dtype``."""
+    return torch.float32 if dtype == torch.bfloat16 and gemv.widens_bfloat16() else dtype
+
+
+def copy_bytes(w: torch.Tensor) -> int:
+    """The bytes of ``w``'s packed copy."""
+    return w.numel() * packed_dtype(w.dtype).itemsize
 
 
 def plan(weights: Mapping[str, torch.Tensor], copy_bytes: int) -> str | None:
@@ -72,7 +83,7 @@ def plan(weights: Mapping[str, torch.Tensor], copy_bytes: int) -> str | None:
     if embed.device.type != "cpu" or embed.dtype not in (torch.float32, torch.bfloat16):
         why = f"the model is {embed.dtype} on {embed.device.type}, not float32/bfloat16 on cpu"
     elif not supported(embed.dtype):
-        why = f"this CPU's oneDNN does not compute {embed.dtype}"
+        why = "torch is built without oneDNN"
     if why is not None:
         if choice:
             logger.warning("KVRELAY_CPU_PACKED_WEIGHTS ignored: %s", why)
@@ -106,10 +117,15 @@ def memory_available() -> int | None:
 
 def pack(w: torch.Tensor, transposed: bool) -> torch.Tensor:
     """A blocked copy of ``w`` (``transposed``: stored ``[in, out]``, else ``[out, in]``)."""
-    plain = w.t() if transposed else w
+    plain = (w.t() if transposed else w).to(packed_dtype(w.dtype))
     return torch.ops.mkldnn._reorder_linear_weight(plain.contiguous(), PACK_ROWS)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w + bias`` where ``packed`` is ``pack(w, ...)``."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """``x @ w + bias`` where ``packed`` is ``pack(w, ...)`` (a float32 copy of a bfloat16
+    ``w``: computed in float32, the result rounded to ``x``'s dtype)."""
+    if packed.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    wide = x.to(packed.dtype)
+    bias = None if bias is None else bias.to(packed.dtype)
+    return torch.ops.mkldnn._linear_pointwise(wide, packed, bias, "none", [], "").to(x.dtype)

@@ -16,6 +16,12 @@ Both fall back to torch for anything the library does not take: more than ``MAX_
 other than float32 / bfloat16, non-contiguous operands, no compiled library, or
 ``KVRELAY_NATIVE_MATMUL=0``. Results match torch's to float32 rounding (the sums run in
 another order); bfloat16 outputs are rounded to nearest even, as torch's are.
+
+On a CPU where oneDNN does not compute bfloat16 (no AVX-512 or AMX: an AVX2 CPU), torch's
+bfloat16 GEMMs take a conversion path 8-190x slower than float32's (BENCHMARKS.md, "bfloat16
+on a CPU without native BF16"); there the torch fallback multiplies float32 copies of the
+operands and rounds the result to bfloat16 (``widens_bfloat16``): the same exact products
+and float32 sums as a bfloat16 GEMM's, in another order.
 """
 
 from __future__ import annotations
@@ -137,10 +143,38 @@ def _call(
     return y
 
 
+@functools.cache
+def widens_bfloat16() -> bool:
+    """True where oneDNN does not compute bfloat16 on this CPU, so that torch's bfloat16 GEMMs
+    are slow: products of more rows than the library takes run on float32 copies there."""
+    return not (
+        torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+def _widened(x: torch.Tensor) -> bool:
+    """Whether torch's product with ``x`` is computed on float32 copies here."""
+    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and widens_bfloat16()
+
+
+def _widened_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T + bias`` (``w`` ``[n, k]``) on float32 copies, rounded to ``x``'s dtype, in
+    oneDNN's float32 kernel: the one the packed copies run (``cpu_packed``), which gives
+    the same sums on a plain weight, so a step's result does not depend on whether the
+    packed copies exist yet (MKL's sums, in another order, can flip a bfloat16 rounding)."""
+    wide, w = x.float(), w.float().contiguous()
+    b = None if bias is None else bias.float()
+    if torch.backends.mkldnn.is_available():
+        return torch.ops.mkldnn._linear_pointwise(wide, w, b, "none", [], "").to(x.dtype)
+    return F.linear(wide, w, b).to(x.dtype)
+
+
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w + bias`` for ``w`` stored ``[k, n]``."""
     library = _native(x, w)
     if library is None or w.shape[0] != x.shape[1]:
+        if _widened(x):
+            return _widened_linear(x, w.t(), bias)
         return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
     y = _call(library, _KN, x, w, w.shape[1])
     return y if bias is None else y.add_(bias)
@@ -150,5 +184,7 @@ def matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for ``w`` stored ``[n, k]``."""
     library = _native(x, w)
     if library is None or w.shape[1] != x.shape[1]:
+        if _widened(x):
+            return _widened_linear(x, w, None)
         return F.linear(x, w)
     return _call(library, _NK, x, w, w.shape[0])

@@ -131,7 +131,7 @@ class LlamaModel:
                  for n in ("qkv", "o", "gate_up", "down")]  # fmt: skip
         if config.generates:  # an embedding checkpoint has no head
             names.append("lm_head" if "lm_head" in weights else "embed")  # tied: the embedding
-        size = sum(weights[n].numel() * weights[n].element_size() for n in names)
+        size = sum(cpu_packed.copy_bytes(weights[n]) for n in names)
         how = cpu_packed.plan(weights, size)
         # steps of up to this many rows take the native kernels (the whole step in one call
         # when it is decode tokens only); more rows take the packed copies once they exist
