@@ -608,3 +608,17 @@ def test_peers_trace_replays_a_trace_against_a_kvrelay_cluster(tiny_model_dir, t
     assert result["cached_prompt_tokens"] == 0  # random prompts: nothing to reuse
     [row] = module.summarize({"kvrelay-colo": [result]})
     assert row[0] == "kvrelay-colo" and row[2].endswith("%")
+
+
+def test_bf16_widened_benchmark_times_every_path(tiny_model_dir) -> None:
+    """One layer of the tiny model's shapes at 9 and 16 rows: a table row for each, four
+    times, and the widened result checked against torch's bfloat16 one on the way."""
+    script = REPO_ROOT / "benchmarks" / "bf16_widened.py"
+    cmd = [sys.executable, str(script), "--model", str(tiny_model_dir), "--rows", "9", "16",
+           "--layers", "1", "--repeats", "1", "--threads", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$",
+                      proc.stdout, re.M)  # fmt: skip
+    assert [r[0] for r in rows] == ["9", "16"], proc.stdout
+    assert "widens bfloat16 here:" in proc.stdout
