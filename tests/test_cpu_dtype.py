@@ -1,4 +1,5 @@
-"""bfloat16 on a CPU without native BF16 is slow: the engine says so when it starts."""
+"""bfloat16 on a CPU without native BF16 multiplies float32 copies of the weights: the engine
+says so when it starts."""
 
 from __future__ import annotations
 
@@ -18,13 +19,13 @@ def test_native_bf16_is_read_from_the_cpu_flags():
     assert not engine.cpu_has_native_bf16("")
 
 
-@pytest.mark.parametrize(("native", "dtype", "device", "warned"), [
+@pytest.mark.parametrize(("native", "dtype", "device", "noted"), [
     (False, "bfloat16", "cpu", True),
     (True, "bfloat16", "cpu", False),
     (False, "float32", "cpu", False),
 ])  # fmt: skip
-def test_a_slow_dtype_is_a_warning(monkeypatch, caplog, native, dtype, device, warned):
+def test_bfloat16_without_native_bf16_is_noted(monkeypatch, caplog, native, dtype, device, noted):
     monkeypatch.setattr(engine, "cpu_has_native_bf16", lambda: native)
-    with caplog.at_level(logging.WARNING, logger=engine.__name__):
-        engine.warn_if_slow_dtype(torch.device(device), dtype)
-    assert ("--dtype float32 is faster" in caplog.text) == warned
+    with caplog.at_level(logging.INFO, logger=engine.__name__):
+        engine.note_cpu_dtype(torch.device(device), dtype)
+    assert ("multiply float32 copies of the weights" in caplog.text) == noted

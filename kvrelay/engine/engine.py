@@ -68,16 +68,15 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def warn_if_slow_dtype(device: torch.device, dtype: str) -> None:
-    """Logs a warning for bfloat16 on a CPU without native BF16 (measured here on an AVX2
-    EPYC: torch's bfloat16 matmuls 4-5x slower than float32; decode steps avoid them through
-    the native kernel, prefill does not)."""
+def note_cpu_dtype(device: torch.device, dtype: str) -> None:
+    """Logs how bfloat16 runs on a CPU without native BF16, where torch's bfloat16 GEMMs take a
+    conversion path 8-190x slower than float32's (an AVX2 CPU; BENCHMARKS.md): steps of many
+    rows multiply float32 copies of the weights there (``gemv.widens_bfloat16``)."""
     if device.type == "cpu" and dtype == "bfloat16" and not cpu_has_native_bf16():
-        logger.warning(
-            "bfloat16 on a CPU without AVX512-BF16 or AMX: torch's matmuls take a slow "
-            "conversion path here, so prefill runs several times slower than in float32 "
-            "(decode steps use kvrelay's native kernel); --dtype float32 is faster for "
-            "long prompts on this CPU"
+        logger.info(
+            "bfloat16 on a CPU without AVX512-BF16 or AMX: prompts and large batches multiply "
+            "float32 copies of the weights (twice their bytes) and round to bfloat16; lone "
+            "decode steps read the bfloat16 weights in kvrelay's native kernel"
         )
 
 
@@ -201,7 +200,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         mc = config.model_config
         self.device = device = resolve_device(config.device)
-        warn_if_slow_dtype(device, config.dtype)
+        note_cpu_dtype(device, config.dtype)
         self.tokenizer = tokenizer
         self.fingerprint = model_identity(config.model, config.dtype)
         if weights is None:
