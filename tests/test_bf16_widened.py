@@ -89,10 +89,14 @@ def test_a_bfloat16_engine_packs_float32_copies_and_uses_them(
         engine = LLMEngine.from_args(tiny_model_dir, dtype="bfloat16", num_threads=1, seed=0)
     model = engine.runner.model
     assert model.packed and all(p.dtype == torch.float32 for p in model.packed.values())
+    assert model.native_rows == gemv.MAX_ROWS  # bfloat16 rows stay native up to 8 here
     size = sum(2 * model.weights[n].nbytes for n in model.packed)
     assert f"{size / 1e6:.0f} MB beside the plain ones" in caplog.text
-    calls: list[torch.dtype] = []
+    calls: list[tuple[torch.dtype, int]] = []
     real = cpu_packed.linear
-    monkeypatch.setattr(cpu_packed, "linear", lambda x, *a: calls.append(x.dtype) or real(x, *a))
+    monkeypatch.setattr(
+        cpu_packed, "linear", lambda x, *a: calls.append((x.dtype, x.shape[0])) or real(x, *a)
+    )
     assert greedy_tokens(engine, prompts, 4) == want
-    assert calls and set(calls) == {torch.bfloat16}  # bfloat16 rows in, float32 copies
+    assert calls and {dtype for dtype, _ in calls} == {torch.bfloat16}  # into float32 copies
+    assert min(rows for _, rows in calls) > gemv.MAX_ROWS  # the ten decode rows, the prompts

@@ -45,8 +45,14 @@ NATIVE_ROWS_BF16 = 4
 
 
 def native_rows(dtype: torch.dtype) -> int:
-    """Rows up to which a step of a model with packed ``dtype`` weights stays native."""
-    return NATIVE_ROWS_BF16 if dtype == torch.bfloat16 else gemv.MAX_ROWS
+    """Rows up to which a step of a model with packed ``dtype`` weights stays native. Where
+    the copies of bfloat16 weights are float32 (``packed_dtype``), gemv's bfloat16 rows stay
+    native up to ``gemv.MAX_ROWS``: it reads half the bytes, and oneDNN's float32 products are
+    slower there (AVX2 Zen 3, SmolLM2 decode steps of 6 / 8 rows: 93 / 97 ms on the copies
+    against 35 / 60 native; BENCHMARKS.md, "bfloat16 on a CPU without native BF16")."""
+    if dtype == torch.bfloat16 and packed_dtype(dtype) == torch.bfloat16:
+        return NATIVE_ROWS_BF16
+    return gemv.MAX_ROWS
 
 
 AUTO_SHARE = 0.25  # unset: pack when the copy takes at most this share of the memory available
