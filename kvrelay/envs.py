@@ -201,8 +201,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
          commands=("serve",)),
     _var("KVRELAY_CPU_PACKED_WEIGHTS", bool, None,
          "a float32 or bfloat16 CPU engine keeps a copy of every projection and the LM head in "
-         "oneDNN's blocked layout for steps of more than 8 rows (4 in bfloat16; batched decode, "
-         "prefill): "
+         "oneDNN's blocked layout for steps of more than 8 rows (4 in bfloat16 where oneDNN "
+         "computes it; batched decode, prefill): "
          "1.8-2.8x faster steps there, at a second copy of the weights' memory, private to the "
          "process (float32 for a bfloat16 model where oneDNN has no bfloat16, an AVX2 CPU: "
          "twice its bytes, and 38-102x faster than torch's bfloat16 products there). Unset: "
