@@ -4,7 +4,7 @@ On such a CPU (an AVX2 one: ``gemv.widens_bfloat16``) torch's bfloat16 GEMMs tak
 conversion path; kvrelay multiplies float32 copies instead and rounds the result to bfloat16
 (``kernels/cpu_packed.py``). For each row count this times one layer's four projections of
 a model (``--model``'s shapes, distinct weights for each of ``--layers`` layers, so that they
-come from memory as in a step), in turns, medians of ``--repeats``:
+come from memory as in a step), in turns, medians of ``--repeats`` after three warm-ups:
 
 - torch's bfloat16 ``mm`` on the plain weights (what a bfloat16 step did before);
 - the widened fallback (``gemv.matmul``: oneDNN's float32 kernel on float32 copies of the
@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from decode_attention import median_ms  # benchmarks/, the script's directory
 
 from kvrelay.kernels import cpu_packed, gemv
 
@@ -53,16 +52,6 @@ def shapes(model: Path) -> tuple[int, list[tuple[int, int]]]:
     return cfg["num_hidden_layers"], [
         (hidden, qkv), (heads * head_dim, hidden), (hidden, 2 * inter), (inter, hidden)
     ]  # fmt: skip
-
-
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def _paths(
@@ -102,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         got = gemv.matmul(xs[first.shape[0]], first)
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=2e-2)
         paths = _paths(xs, plain, packed)
-        ms = {name: timed(fn, args.repeats) for name, fn in paths.items()}
+        ms = {name: median_ms(fn, args.repeats) for name, fn in paths.items()}
         print(f"| {rows} | {ms['bf16']:.1f} | {ms['fallback']:.1f} | {ms['packed']:.1f} | "
               f"{ms['f32']:.1f} |")  # fmt: skip
 

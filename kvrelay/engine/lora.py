@@ -305,7 +305,7 @@ class LoRABatch:
         bfloat16 matmul of a few rows costs ~4x a float32 one), else in the base's dtype
         (there a float32 product costs more than the base projection: BENCHMARKS.md "LoRA");
         always in float32 where torch's bfloat16 products are slow (``gemv.widens_bfloat16``)."""
-        widen = x.device.type == "cpu" and x.dtype == torch.bfloat16 and gemv.widens_bfloat16()
+        widen = gemv.widened(x)
         for adapter, start, end in self.spans:
             small = widen or end - start <= SMALL_ROWS
             pair = (adapter.small if small else adapter.weights).get(key)

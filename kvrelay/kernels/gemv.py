@@ -152,8 +152,9 @@ def widens_bfloat16() -> bool:
     )
 
 
-def _widened(x: torch.Tensor) -> bool:
-    """Whether torch's product with ``x`` is computed on float32 copies here."""
+def widened(x: torch.Tensor) -> bool:
+    """Whether torch's products with ``x`` (a CPU bfloat16 tensor where ``widens_bfloat16``)
+    are computed on float32 copies here."""
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and widens_bfloat16()
 
 
@@ -173,7 +174,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """``x @ w + bias`` for ``w`` stored ``[k, n]``."""
     library = _native(x, w)
     if library is None or w.shape[0] != x.shape[1]:
-        if _widened(x):
+        if widened(x):
             return _widened_linear(x, w.t(), bias)
         return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
     y = _call(library, _KN, x, w, w.shape[1])
@@ -184,7 +185,7 @@ def matmul_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` for ``w`` stored ``[n, k]``."""
     library = _native(x, w)
     if library is None or w.shape[1] != x.shape[1]:
-        if _widened(x):
+        if widened(x):
             return _widened_linear(x, w, None)
         return F.linear(x, w)
     return _call(library, _NK, x, w, w.shape[0])
