@@ -209,6 +209,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "when that copy fits in a quarter of the memory available, on a "
          "thread while the engine already serves on the plain weights; 1: always, before the "
          "engine starts; 0: never", commands=("serve",)),
+    _var("KVRELAY_GRAMMAR_WARM_UP", bool, True,
+         "a worker builds the grammar compiler's tokenizer tables (xgrammar, which imports "
+         "transformers: ~2.5 s of CPU) on a thread as it starts serving, so that the first "
+         "structured request does not wait for them (0: on the first structured request, "
+         "which then waits ~2.5 s; a worker that never gets one never spends it: the test "
+         "suite's setting)", commands=("serve",)),
     _var("KVRELAY_NATIVE_ATTENTION", bool, True,
          "decode tokens attend over the KV pool in kvrelay's own kernel, the native library's "
          "on CPU (with the tokens of prefill segments up to 512 tokens, 2,048 in bfloat16 on "

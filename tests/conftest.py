@@ -16,6 +16,11 @@ import torch
 if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+# The workers the tests start build xgrammar's tables on the first structured request, not on a
+# thread at start: ~2.5 s of CPU each (the import of transformers), in hundreds of starts, most
+# of which never see a structured request. test_warm_up.py checks the default (a thread at start).
+os.environ.setdefault("KVRELAY_GRAMMAR_WARM_UP", "0")
+
 from kvrelay.engine.make_tiny import make_tiny
 
 if TYPE_CHECKING:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import signal
+import time
+from pathlib import Path
 from typing import Literal
 
 import jsonschema
@@ -70,10 +72,17 @@ def model_dir(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def colocated(model_dir, tmp_path_factory):
+    """A colocated worker that builds the grammar tables on a thread at start: the default,
+    which conftest turns off for the suite's other workers (KVRELAY_GRAMMAR_WARM_UP=0)."""
     log_dir = tmp_path_factory.mktemp("colocated")
-    with running_cluster(
-        model_dir, log_dir, num_prefill=0, num_decode=0, num_colocated=1, router_args=ROUTER_ARGS
-    ) as launcher:
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("KVRELAY_GRAMMAR_WARM_UP", "1")
+            cluster = running_cluster(
+                model_dir, log_dir, num_prefill=0, num_decode=0, num_colocated=1,
+                router_args=ROUTER_ARGS,
+            )  # fmt: skip
+            launcher = stack.enter_context(cluster)
         yield launcher
 
 
@@ -87,6 +96,35 @@ def disagg(model_dir, tmp_path_factory):
 @pytest.fixture(params=["colocated", "disagg"])
 def cluster(request):
     return request.getfixturevalue(request.param)
+
+
+def test_grammar_tables_build_at_start_or_on_the_first_structured_request(colocated, disagg):
+    """By default a worker builds xgrammar's tables on its warm-up thread as it starts serving;
+    with KVRELAY_GRAMMAR_WARM_UP=0 (disagg here) on the first structured request instead."""
+    built = "built the grammar compiler's tokenizer tables in "
+
+    def lines(launcher) -> list[str]:
+        return [
+            line
+            for path in sorted(Path(launcher.spec.log_dir).glob("*.log"))
+            for line in path.read_text().splitlines()
+            if built in line
+        ]
+
+    deadline = time.monotonic() + 60
+    while not lines(colocated) and time.monotonic() < deadline:  # unless a test asked already
+        time.sleep(0.2)
+    assert [line.endswith("(grammar-warm-up thread)") for line in lines(colocated)] == [True]
+    assert not any("grammar-warm-up" in line for line in lines(disagg))
+    reply = _client(disagg).chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=8,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )
+    assert reply.choices[0].message.content in ("yes", "no")
+    deferred = lines(disagg)
+    assert deferred and all(line.endswith("(MainThread thread)") for line in deferred), deferred
 
 
 def _client(launcher) -> openai.OpenAI:

@@ -52,7 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
         "env KVRELAY_NATIVE_ATTENTION=0: torch's decode attention, on CPU and CUDA; "
         "env KVRELAY_CUDA_GRAPHS=0: a CUDA engine runs every step without CUDA graphs; "
         "env KVRELAY_MIXED_GRAPHS=0: its prompt and mixed steps without them; "
-        "env KVRELAY_TRITON_PREFILL=0: a CUDA engine's prefill through torch's SDPA]",
+        "env KVRELAY_TRITON_PREFILL=0: a CUDA engine's prefill through torch's SDPA; "
+        "env KVRELAY_GRAMMAR_WARM_UP=0: xgrammar's tables on the first structured request, "
+        "not on a thread at start]",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")

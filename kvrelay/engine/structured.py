@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -151,6 +152,7 @@ class GrammarCache:
 
     def _get_compiler(self) -> Any:
         if self._compiler is None:
+            start = time.monotonic()
             import xgrammar as xgr
 
             tokenizer = _hf_tokenizer(self._model_dir)
@@ -159,6 +161,10 @@ class GrammarCache:
             )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             self._json_bits = _without_control_chars(info.decoded_vocab, self.vocab_size)
+            logger.info(
+                "built the grammar compiler's tokenizer tables in %.2f s (%s thread)",
+                time.monotonic() - start, threading.current_thread().name,
+            )  # fmt: skip
         return self._compiler
 
 

@@ -62,6 +62,7 @@ class RouterLinks:
         self._pending: list[TokenEvent] | None = None  # events of an open ``batch``
         self._batching: set[zmq.Socket] = set()  # links whose router takes TokenEvents
         self._is_running: Callable[[], bool] = lambda: False
+        self._stopping = threading.Event()  # ends the heartbeat's wait at once (close)
         self._heartbeat = threading.Thread(
             target=self._heartbeat_loop, name="heartbeat", daemon=True
         )
@@ -84,7 +85,8 @@ class RouterLinks:
         while self._is_running():
             if self.snapshot is not None:
                 self.send(self.snapshot)
-            time.sleep(self._heartbeat_interval)
+            if self._stopping.wait(self._heartbeat_interval):
+                return
 
     def set_router_id(self, router_id: str, link: zmq.Socket) -> None:
         """``link`` leads to router ``router_id`` (its RegisterAck); a router that had the
@@ -201,7 +203,8 @@ class RouterLinks:
                     )
 
     def join_heartbeat(self) -> None:
-        """Waits for the heartbeat thread (``is_running()`` is already false)."""
+        """Ends the heartbeat thread and waits for it (``is_running()`` is already false)."""
+        self._stopping.set()
         if self._heartbeat.is_alive():
             self._heartbeat.join(timeout=2 * self._heartbeat_interval + 1)
 

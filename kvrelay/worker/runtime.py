@@ -37,6 +37,7 @@ from typing import Any, cast
 import torch
 import zmq
 
+from kvrelay import envs
 from kvrelay.cachetier.param_pool import ParamPool
 from kvrelay.engine.engine import (
     LLMEngine,
@@ -259,7 +260,8 @@ class Worker:
         )
         # the grammar compiler's tables (about 1 s) build while the worker already serves;
         # after the log line, which its import (holding the GIL) would otherwise delay
-        self.engine.grammars.warm_up_in_background()
+        if envs.get("KVRELAY_GRAMMAR_WARM_UP"):
+            self.engine.grammars.warm_up_in_background()
         self.routers.snapshot = self.load_report()
         self.routers.start_heartbeat(lambda: self._running)
         try:
