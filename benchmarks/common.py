@@ -11,6 +11,8 @@ leaves every other section as it was, so each script owns exactly one section::
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -179,22 +181,29 @@ def cpu_model() -> str:
 
 def machine_info(num_threads: int) -> dict[str, Any]:
     """Facts a reader needs to compare runs: CPU, cores, threads used, library versions."""
-    import torch
-
-    info: dict[str, Any] = {
+    return {
         "cpu": cpu_model(),
         "num_cpus": os.cpu_count(),
         "num_threads": num_threads,
-        "torch": torch.__version__,
+        "torch": package_version("torch"),
         "python": platform.python_version(),
+        "transformers": package_version("transformers"),
     }
-    try:
-        import transformers
 
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        info["transformers"] = None
-    return info
+
+def package_version(name: str) -> str | None:
+    """An installed package's version, without importing it where it is not loaded yet
+    (torch and transformers take seconds); None if it is not installed."""
+    module = sys.modules.get(name)
+    if module is not None:
+        return str(module.__version__)
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            return str(importlib.import_module(name).__version__)
+        except ImportError:
+            return None
 
 
 def machine_markdown(info: dict[str, Any]) -> str:

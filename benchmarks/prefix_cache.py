@@ -13,9 +13,10 @@ Configurations, each on a freshly started cluster (router, 1 prefill and 1 decod
   computed;
 - ``L1``: prefix caching on (device blocks) and the L1 host shared-memory pool (the default);
 - ``L1+L2``: a Redis L2 as well, read from a cold instance. The workload runs once on prefill
-  A (unmeasured: it fills A's device cache, host A's L1 and Redis); once Redis's write-behind
-  queue is empty, prefill B joins with an L1 pool of its own (another host: cold device cache,
-  cold L1), A is drained, and the same workload runs again, measured, all on B.
+  A (unmeasured: it fills A's device cache, host A's L1 and Redis); prefill B starts with an
+  L1 pool of its own (another host: cold device cache, cold L1); once Redis's write-behind
+  queue is empty and B has joined, A is drained, and the same workload runs again, measured,
+  all on B.
 
 Each measured pass follows one untimed warm-up request (no system message: it shares no block
 with the workload). ``--repeats`` passes per configuration, each on its own cluster, are

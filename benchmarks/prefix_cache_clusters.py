@@ -63,9 +63,11 @@ def running_cluster(
 
 
 def measure(url: str, workload: Workload, args: argparse.Namespace) -> list[TurnResult]:
-    """One measured pass, after a warm-up request and a wait for idle CPUs."""
+    """One measured pass, after a warm-up request and a wait for idle CPUs (none with
+    ``--quiet-wait 0``)."""
     warm_up(url)
-    wait_for_quiet_cpu(args.quiet_wait, threshold=0.1)
+    if args.quiet_wait > 0:
+        wait_for_quiet_cpu(args.quiet_wait, threshold=0.1)
     return run_workload(url, workload)
 
 
@@ -107,8 +109,9 @@ def run_l1_l2(
         with running_cluster(model_dir, args, log_dir, host_a, cluster_id) as launcher:
             [warm] = [n for n, p in launcher.procs.items() if p.role == "prefill"]
             run_workload(launcher.url, workload)
-            wait_for_write_behind(launcher.url, server)
+            # B starts while Redis's write-behind queue empties (no request runs meanwhile)
             cold = launcher.add_worker("prefill", ["--host-pool", f"kvrelay-{cluster_id}-hostB"])
+            wait_for_write_behind(launcher.url, server)
             launcher.wait_ready(timeout=300, names=[cold])
             drain(launcher.url, warm)
             before = device_queries(launcher.url)

@@ -28,7 +28,9 @@ Part 3: chain multicast of the largest pool whose copies fit in memory, from the
 ``kvrelay pool serve`` (after that model's starts) to 1, 2, 4 receivers, each a process with
 its own scope that forwards while it fills (``plan_chain`` order). Receivers start, import
 and fingerprint the model, then all start fetching at one signal; the time is from the
-signal to the last receiver's pool ready (goal: 4 receivers under 1.5x the time of 1).
+signal to the last receiver's pool ready (goal: 4 receivers under 1.5x the time of 1). The
+receivers of every chain size start together (in the first repeat, with the origin) and are
+all ready, idle, before the first chain of the repeat is timed.
 Two conditions, each with its own origin: unlimited (loopback TCP as fast as the CPUs go:
 every "host" shares this machine's cores, so the run is CPU-bound) and link-limited
 (``--link-mbps``: the origin and every forwarding receiver send at most that rate, a token

@@ -42,17 +42,18 @@ _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 _WEIGHTS_LOGGED = re.compile(r"(built|filled) parameter pool \S+ .* in ([\d.]+) s")
 POOL_EVENT = {"disk": None, "build": "built", "pool": None, "peer": "filled"}  # logged by mode
 RECEIVER_CODE = """\
-import json, sys, time
+import json, os, sys, time
 from kvrelay.cachetier.param_transfer import fetch_pool
 from kvrelay.engine.identity import model_identity
 from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.transport.curve import SocketSecurity
-model, dtype, scope, bind, sources, link = sys.argv[1:7]
+model, dtype, scope, link = sys.argv[1:5]
 fingerprint = model_identity(model, dtype)
 print("ready", flush=True)
-sys.stdin.readline()
+line = sys.stdin.readline()  # the start signal: where to forward from, whom to fetch from
 start = time.time()
-got = fetch_pool(fingerprint, dtype, sources.split(","), scope=scope, forward_bind=bind,
+order = json.loads(line)
+got = fetch_pool(fingerprint, dtype, order["sources"], scope=scope, forward_bind=order["bind"],
                  timeout=60.0, link_bytes_per_s=float(link),
                  security=SocketSecurity(ClusterCredential.load()))
 print(json.dumps({"start": start, "end": time.time(), "seconds": got.seconds,
@@ -60,6 +61,7 @@ print(json.dumps({"start": start, "end": time.time(), "seconds": got.seconds,
 sys.stdin.readline()  # forward until the benchmark closes stdin
 got.server.close()
 got.pool.close()
+os._exit(0)  # all closed: no interpreter finalization (~1 s of each exit with torch loaded)
 """
 
 
@@ -261,8 +263,9 @@ def measure_attach(ckpt: Checkpoint, args: argparse.Namespace) -> AttachResult:
 
 
 def measure_import(repeats: int) -> float:
-    """Median seconds for a fresh interpreter to import what a prefill worker imports."""
-    code = "import kvrelay.cli, kvrelay.worker.serve, kvrelay.prefill.worker"
+    """Median seconds for a fresh interpreter to import what a prefill worker imports (and
+    no more: it exits without the interpreter's finalization, as a worker does)."""
+    code = "import os, kvrelay.cli, kvrelay.worker.serve, kvrelay.prefill.worker; os._exit(0)"
     return median(
         timings(lambda: subprocess.run([sys.executable, "-c", code], check=True), repeats)
     )
@@ -298,58 +301,84 @@ def _mem_available() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def run_chain(
-    ckpt: Checkpoint,
-    origin: str,
-    num_receivers: int,
-    repeat: int,
-    args: argparse.Namespace,
-    log_dir: Path,
-    link_mbps: float = 0.0,
-) -> ChainRun:
-    """One chain multicast from ``origin`` to ``num_receivers`` new receiver processes, each
-    forwarding at most ``link_mbps`` (0: unlimited)."""
-    from kvrelay.cachetier import param_ops
-    from kvrelay.transport.chain_wire import plan_chain
+Receivers = tuple[str, list[subprocess.Popen[bytes]]]  # (tag, processes) of one chain run
 
+
+def start_receivers(
+    ckpt: Checkpoint, num_receivers: int, log_dir: Path, link_mbps: float = 0.0
+) -> Receivers:
+    """Starts ``num_receivers`` receiver processes, each forwarding at most ``link_mbps``
+    (0: unlimited), and returns at once: they import and fingerprint the model, print
+    "ready" and wait for their start line (``run_chain``)."""
     link = mbps_to_bytes_per_s(link_mbps)
     tag = f"c{os.getpid()}n{num_receivers}{uuid.uuid4().hex[:6]}"
-    addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in range(num_receivers)]
-    plan = plan_chain(origin, addrs)
     procs: list[subprocess.Popen[bytes]] = []
     try:
         with open(log_dir / f"{tag}.log", "ab") as log:
-            for k, addr in enumerate(addrs):
-                argv = [ckpt.path, ckpt.dtype, f"{tag}k{k}", addr, ",".join(plan[addr]), link]
+            for k in range(num_receivers):
+                argv = [ckpt.path, ckpt.dtype, f"{tag}k{k}", link]
                 cmd = [sys.executable, "-c", RECEIVER_CODE, *map(str, argv)]
                 pipe = subprocess.PIPE
                 procs.append(
                     subprocess.Popen(cmd, stdin=pipe, stdout=pipe, stderr=log, env=bench_environ())
                 )
-        for k, proc in enumerate(procs):
-            read_line(proc, START_TIMEOUT_S, f"receiver {k}")
+    except BaseException:
+        end_receivers(ckpt, (tag, procs))
+        raise
+    return tag, procs
+
+
+def wait_receivers_ready(receivers: Receivers) -> None:
+    for k, proc in enumerate(receivers[1]):
+        read_line(proc, START_TIMEOUT_S, f"receiver {k}")
+
+
+def end_receivers(ckpt: Checkpoint, receivers: Receivers) -> None:
+    """Stops the receivers and removes their pools; idempotent."""
+    from kvrelay.cachetier import param_ops
+
+    tag, procs = receivers
+    for proc in procs:  # EOF: a receiver that is done closes its pool and exits
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(10.0)
+        stop_process(proc)
+    for k in range(len(procs)):
+        param_ops.remove(ckpt.scoped_pool(f"{tag}k{k}"), force=True)
+
+
+def run_chain(
+    ckpt: Checkpoint,
+    origin: str,
+    receivers: Receivers,
+    repeat: int,
+    args: argparse.Namespace,
+    link_mbps: float = 0.0,
+) -> ChainRun:
+    """One chain multicast from ``origin`` to ``receivers`` (``start_receivers`` with
+    ``link_mbps``, ready); ends them."""
+    from kvrelay.transport.chain_wire import plan_chain
+
+    procs = receivers[1]
+    try:
+        addrs = [f"tcp://127.0.0.1:{free_port()}" for _ in procs]
+        plan = plan_chain(origin, addrs)
         if args.quiet_wait > 0:
             wait_for_quiet_cpu(args.quiet_wait, threshold=0.15)
         go = time.time()
-        for proc in procs:
+        for proc, addr in zip(procs, addrs):
             assert proc.stdin is not None
-            proc.stdin.write(b"go\n")
+            proc.stdin.write(json.dumps({"bind": addr, "sources": plan[addr]}).encode() + b"\n")
             proc.stdin.flush()
         done = [json.loads(read_line(p, START_TIMEOUT_S, "receiver")) for p in procs]
     finally:
-        for proc in procs:  # EOF: a receiver that is done closes its pool and exits
-            with contextlib.suppress(OSError):
-                assert proc.stdin is not None
-                proc.stdin.close()
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(10.0)
-            stop_process(proc)
-        for k in range(num_receivers):
-            param_ops.remove(ckpt.scoped_pool(f"{tag}k{k}"), force=True)
+        end_receivers(ckpt, receivers)
     sources = tuple(tuple(d["sources"]) for d in done)
     return ChainRun(
-        num_receivers, repeat, max(d["end"] for d in done) - go,
+        len(procs), repeat, max(d["end"] for d in done) - go,
         tuple(d["seconds"] for d in done), sources,
         all(s == (plan[a][0],) for s, a in zip(sources, addrs)), link_mbps,
     )  # fmt: skip
@@ -367,10 +396,21 @@ def run_chains(ckpt: Checkpoint, args: argparse.Namespace, log_dir: Path) -> lis
     runs = []
     for link_mbps in link_conditions(args):
         scope = f"origin{os.getpid()}l{link_mbps:g}".replace(".", "_")
-        with pool_server(ckpt, scope, log_dir, link_mbps) as origin:
+        with (
+            pool_server(ckpt, scope, log_dir, link_mbps) as origin,
+            contextlib.ExitStack() as stack,
+        ):
             for repeat in range(args.repeats):
-                for n in args.receivers:
-                    run = run_chain(ckpt, origin(), n, repeat, args, log_dir, link_mbps)
+                # every chain size's receivers start together (the first repeat's with the
+                # origin): their imports share the cores instead of taking turns; all are
+                # ready, idle on stdin, before the first measured chain
+                started = [start_receivers(ckpt, n, log_dir, link_mbps) for n in args.receivers]
+                for receivers in started:
+                    stack.callback(end_receivers, ckpt, receivers)
+                for receivers in started:
+                    wait_receivers_ready(receivers)
+                for n, receivers in zip(args.receivers, started):
+                    run = run_chain(ckpt, origin(), receivers, repeat, args, link_mbps)
                     runs.append(run)
                     print(
                         f"chain {ckpt.name} to {n} ({link_label(link_mbps)}) #{repeat + 1}: "

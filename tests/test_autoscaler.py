@@ -46,7 +46,7 @@ POLICY = {
         "up_after": 2,
         "down_after": 4,
         "cooldown_up_s": 5,
-        "cooldown_down_s": 8,
+        "cooldown_down_s": 3,
         "scale_down_below": 0.5,
     },
 }

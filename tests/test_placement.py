@@ -478,16 +478,17 @@ def test_a_generate_request_and_a_load_report_from_an_older_process_lack_the_new
 def test_a_request_sent_during_a_long_step_stays_counted_until_a_report_takes_it_in(
     real_model_dir: Any, tmp_path: Any
 ) -> None:
-    """SmolLM2 on one thread: a 3,000-token prompt is two long prefill steps, during which
-    the heartbeat thread keeps sending the report made before the request arrived. Sampled
-    from the router until the first token, the request is counted exactly once at every
-    sample (in the report's numbers or as sent but not yet taken in); a report that reset
-    the router's count on arrival would have made it zero there."""
-    worker_args = ("--num-blocks", "512", "--threads", "1")
+    """SmolLM2 on one thread: a 1,010-token prompt in 512-token chunks is two long prefill
+    steps (seconds each, many 0.2 s heartbeats), during which the heartbeat thread keeps
+    sending the report made before the request arrived. Sampled from the router until the
+    first token, the request is counted exactly once at every sample (in the report's numbers
+    or as sent but not yet taken in); a report that reset the router's count on arrival would
+    have made it zero there."""
+    worker_args = ("--num-blocks", "512", "--threads", "1", "--max-num-batched-tokens", "512")
     spec = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1, "worker_args": worker_args}
     with running_cluster(real_model_dir, tmp_path, **spec) as launcher:
         c = openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
-        prompt = " ".join(f"item{i}" for i in range(1000))
+        prompt = " ".join(f"item{i}" for i in range(280))  # 1,010 tokens: 2 steps of <= 512
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             first_token = pool.submit(
                 lambda: next(

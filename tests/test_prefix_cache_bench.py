@@ -15,16 +15,16 @@ SCRIPT = REPO_ROOT / "benchmarks" / "prefix_cache.py"
 
 
 @pytest.mark.timeout(180)
-def test_prefix_cache_bench_quick(tmp_path: Path) -> None:
+def test_prefix_cache_bench_quick(tiny_model_dir: Path, tmp_path: Path) -> None:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed (apt-get install -y redis-server)")
     out_json = tmp_path / "result.json"
     benchmarks_md = REPO_ROOT / "BENCHMARKS.md"
     before = benchmarks_md.read_bytes() if benchmarks_md.exists() else None
     cmd = [
-        sys.executable, str(SCRIPT), "--size", "tiny", "--users", "2", "--turns", "2",
-        "--system-tokens", "200", "--repeats", "1", "--configs", "L1,L1+L2", "--quiet-wait", "0",
-        "--no-write", "--json", str(out_json),
+        sys.executable, str(SCRIPT), "--model", str(tiny_model_dir),  # the suite's, made once
+        "--users", "2", "--turns", "2", "--system-tokens", "200", "--repeats", "1",
+        "--configs", "L1,L1+L2", "--quiet-wait", "0", "--no-write", "--json", str(out_json),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

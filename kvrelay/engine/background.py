@@ -30,8 +30,11 @@ NICENESS = 10  # below serving threads (0), above idle (19): it still finishes o
 
 
 def lower_priority() -> None:
-    """Lowers the calling thread's CPU priority to ``NICENESS`` (where the OS allows it)."""
+    """Lowers the calling thread's CPU priority to ``NICENESS`` (where the OS allows it); a
+    thread already lower (a worker at ``--cpu-nice 19``) stays there: with the privilege to
+    (root), setting ``NICENESS`` would raise it above the worker's serving threads."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(NICENESS, os.getpriority(os.PRIO_PROCESS, tid)))
     except (AttributeError, OSError) as e:  # not Linux, or not allowed: run as before
         logger.debug("background thread priority unchanged: %s", e)
