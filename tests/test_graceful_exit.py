@@ -1,7 +1,8 @@
 """SIGTERM with real processes: a worker or a router drains, then exits 0.
 
 A decode worker terminated mid-stream finishes the stream itself (no retry elsewhere, the
-same greedy text as the offline engine) and exits 0; the routers stop placing requests on it.
+same greedy text as the offline engine) and exits 0, telling the routers it leaves (they drop
+it at once, not after --dead-after of silence).
 A router terminated mid-stream (another router beside it) answers new requests with 503,
 finishes the stream, and exits 0; the other router serves on. Afterwards the harness's leak
 checks run on the surviving workers and no shared-memory segment remains.
@@ -85,6 +86,10 @@ def test_sigterm_drains_a_decode_worker_mid_stream(tiny_model_dir, tmp_path, ref
         metrics = read_text(launcher.url + "/metrics")
         assert metric_value(metrics, "kvrelay_request_retries_total") == 0  # it finished there
         _wait_gone(launcher, victim)
+        # it said it was leaving: out at once, not after --dead-after of silence
+        router_log = (tmp_path / "router.log").read_text()
+        assert f"instances left: {victim}" in router_log
+        assert "gone silent" not in router_log
         again = "".join(c.choices[0].text for c in _stream(_client(launcher.url), 16))
         assert again == reference[: len(again)] and again
 

@@ -35,6 +35,7 @@ from kvrelay.protocol.messages import (
     KvData,
     KvLayout,
     KvPull,
+    Leaving,
     LoadReport,
     PeerInfo,
     Register,
@@ -253,6 +254,7 @@ def test_a_register_under_a_live_id_is_refused_not_a_takeover(
     beat = threading.Thread(target=join_as, args=(member, prefill_id, stop, 999999), daemon=True)
     beat.start()
     try:
+        send(member, Leaving(prefill_id))  # and no leave in its name either
         time.sleep(1.0)
         now = instances(launcher)[prefill_id]
         assert (now["pid"], now["peer_addr"]) == (

@@ -322,6 +322,15 @@ class LoRAState:
     error: str = ""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leaving:
+    """Worker -> every router, as it exits: take it out of placement now instead of after
+    ``dead_after`` seconds of silence; a request it still had is re-run elsewhere, as for a
+    dead instance (an older router logs the message as unexpected and waits the seconds)."""
+
+    instance_id: str
+
+
 WIRE_TYPES: tuple[type, ...] = (
     KvLayout,
     PeerInfo,
@@ -345,6 +354,7 @@ WIRE_TYPES: tuple[type, ...] = (
     LoRAUpdate,
     LoRAState,
     PoolingParams,
+    Leaving,
 )
 _TAG = {cls: i for i, cls in enumerate(WIRE_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in WIRE_TYPES}

@@ -15,7 +15,8 @@ an older attempt are dropped (``dropped_events{reason="superseded_attempt"}``) a
 sender is told to Abort it. Every LoadReport is answered with a RegisterAck: a worker that
 hears nothing from a router for its ``router_timeout`` aborts that router's requests.
 
-Liveness: an instance is dead after ``dead_after`` seconds without a message. The reaper
+Liveness: an instance is dead after ``dead_after`` seconds without a message, or at once when
+it sends ``Leaving`` as it exits (on its own connection: another's is refused). The reaper
 judges on the router's own clock of responsiveness: when the event loop itself was stalled
 (its tick came late), the stall is not counted against the instances, whose heartbeats
 were waiting in the socket meanwhile.
@@ -49,6 +50,7 @@ from kvrelay.protocol.messages import (
     CacheEvent,
     Drain,
     GenerateRequest,
+    Leaving,
     LoadReport,
     LoRAState,
     Register,
@@ -425,6 +427,12 @@ class Dispatcher(Backend):
             self._on_register(identity, msg)
         elif isinstance(msg, LoRAState):
             self.lora_admin.on_state(identity, msg)
+        elif isinstance(msg, Leaving):
+            if self.registry.get_from(msg.instance_id, identity) is None:
+                self.metrics.refused_control.labels("foreign_connection").inc()
+            else:
+                self.registry.remove(msg.instance_id)
+                self._on_gone({msg.instance_id}, "left")
         elif isinstance(msg, LoadReport | CacheEvent):
             if self.registry.get(msg.instance_id) is None:
                 if isinstance(msg, LoadReport):
@@ -592,15 +600,20 @@ class Dispatcher(Backend):
             if now - self._last_prune >= _PRUNE_INTERVAL_S:
                 self._last_prune = now
                 self._prune_connections()
-            if not dead:
-                continue
-            for instance_id in dead:
-                self.cache_index.remove_instance(instance_id)
-                self.lora_admin.on_leave(instance_id)
-            logger.warning("instances gone silent: %s", ", ".join(sorted(dead)))
-            for tr in list(self._tracked.values()):
-                if not tr.done and tr.watch & dead:
-                    self._retry(tr, dead)
+            if dead:
+                self._on_gone(dead, "gone silent")
+
+    def _on_gone(self, gone: set[str], how: str) -> None:
+        """Instances out of the registry (silent past ``dead_after``, or ``Leaving``): their
+        cached prefixes and adapters are forgotten, and requests they had are re-run."""
+        for instance_id in gone:
+            self.cache_index.remove_instance(instance_id)
+            self.lora_admin.on_leave(instance_id)
+        retried = [tr for tr in self._tracked.values() if not tr.done and tr.watch & gone]
+        log = logger.warning if how != "left" or retried else logger.info
+        log("instances %s: %s", how, ", ".join(sorted(gone)))
+        for tr in retried:
+            self._retry(tr, gone)
 
     def _prune_connections(self) -> int:
         """Forgets the connections of instances that left the registry and that no request

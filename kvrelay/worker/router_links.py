@@ -26,10 +26,14 @@ from typing import Any
 import zmq
 
 from kvrelay.engine.engine import RequestOutput
-from kvrelay.protocol.messages import LoadReport, TokenEvent, TokenEvents, encode
+from kvrelay.protocol.messages import Leaving, LoadReport, TokenEvent, TokenEvents, encode
 from kvrelay.transport.curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
+
+# the most a closing worker waits for its ``Leaving`` to reach a router (a router that is gone
+# never reads it; the instance then leaves by its silence, after ``dead_after``)
+LEAVING_LINGER_MS = 500
 
 
 class RouterLinks:
@@ -208,9 +212,13 @@ class RouterLinks:
         if self._heartbeat.is_alive():
             self._heartbeat.join(timeout=2 * self._heartbeat_interval + 1)
 
-    def close(self) -> None:
+    def close(self, leaving: Leaving | None = None) -> None:
+        """Closes the links; ``leaving`` is sent first and given up to ``LEAVING_LINGER_MS``
+        to go out (the links' linger is 0 otherwise: nothing queued outlives the worker)."""
+        if leaving is not None:
+            self.send(leaving)
         for link in self.links:
-            link.close(0)
+            link.close(LEAVING_LINGER_MS if leaving is not None else 0)
 
 
 def token_event(instance_id: str, out: RequestOutput, **extra: Any) -> TokenEvent:

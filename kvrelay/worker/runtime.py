@@ -56,6 +56,7 @@ from kvrelay.protocol.messages import (
     Drain,
     GenerateRequest,
     KvLayout,
+    Leaving,
     LoadReport,
     LoRAState,
     LoRAUpdate,
@@ -570,7 +571,7 @@ class Worker:
         self._running = False
         self.routers.join_heartbeat()
         self.status.close()
-        self.routers.close()
+        self.routers.close(Leaving(self.instance_id))
         self.peers.close()
         self.close_role()
         if self._shared_pool is not None:
