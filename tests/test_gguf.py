@@ -11,11 +11,15 @@ tokenizer as transformers reads the same file, and greedy output token for token
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
+import os
 import subprocess
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -196,9 +200,9 @@ K_TYPES = {"llama": [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K], "qwen2": [Q.Q2_K, Q.Q6_K, 
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_every_tensor_type_dequantizes_as_transformers_does(tmp_path, arch):
+def test_every_tensor_type_dequantizes_as_transformers_does(tiny_dirs, tmp_path, arch):
     transformers = pytest.importorskip("transformers")
-    src = make_tiny(tmp_path / "hf", arch=arch)
+    src = tiny_dirs[arch]  # only read
     rng = np.random.default_rng(0)
     unused_k, count, seen = list(K_TYPES[arch]), [0], set()
 
@@ -436,15 +440,42 @@ PROMPTS = [
 MAX_TOKENS = 48
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """Within the block, every ``gguf.GGUFReader`` of one file is one reader, and every
+    ``gguf.get_tensor_name_map`` of one (arch, layers) one map.
+
+    transformers opens the file three times (config, tensors, tokenizer), each a new reader
+    that parses all the metadata (SmolLM2's 49k-token vocabulary and its merges), and builds
+    the name map once per module of the model (~400 times): most of its load (25 s -> 9 s on
+    a 2-core machine). A reader is read-only (``mode="r"``: a read-only memmap) and a
+    map is only looked up, so the shared ones give what fresh ones would: the same tensors,
+    config and tokenizer (checked bit for bit against an unpatched load when written)."""
+    readers: dict[tuple, gguf.GGUFReader] = {}
+    new_reader = gguf.GGUFReader
+
+    def reader(path: str | os.PathLike[str], *args) -> gguf.GGUFReader:
+        key = (os.fspath(path), *args)
+        if key not in readers:
+            readers[key] = new_reader(path, *args)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
+
+
 @pytest.fixture(scope="module")
 def hf_real(real_gguf_path):
     """transformers' model and tokenizer, read from the same GGUF file (float32)."""
     transformers = pytest.importorskip("transformers")
     kwargs = {"gguf_file": real_gguf_path.name}
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        real_gguf_path.parent, dtype=torch.float32, **kwargs
-    )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(real_gguf_path.parent, **kwargs)
+    with _gguf_parsed_once():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            real_gguf_path.parent, dtype=torch.float32, **kwargs
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(real_gguf_path.parent, **kwargs)
     return model.eval(), tokenizer
 
 

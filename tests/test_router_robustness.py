@@ -434,6 +434,8 @@ def _https_ready(url: str, ca: Path) -> bool:
 
 
 def _tls_client(url: str, ca: Path, api_key: str) -> openai.OpenAI:
+    """Use it in ``with``: a TLS connection left open holds the router's graceful shutdown
+    at the module's end for its whole timeout (5 s), waiting for the connection to close."""
     return openai.OpenAI(
         base_url=url + "/v1",
         api_key=api_key,
@@ -445,22 +447,23 @@ def _tls_client(url: str, ca: Path, api_key: str) -> openai.OpenAI:
 @pytest.mark.parametrize("api_key", API_KEYS)
 def test_right_api_key_over_tls_works(tls_cluster: tuple[str, Path], api_key: str) -> None:
     url, ca = tls_cluster
-    client = _tls_client(url, ca, api_key)
-    assert [m.id for m in client.models.list().data] == ["tiny"]
-    done = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
-    assert done.usage is not None and done.usage.completion_tokens == 4
-    chat = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True
-    )
-    assert [c for c in chat if c.choices]
+    with _tls_client(url, ca, api_key) as client:
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        done = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
+        assert done.usage is not None and done.usage.completion_tokens == 4
+        chat = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True
+        )
+        assert [c for c in chat if c.choices]
 
 
 def test_wrong_or_missing_api_key_is_401(tls_cluster: tuple[str, Path]) -> None:
     url, ca = tls_cluster
-    with pytest.raises(openai.AuthenticationError) as err:
-        _tls_client(url, ca, "wrong-key").completions.create(
-            model="tiny", prompt="Hello", max_tokens=2
-        )
+    with (
+        _tls_client(url, ca, "wrong-key") as client,
+        pytest.raises(openai.AuthenticationError) as err,
+    ):
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
     assert err.value.status_code == 401
     assert err.value.code == "invalid_api_key"
     bare = httpx.get(url + "/v1/models", verify=_trust(ca))

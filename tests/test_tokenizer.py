@@ -100,6 +100,16 @@ def test_encode_and_decode_match_transformers(tok: Tokenizer, hf_tok, text: str)
         assert tok.decode(ids) == text
 
 
+def test_encode_without_offsets_gives_encodes_ids(tok: Tokenizer) -> None:
+    """The router's tokenizer process encodes without offsets: the same ids, every text and a
+    long one (past the 256k characters that go to that process), with and without specials."""
+    long_text = " ".join(TEXTS) * (300_000 // len(" ".join(TEXTS)) + 1)
+    for text in [*TEXTS, long_text]:
+        for special in (True, False):
+            want = tok.encode(text, add_special_tokens=special)
+            assert tok.encode_without_offsets(text, add_special_tokens=special) == want
+
+
 def test_every_byte_is_encodable(tok: Tokenizer) -> None:
     text = bytes(range(1, 128)).decode() + "".join(chr(c) for c in range(0x80, 0x800, 7))
     assert tok.decode(tok.encode(text)) == text

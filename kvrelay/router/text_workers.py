@@ -140,7 +140,7 @@ def _exit_with_parent(parent_pid: int) -> None:
 def _encode_in_child(text: str, add_special_tokens: bool, limit: int | None) -> bytes | int:
     """The ids as packed uint32, or only their count when it reaches ``limit``."""
     assert _child_tokenizer is not None, "the pool's initializer loads the tokenizer"
-    ids = _child_tokenizer.encode(text, add_special_tokens)
+    ids = _child_tokenizer.encode_without_offsets(text, add_special_tokens)
     if limit is not None and len(ids) >= limit:
         return len(ids)
     return array.array("I", ids).tobytes()

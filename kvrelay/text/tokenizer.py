@@ -154,6 +154,14 @@ class Tokenizer:
         """
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_without_offsets(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode``'s ids, ~4x faster on a long text: the backend's batch call that skips the
+        character offsets ``encode`` computes and drops (3.9 MB: 2.0 s against 7.8 s). A
+        batch call may start the backend's thread pool, which a later fork disables with a
+        warning: for processes that do not fork (the router's tokenizer child)."""
+        encodings = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+        return encodings[0].ids
+
     def join_pair(self, first: Sequence[int], second: Sequence[int]) -> list[int]:
         """The ids of a text pair (a cross-encoder's query and document) from each text's ids
         encoded without special tokens: what ``tokenizer(text, text_pair)`` gives, the

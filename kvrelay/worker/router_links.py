@@ -31,9 +31,11 @@ from kvrelay.transport.curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
 
-# the most a closing worker waits for its ``Leaving`` to reach a router (a router that is gone
-# never reads it; the instance then leaves by its silence, after ``dead_after``)
-LEAVING_LINGER_MS = 500
+# the most a closing worker waits for its ``Leaving`` to reach a router: a live one's connection
+# takes it in well under a millisecond; to a router already gone (``kvrelay up`` stops the
+# routers first) the whole wait is spent, on every worker's exit
+# (a router that exits could say so, and the workers would skip its link here: not done)
+LEAVING_LINGER_MS = 200
 
 
 class RouterLinks:
