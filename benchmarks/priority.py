@@ -48,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--urgent", type=int, default=4)
     p.add_argument("--urgent-output-tokens", type=int, default=16)
     p.add_argument("--gap", type=float, default=0.5, help="seconds between urgent requests")
+    p.add_argument("--urgent-after", type=float, default=1.0,
+                   help="seconds from the backlog to the first urgent request")  # fmt: skip
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-write", action="store_true")
     return p.parse_args(argv)
@@ -101,7 +103,7 @@ def one_run(args: argparse.Namespace, policy: str) -> dict[str, float]:
         ]
         for t in threads:
             t.start()
-        time.sleep(1.0)
+        time.sleep(args.urgent_after)
         for i in range(args.urgent):
             prompt = f"Urgent question {i}: what is the capital of France?"
             t = threading.Thread(
@@ -147,7 +149,7 @@ def main() -> None:
             f"{args.model}, {args.dtype}; one colocated worker, `--threads {args.threads}`,"
             f" `--max-num-seqs {args.max_num_seqs}`; a backlog of {args.backlog} requests of"
             f" {args.prompt_tokens} random token ids and {args.output_tokens} tokens out, sent"
-            f" at once; 1 s later {args.urgent} short chat-like prompts with"
+            f" at once; {args.urgent_after:g} s later {args.urgent} short chat-like prompts with"
             f" {args.urgent_output_tokens} tokens out, one every {args.gap} s, at priority -1"
             f" under the priority policy (0 under fcfs); medians of {args.rounds} runs a"
             " policy, in turns."

@@ -89,14 +89,23 @@ def main(argv: list[str] | None = None) -> int:
     args.model = str(model)
     vllm_python = None if args.no_peer else ensure_vllm_venv(Path(args.vllm_venv))
     extra = ["--classify", "--prefix-caching", "--max-model-len", "2048"]
-    engines = start_engines(args, args.dtype, vllm_python, extra)
+    engines = start_engines(args, args.dtype, vllm_python, extra, wait=False)
     try:
+        # float32: transformers' scores of measure()'s sample, while kvrelay's engine loads
+        expected = transformers_scores(model, args) if args.dtype == "float32" else None
+        for engine in engines:
+            engine.ask_ready()
         results = measure(engines, args, model)
     finally:
         for engine in engines:
             engine.close()
-    if args.dtype == "float32":
-        results["vs_transformers"] = against_transformers(model, results)
+    if expected is not None:
+        sample, want = expected
+        assert results["sample"] == sample, "transformers scored another sample"
+        results["vs_transformers"] = {
+            name: max(abs(a - b) for a, b in zip(got, want, strict=True))
+            for name, got in results["scores"].items()
+        }
     body = report(args, model, results, [e.name for e in engines])
     print(body)
     if not args.no_write:
@@ -109,8 +118,7 @@ def measure(engines: list[Any], args: argparse.Namespace, model: Path) -> dict[s
 
     tok = Tokenizer.from_pretrained(model)
     n_docs = args.num_documents
-    queries = random_texts(tok, args.num_queries, 16, 32, seed=1)
-    docs = [random_texts(tok, n_docs, 64, 256, seed=10 + i) for i in range(len(queries))]
+    queries, docs = rerank_texts(tok, args)
     short_docs = random_texts(tok, n_docs, 32, 32, seed=4)
     lone_query = queries[0]
     for engine in engines:  # warm-up, every shape (other texts: nothing cached for the runs)
@@ -126,7 +134,8 @@ def measure(engines: list[Any], args: argparse.Namespace, model: Path) -> dict[s
         seconds: dict[str, float] = {e.name: 0.0 for e in engines}
         for i, query in enumerate(queries):
             documents = docs[i] if r == 0 else random_texts(tok, n_docs, 64, 256, 100 * r + i)
-            runs = interleaved(engines, 1, op="score", query=query, documents=documents)
+            runs = interleaved(engines, 1, max_wait_quiet=args.max_wait_quiet, op="score",
+                               query=query, documents=documents)  # fmt: skip
             for name, got in runs.items():
                 seconds[name] += got[0]["seconds"]
         for name, spent in seconds.items():
@@ -139,8 +148,8 @@ def measure(engines: list[Any], args: argparse.Namespace, model: Path) -> dict[s
     runs: dict[str, list[dict]] = {e.name: [] for e in engines}
     for r in range(args.repeats):  # a new long query each repeat: its blocks are not cached
         query = random_texts(tok, 1, 1024, 1024, seed=200 + r)[0]
-        for name, got in interleaved(engines, 1, op="score", query=query,
-                                     documents=short_docs).items():  # fmt: skip
+        for name, got in interleaved(engines, 1, max_wait_quiet=args.max_wait_quiet, op="score",
+                                     query=query, documents=short_docs).items():  # fmt: skip
             runs[name] += got
     size = _sizes(tok, [query]), _sizes(tok, short_docs)
     label = f"long query ({size[0]} tokens) x {n_docs} docs of {size[1]}: pairs/s"
@@ -148,8 +157,8 @@ def measure(engines: list[Any], args: argparse.Namespace, model: Path) -> dict[s
     lone_s: dict[str, list[float]] = {e.name: [] for e in engines}
     for r in range(args.repeats):  # a new document each repeat: nothing of the pair cached
         document = random_texts(tok, 1, 128, 128, seed=300 + r)[0]
-        for name, got in interleaved(engines, 1, op="score", query=lone_query,
-                                     documents=[document]).items():  # fmt: skip
+        for name, got in interleaved(engines, 1, max_wait_quiet=args.max_wait_quiet, op="score",
+                                     query=lone_query, documents=[document]).items():  # fmt: skip
             lone_s[name] += [a["seconds"] for a in got]
     out["lone_ms"] = {name: 1e3 * statistics.median(v) for name, v in lone_s.items()}
     out["sample"] = (queries[0], docs[0])
@@ -162,6 +171,13 @@ def measure(engines: list[Any], args: argparse.Namespace, model: Path) -> dict[s
     return out
 
 
+def rerank_texts(tok: Any, args: argparse.Namespace) -> tuple[list[str], list[list[str]]]:
+    """The rerank workload's queries and, per query, its documents (the first repeat's)."""
+    queries = random_texts(tok, args.num_queries, 16, 32, seed=1)
+    n_docs = args.num_documents
+    return queries, [random_texts(tok, n_docs, 64, 256, seed=10 + i) for i in range(len(queries))]
+
+
 def _sizes(tok: Any, texts: list[str]) -> str:
     """The texts' token counts as they tokenize (random ids decoded re-encode longer)."""
     counts = [len(tok.encode(t, False)) for t in texts]
@@ -169,25 +185,28 @@ def _sizes(tok: Any, texts: list[str]) -> str:
     return f"{low:,}" if low == high else f"{low:,}-{high:,}"
 
 
-def against_transformers(model: Path, results: dict[str, Any]) -> dict[str, float]:
-    """Each engine's largest score difference from transformers' sigmoid of the logit."""
+def transformers_scores(
+    model: Path, args: argparse.Namespace
+) -> tuple[tuple[str, list[str]], list[float]]:
+    """measure()'s sample (the first query and its documents) and transformers' sigmoid of
+    the logit for each pair, which each engine's scores are compared with."""
     import torch
     import transformers
 
+    from kvrelay.text.tokenizer import Tokenizer
+
+    queries, docs = rerank_texts(Tokenizer.from_pretrained(model), args)
+    query, documents = queries[0], docs[0]
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(
         model, dtype=torch.float32
     ).eval()
     tok = transformers.AutoTokenizer.from_pretrained(model)
-    query, documents = results["sample"]
     want = []
     with torch.no_grad():
         for doc in documents:
             ids = tok(query, text_pair=doc, return_tensors="pt")["input_ids"]
             want.append(torch.sigmoid(hf(ids).logits[0, 0]).item())
-    return {
-        name: max(abs(a - b) for a, b in zip(got, want, strict=True))
-        for name, got in results["scores"].items()
-    }
+    return (query, documents), want
 
 
 def report(

@@ -67,7 +67,7 @@ def measure(tree: Path, port: int, args: argparse.Namespace, out: Path) -> dict[
                     raise RuntimeError(
                         f"kvrelay up from {tree} did not get ready:\n{tail}"
                     ) from None
-                time.sleep(0.5)
+                time.sleep(0.1)
         with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
             model_id = json.load(resp)["data"][0]["id"]
         procs = serving_processes(up.pid)
@@ -75,7 +75,7 @@ def measure(tree: Path, port: int, args: argparse.Namespace, out: Path) -> dict[
         bench = [sys.executable, "-m", "kvrelay", "bench", "--url", url, "--model", model_id,
                  "--rate", "inf", "--num-requests", str(args.requests), "--concurrency-limit",
                  str(args.concurrency), "--prompt-len", str(args.prompt_len), "--output-len",
-                 str(args.output_len), "--no-progress", "--num-warmup", "2",
+                 str(args.output_len), "--no-progress", "--num-warmup", str(args.num_warmup),
                  "--json", str(out)]  # fmt: skip
         subprocess.run(bench, env=env, check=True, capture_output=True)
         after = {name: cpu_seconds(pid) for name, pid in procs.items()}
@@ -103,10 +103,13 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-warmup", type=int, default=2, help="untimed requests before each run")
     p.add_argument("--port", type=int, default=18760)
     p.add_argument("--worktree", default="/tmp/kvrelay-serving-base")
+    p.add_argument("--build-cache", type=Path, help="keeps the base's native libraries by their "
+                   "sources (engine_ab.base_tree); default: always compiled")  # fmt: skip
     args = p.parse_args()
-    trees = {"base": base_tree(args.base, Path(args.worktree)), "tree": ROOT}
+    trees = {"base": base_tree(args.base, Path(args.worktree), args.build_cache), "tree": ROOT}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -120,12 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     model = Path(args.model)
     vllm_python = None if args.no_peer else ensure_vllm_venv(Path(args.vllm_venv))
     spec = ["--speculative-config", json.dumps(speculative_config(args))]
-    engines = start_engines(args, args.dtype, vllm_python)
+    engines = start_engines(args, args.dtype, vllm_python, wait=False)
     try:
-        drafting = start_engines(args, args.dtype, vllm_python, spec)
+        drafting = start_engines(args, args.dtype, vllm_python, spec, wait=False)
         for engine in drafting:
             engine.name += "+ngram"
         engines += drafting
+        for engine in engines:  # the kvrelay engines load side by side
+            engine.ask_ready()
         results = measure(engines, args, model)
     finally:
         for engine in engines:
@@ -145,17 +147,20 @@ def measure(engines: list[Any], args: argparse.Namespace, model: Path) -> dict[s
         engine.call(op="offline", requests=copy[:4], ignore_eos=False)
         engine.call(op="offline", requests=random_reqs[:8])
     out: dict[str, Any] = {"tok_s": {}, "ms_per_token": {}}
-    runs = interleaved(engines, args.repeats, op="offline", requests=copy, ignore_eos=False)
+    quiet = args.max_wait_quiet
+    runs = interleaved(engines, args.repeats, max_wait_quiet=quiet, op="offline", requests=copy,
+                       ignore_eos=False)  # fmt: skip
     out["tok_s"]["copy, batch of 16"] = _rates(runs)
     lone: dict[str, list[float]] = {e.name: [0.0, 0.0] for e in engines}  # seconds, tokens
     for request in copy[:: len(copy) // 4][:4]:
-        runs = interleaved(engines, args.repeats, op="offline", requests=[request],
-                           ignore_eos=False)  # fmt: skip
+        runs = interleaved(engines, args.repeats, max_wait_quiet=quiet, op="offline",
+                           requests=[request], ignore_eos=False)  # fmt: skip
         for name, got in runs.items():
             lone[name][0] += statistics.median(a["seconds"] for a in got)
             lone[name][1] += got[0]["tokens"]
     out["ms_per_token"]["copy, lone"] = {n: 1e3 * s / t for n, (s, t) in lone.items()}
-    runs = interleaved(engines, args.repeats, op="offline", requests=random_reqs)
+    runs = interleaved(engines, args.repeats, max_wait_quiet=quiet, op="offline",
+                       requests=random_reqs)  # fmt: skip
     out["tok_s"][f"random, {len(random_reqs)} requests"] = _rates(runs)
     ids = {
         e.name: e.call(op="offline", requests=copy, ignore_eos=False, return_ids=True)["token_ids"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -50,6 +51,18 @@ def main() -> int:
         default=0,
         help="then serve this many requests at 1/s on the fresh cluster (0: none)",
     )
+    p.add_argument(
+        "--bench-rate",
+        type=float,
+        default=1.0,
+        help="--bench-requests' Poisson arrivals a second (inf: all at once)",
+    )
+    p.add_argument(
+        "--warm-up-starts",
+        type=int,
+        default=1,
+        help="unmeasured starts of each tree first (parameter pool, page cache)",
+    )
     p.add_argument("--note", default="", help="a paragraph under the table (what the trees are)")
     p.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     args = p.parse_args()
@@ -61,14 +74,16 @@ def main() -> int:
     served: dict[str, list[dict[str, Any]]] = {label: [] for label in labels}
     with tempfile.TemporaryDirectory() as work:
         for tree, label in zip(trees, labels, strict=True):
-            up_first_token_s(tree, args.model, Path(work) / f"{label}-first")
+            for n in range(args.warm_up_starts):
+                up_first_token_s(tree, args.model, Path(work) / f"{label}-first-{n}")
         for i in range(args.repeats):
             for tree, label in zip(trees, labels, strict=True):
                 log_dir = Path(work) / f"{label}-{i}"
                 then = None
                 if args.bench_requests:
                     out = Path(work) / f"{label}-{i}.json"
-                    then = _bench(args.model.name, args.bench_requests, 100 + i, out)
+                    then = _bench(args.model.name, args.bench_requests, args.bench_rate,
+                                  100 + i, out)  # fmt: skip
                 seconds = up_first_token_s(tree, args.model, log_dir, then=then)
                 runs[label].append(seconds)
                 line = f"{label}: {seconds:.2f} s"
@@ -98,14 +113,14 @@ def main() -> int:
         "worker's).\n\n"
         f"Launch of `kvrelay up --model {args.model.name}` (router, 1 prefill and 1 decode "
         "worker, default options) to an answered 1-token completion; the trees in turns, "
-        f"{args.repeats} starts each after one unmeasured start per tree.\n\n{table}\n"
+        f"{args.repeats} starts each after {_unmeasured(args.warm_up_starts)}.\n\n{table}\n"
     )
     if args.bench_requests:
         body += (
             f"\nThen, on each fresh cluster: `kvrelay bench` of {args.bench_requests} requests "
-            "(random 200-300-token prompts, 32 tokens out, Poisson 1/s, the seed shared by the "
-            "trees within a repeat); medians over the starts of the first request's TTFT and "
-            "of each run's p50s.\n"
+            f"(random 200-300-token prompts, 32 tokens out, {_arrivals(args.bench_rate)}, the "
+            "seed shared by the trees within a repeat); medians over the starts of the first "
+            "request's TTFT and of each run's p50s.\n"
         )
     if args.note:
         body += f"\n{args.note}\n"
@@ -115,13 +130,23 @@ def main() -> int:
     return 0
 
 
-def _bench(model: str, requests: int, seed: int, out: Path) -> Any:
+def _unmeasured(starts: int) -> str:
+    if starts == 0:
+        return "no unmeasured start"
+    return f"{'one' if starts == 1 else starts} unmeasured start{'s' * (starts > 1)} per tree"
+
+
+def _arrivals(rate: float) -> str:
+    return "all at once" if math.isinf(rate) else f"Poisson {rate:g}/s"
+
+
+def _bench(model: str, requests: int, rate: float, seed: int, out: Path) -> Any:
     """A ``then`` for ``up_first_token_s``: ``kvrelay bench`` against the cluster's URL."""
 
     def run(url: str) -> None:
         subprocess.run(
             [sys.executable, "-m", "kvrelay", "bench", "--url", url, "--model", model,
-             "--rate", "1", "--num-requests", str(requests), "--prompt-len", "200:300",
+             "--rate", f"{rate:g}", "--num-requests", str(requests), "--prompt-len", "200:300",
              "--output-len", "32:32", "--seed", str(seed), "--num-warmup", "0",
              "--json", str(out), "--no-progress"],
             check=True, stdout=subprocess.DEVNULL,

@@ -25,15 +25,15 @@ def _load_common():
 
 
 @pytest.mark.timeout(120)
-def test_engine_throughput_quick(tmp_path: Path) -> None:
+def test_engine_throughput_quick(tiny_model_dir, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     out_json = tmp_path / "result.json"
     benchmarks_md = REPO_ROOT / "BENCHMARKS.md"
     before = benchmarks_md.read_bytes() if benchmarks_md.exists() else None
     cmd = [
         sys.executable, str(SCRIPT), "--quick", "--skip-hf-cb", "--no-write",
-        "--num-requests", "4", "--size", "tiny", "--attempts", "1", "--max-wait-quiet", "0",
-        "--json", str(out_json),
+        "--num-requests", "4", "--model-dir", str(tiny_model_dir), "--output-len", "4", "16",
+        "--attempts", "1", "--max-wait-quiet", "0", "--json", str(out_json),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -87,11 +87,21 @@ def test_sections_name_their_model_and_dtype(tmp_path: Path) -> None:
         parser.parse_args(["--dtype", "float64"])
 
 
+@pytest.fixture(scope="module")
+def native_build_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``--build-cache`` for engine_ab.py and serving_cpu.py: the base (HEAD) is compiled by
+    the first of them to run, the other copies its libraries (the same sources)."""
+    return tmp_path_factory.mktemp("native-build-cache")
+
+
 @pytest.mark.timeout(600)
-def test_engine_ab_runs_a_commit_against_the_tree(tiny_model_dir, tmp_path: Path) -> None:
+def test_engine_ab_runs_a_commit_against_the_tree(
+    tiny_model_dir, native_build_cache: Path, tmp_path: Path
+) -> None:
     """benchmarks/engine_ab.py end to end on the tiny model, HEAD against the working tree:
-    the base is checked out and built in a worktree, both engines answer, and the worktree is
-    removed afterwards (a smoke test, not a timing)."""
+    the base is checked out and built in a worktree (built once for this test and
+    serving_cpu's: ``native_build_cache``), both engines answer,
+    and the worktree is removed afterwards (a smoke test, not a timing)."""
     inside = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True)
     if inside.returncode != 0:
         pytest.skip("the checkout is not a git repository: engine_ab needs one for its worktree")
@@ -99,7 +109,8 @@ def test_engine_ab_runs_a_commit_against_the_tree(tiny_model_dir, tmp_path: Path
     cmd = [
         sys.executable, str(REPO_ROOT / "benchmarks" / "engine_ab.py"), "--model",
         str(tiny_model_dir), "--base", "HEAD", "--worktree", str(worktree), "--dtype", "float32",
-        "--repeats", "1", "--num-requests", "4", "--max-wait-quiet", "0",
+        "--repeats", "1", "--num-requests", "4", "--max-wait-quiet", "0", "--build-cache",
+        str(native_build_cache),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=580, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -122,7 +133,8 @@ def test_decode_attention_benchmark_times_the_tree_kernel(tmp_path: Path) -> Non
         pytest.skip("the native library is not built")
     cmd = [
         sys.executable, str(REPO_ROOT / "benchmarks" / "decode_attention.py"), "--cases",
-        "f32:2:40", "bf16:3:17", "lm:f32:3", "--rounds", "1", "--iters", "2",
+        "f32:2:40", "bf16:3:17", "lm:f32:3", "--rounds", "1", "--iters", "2", "--pool-blocks",
+        "64",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -193,7 +205,7 @@ def test_start_time_benchmark_starts_a_cluster_and_answers(tiny_model_dir, tmp_p
     cmd = [
         sys.executable, str(REPO_ROOT / "benchmarks" / "start_time.py"), "--model",
         str(tiny_model_dir), "--trees", str(REPO_ROOT), "--labels", "tree", "--repeats", "1",
-        "--bench-requests", "3",
+        "--bench-requests", "3", "--bench-rate", "inf", "--warm-up-starts", "0",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -233,7 +245,7 @@ def test_gpu_steps_compares_the_mixed_step_paths_on_cpu(tiny_model_dir, tmp_path
     the same workload, and a line per step kind comparing each with the first (on CPU the
     graphs run uncaptured: a smoke test of the comparison, not a timing)."""
     cmd = _gpu_steps(tiny_model_dir, "--requests", "4", "--concurrency", "2", "--passes", "1",
-                     "--mixed-graphs", "all")  # fmt: skip
+                     "--output-len", "8", "24", "--mixed-graphs", "all")  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for path in ("graphs", "pieces", "eager"):
@@ -258,7 +270,9 @@ def test_token_path_tables_its_json() -> None:
 
 
 @pytest.mark.timeout(600)
-def test_serving_cpu_measures_a_commit_against_the_tree(tiny_model_dir, tmp_path: Path) -> None:
+def test_serving_cpu_measures_a_commit_against_the_tree(
+    tiny_model_dir, native_build_cache: Path, tmp_path: Path
+) -> None:
     """benchmarks/serving_cpu.py, HEAD against the working tree, one round (a smoke test,
     not a timing): both clusters serve the bench, the CPU per token is read, the worktree
     goes."""
@@ -269,8 +283,8 @@ def test_serving_cpu_measures_a_commit_against_the_tree(tiny_model_dir, tmp_path
     cmd = [
         sys.executable, str(REPO_ROOT / "benchmarks" / "serving_cpu.py"), "--base", "HEAD",
         "--model", str(tiny_model_dir), "--rounds", "1", "--requests", "6", "--concurrency",
-        "3", "--prompt-len", "8", "--output-len", "8", "--worktree", str(worktree),
-        "--port", "18960",
+        "3", "--prompt-len", "8", "--output-len", "8", "--num-warmup", "1", "--worktree",
+        str(worktree), "--build-cache", str(native_build_cache), "--port", "18960",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=580, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -453,7 +467,7 @@ def test_priority_benchmark_runs_both_policies(tiny_model_dir, tmp_path: Path) -
         sys.executable, str(REPO_ROOT / "benchmarks" / "priority.py"), "--model",
         str(tiny_model_dir), "--dtype", "float32", "--threads", "1", "--rounds", "1",
         "--backlog", "3", "--prompt-tokens", "20", "--output-tokens", "4", "--urgent", "1",
-        "--urgent-output-tokens", "2", "--gap", "0", "--no-write",
+        "--urgent-output-tokens", "2", "--gap", "0", "--urgent-after", "0.2", "--no-write",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -470,7 +484,8 @@ def test_lora_benchmark_runs_every_mode(tiny_model_dir, tmp_path: Path) -> None:
     cmd = [
         sys.executable, str(REPO_ROOT / "benchmarks" / "lora.py"), "--model", str(tiny_model_dir),
         "--dtype", "float32", "--threads", "1", "--rank", "4", "--adapters", "2",
-        "--num-requests", "6", "--repeats", "1", "--no-write", "--no-peer",
+        "--num-requests", "6", "--repeats", "1", "--no-write", "--no-peer", "--max-wait-quiet",
+        "0", "--decode-steps", "16",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -485,7 +500,7 @@ def test_spec_decode_benchmark_runs_with_and_without_drafts(tiny_model_dir, tmp_
     cmd = [
         sys.executable, str(REPO_ROOT / "benchmarks" / "spec_decode.py"), "--model",
         str(tiny_model_dir), "--dtype", "float32", "--threads", "1", "--max-tokens", "24",
-        "--num-random", "4", "--repeats", "1", "--no-write", "--no-peer",
+        "--num-random", "4", "--repeats", "1", "--no-write", "--no-peer", "--max-wait-quiet", "0",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -502,7 +517,8 @@ def test_embeddings_benchmark_runs_and_agrees_with_transformers(tiny_model_dir, 
     cmd = [
         sys.executable, str(REPO_ROOT / "benchmarks" / "embeddings.py"), "--model",
         str(tiny_model_dir), "--dtype", "float32", "--threads", "1", "--num-docs", "8",
-        "--num-queries", "8", "--repeats", "1", "--no-write", "--no-peer",
+        "--num-queries", "8", "--repeats", "1", "--no-write", "--no-peer", "--max-wait-quiet",
+        "0",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -520,7 +536,7 @@ def test_scoring_benchmark_runs_and_agrees_with_transformers(tiny_model_dir, tmp
         sys.executable, str(REPO_ROOT / "benchmarks" / "scoring.py"), "--model",
         str(tiny_model_dir), "--out", str(tmp_path), "--dtype", "float32", "--threads", "1",
         "--num-queries", "2", "--num-documents", "4", "--repeats", "1", "--no-write",
-        "--no-peer",
+        "--no-peer", "--max-wait-quiet", "0",
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
