@@ -156,6 +156,12 @@ def _decode_transfer_bytes(launcher) -> float:
     )
 
 
+def _reported_draining(launcher) -> dict[str, bool]:
+    """Per instance, whether its last load report says it drains (the worker's word)."""
+    data = launcher.get_json("/admin/instances")["data"]
+    return {i["instance_id"]: i["draining_reported"] for i in data}
+
+
 def _draining(launcher) -> dict[str, bool]:
     return {i["instance_id"]: i["draining"] for i in launcher.get_json("/admin/instances")["data"]}
 
@@ -182,7 +188,8 @@ def test_a_drained_instance_serves_again_once_undrained(
         assert _admin_post(launcher, "/admin/instances/decode-0/drain", "undrain-s3cret") == (
             200, {"instance_id": "decode-0", "draining": True},
         )  # fmt: skip
-        _wait("decode-0 to report draining", lambda: _draining(launcher)["decode-0"])
+        assert _draining(launcher)["decode-0"]  # the router's word, at once
+        _wait("decode-0 to report draining", lambda: _reported_draining(launcher)["decode-0"])
         # prefill-0 runs it end to end: nothing reaches the drained decode worker
         assert complete(c, PROMPTS[1]).choices[0].text == completions[1].text
         assert _decode_transfer_bytes(launcher) == handed_off
@@ -192,7 +199,12 @@ def test_a_drained_instance_serves_again_once_undrained(
         assert _admin_post(launcher, "/admin/instances/decode-0/undrain", "undrain-s3cret") == (
             200, {"instance_id": "decode-0", "draining": False},
         )  # fmt: skip
-        _wait("decode-0 to report not draining", lambda: not _draining(launcher)["decode-0"])
+        # a report made before the worker took the Undrain in says draining: wait for a later one
+        _wait(
+            "decode-0 to report not draining",
+            lambda: not _reported_draining(launcher)["decode-0"],
+        )
+        assert not _draining(launcher)["decode-0"]
         assert complete(c, PROMPTS[2]).choices[0].text == completions[2].text
         assert _decode_transfer_bytes(launcher) > handed_off  # the hand-off goes to it again
 

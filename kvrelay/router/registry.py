@@ -135,6 +135,9 @@ class Instance:
             "num_assigned": self.num_assigned,
             "num_assigned_tokens": self.num_assigned_tokens,
             "draining": self.draining or self.load.draining,
+            # what the worker's last report says: it follows a Drain / Undrain a heartbeat
+            # later (until then "draining" is this router's word alone)
+            "draining_reported": self.load.draining,
             # this router's sampling fields the worker does not know (a rolling upgrade)
             "unknown_sampling_fields": [
                 name for name in SAMPLING_FIELDS if name not in self.sampling_fields
