@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -286,11 +285,10 @@ def main() -> int:
         # shared memory or file to remove): it ends without the interpreter's finalization,
         # ~1 s of collecting torch's module graph at every close (vLLM's engine core, a child
         # process, is shut down by that finalization)
-        logging.shutdown()
+        from kvrelay.cli.cluster import exit_without_finalizing
+
         answers.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        exit_without_finalizing(0)
     return 0
 
 
