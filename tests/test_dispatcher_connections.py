@@ -8,7 +8,8 @@ import asyncio
 
 from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.messages import KvLayout, PeerInfo, Register, Role
-from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings, _Tracked
+from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
+from kvrelay.router.tracked import Tracked
 from kvrelay.text.tokenizer import Tokenizer
 from kvrelay.transport.curve import SocketSecurity
 
@@ -22,8 +23,8 @@ def _register(backend: Dispatcher, instance_id: str, role: Role) -> None:
     backend._on_register(f"conn-{instance_id}".encode(), Register(info, "tiny", 128, 1))
 
 
-def _watching(*instance_ids: str, done: bool = False) -> _Tracked:
-    tracked = _Tracked(None, None, None, None, set(instance_ids))  # type: ignore[arg-type]
+def _watching(*instance_ids: str, done: bool = False) -> Tracked:
+    tracked = Tracked(None, None, None, None, set(instance_ids))  # type: ignore[arg-type]
     tracked.done = done
     return tracked
 

@@ -10,9 +10,11 @@ checks run on the surviving workers and no shared-memory segment remains.
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -124,3 +126,42 @@ def _new_request_on(url: str) -> str:
     except openai.APIConnectionError:
         return "refused"
     return "served"
+
+
+def test_a_router_that_exits_tells_its_workers(tiny_model_dir, tmp_path, reference):
+    """A router that exits with a stream still running (``--drain-timeout 0``) aborts it and
+    says it leaves: every worker logs it at once (its silence alone would take the workers'
+    ``router_timeout``, ``--dead-after``: 30 s here), and the stream's request is gone from
+    the workers (by the router's Abort, or by ``RouterLeaving`` where that did not come)."""
+    router_args = ("--dead-after", "30", "--served-model-name", "tiny", "--drain-timeout", "0")
+    with running_cluster(
+        tiny_model_dir, tmp_path, num_routers=2, router_args=router_args
+    ) as launcher:
+        proc, parts = None, 0
+        try:
+            for _ in _stream(_client(launcher.router_urls[1]), max_tokens=3000):
+                parts += 1
+                if proc is None and parts == 5:
+                    proc = _terminate(launcher, "router-1")
+        except (openai.APIError, httpx.HTTPError):
+            pass  # the router went with the stream open
+        assert proc is not None and parts < 3000
+        assert _wait_exit(proc) == 0
+        workers = [name for name in launcher.procs if not name.startswith("router")]
+        deadline = time.monotonic() + 20  # well inside the 30 s of silence
+        left: list[tuple[str, str]] = []
+        while len(left) < len(workers):
+            assert time.monotonic() < deadline, left
+            left = [m for name in workers for m in LEFT.findall(read_log(tmp_path, name))]
+            time.sleep(0.1)
+        assert len({router for router, _ in left}) == 1, left  # the same router, once each
+        assert all(s["num_running"] == 0 for s in worker_stats(launcher).values())
+        again = "".join(c.choices[0].text for c in _stream(_client(launcher.url), 16))
+        assert again == reference[: len(again)] and again
+
+
+LEFT = re.compile(r"router (router-\w+) left; aborted (\d+) request")
+
+
+def read_log(log_dir, name: str) -> str:
+    return (log_dir / f"{name}.log").read_text()

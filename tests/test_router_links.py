@@ -211,3 +211,39 @@ def test_handling_a_message_leaves_the_heartbeat_free(links: RouterLinks) -> Non
         theirs.close(0)
         ctx.term()
     assert heartbeat_could_send == [True]
+
+
+def test_a_router_that_left_is_silent_until_heard_again(links: RouterLinks) -> None:
+    first, second = links.links
+    links.heard(first)
+    links.heard(second)
+    assert links.silent_links(60.0) == set()
+    assert links.left(first) == {first}  # at once, not after router_timeout
+    assert links.silent_links(60.0) == {first}
+    links.origin.update(r1=first, r2=second)
+    assert links.is_orphan("r1", {first}) and not links.is_orphan("r2", {first})
+    assert not links.is_orphan("unknown-origin", {first})  # the other router may have it
+    links.heard(first)  # a router restarted at the same address
+    assert links.silent_links(60.0) == set()
+
+
+def test_leaving_goes_only_to_the_routers_still_there() -> None:
+    ctx = zmq.Context()
+    routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
+    ports = [r.bind_to_random_port("tcp://127.0.0.1") for r in routers]
+    links = RouterLinks(
+        ctx, "w0", ",".join(f"tcp://127.0.0.1:{p}" for p in ports), 0.05, SocketSecurity(None)
+    )
+    try:
+        links.send(messages.LoadReport("w0", 0, 0, 0, 0))  # both connections are up
+        for router in routers:
+            assert router.poll(2000)
+            router.recv_multipart()
+        links.left(links.links[0])
+        links.close(messages.Leaving("w0"))
+        assert decode(routers[1].recv_multipart()[1]) == messages.Leaving("w0")
+        assert not routers[0].poll(300)  # the router that left gets nothing
+    finally:
+        for router in routers:
+            router.close(0)
+        ctx.term()

@@ -47,8 +47,9 @@ from kvrelay.autoscale.policy import (
 from kvrelay.protocol.messages import Role
 
 if TYPE_CHECKING:
-    from kvrelay.router.dispatcher import Dispatcher, LatencySample
+    from kvrelay.router.dispatcher import Dispatcher
     from kvrelay.router.registry import Instance, Registry
+    from kvrelay.router.tracked import LatencySample
 
 logger = logging.getLogger(__name__)
 

@@ -322,6 +322,12 @@ class LoRAState:
     error: str = ""
 
 
+# the most a process that leaves waits for its ``Leaving`` / ``RouterLeaving`` to go out: a
+# live peer's connection takes it in well under a millisecond; to one already gone the whole
+# wait is spent (that peer then learns it from the silence)
+LEAVING_LINGER_MS = 200
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Leaving:
     """Worker -> every router, as it exits: take it out of placement now instead of after
@@ -329,6 +335,16 @@ class Leaving:
     dead instance (an older router logs the message as unexpected and waits the seconds)."""
 
     instance_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RouterLeaving:
+    """Router -> every instance it knows, as it exits: the requests it sent are orphans now
+    (the worker aborts them at once instead of after ``router_timeout`` of silence), and the
+    worker's own ``Leaving`` skips this router's link. Any later message on that link (a
+    router restarted at the same address) makes it live again."""
+
+    router_id: str
 
 
 WIRE_TYPES: tuple[type, ...] = (
@@ -355,6 +371,7 @@ WIRE_TYPES: tuple[type, ...] = (
     LoRAState,
     PoolingParams,
     Leaving,
+    RouterLeaving,
 )
 _TAG = {cls: i for i, cls in enumerate(WIRE_TYPES)}
 _FIELDS = {cls: tuple(f.name for f in dataclasses.fields(cls)) for cls in WIRE_TYPES}

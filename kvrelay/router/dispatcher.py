@@ -13,7 +13,8 @@ Per request the router keeps the tokens streamed so far and the instances it dep
 Every attempt has a number (GenerateRequest.attempt, echoed in TokenEvent.attempt); events of
 an older attempt are dropped (``dropped_events{reason="superseded_attempt"}``) and their
 sender is told to Abort it. Every LoadReport is answered with a RegisterAck: a worker that
-hears nothing from a router for its ``router_timeout`` aborts that router's requests.
+hears nothing from a router for its ``router_timeout`` aborts that router's requests; the
+router's ``close`` sends ``RouterLeaving`` to every instance it knows, which aborts them at once.
 
 Liveness: an instance is dead after ``dead_after`` seconds without a message, or at once when
 it sends ``Leaving`` as it exits (on its own connection: another's is refused). The reaper
@@ -21,11 +22,10 @@ judges on the router's own clock of responsiveness: when the event loop itself w
 (its tick came late), the stall is not counted against the instances, whose heartbeats
 were waiting in the socket meanwhile.
 
-Token events carry their offset in the output, so events from P and D may arrive in any
-order; duplicates (after a retry) are skipped. Only the request's current placement speaks
-for it: an event from another instance, or from a connection other than the one its instance
-registered from, is dropped (``not_assigned``); DESIGN.md "Threat model" has the full table.
-Stop strings are applied here, where the text is made; workers never see them.
+Only the request's current placement speaks for it: an event from another instance, or from
+a connection other than the one its instance registered from, is dropped (``not_assigned``);
+DESIGN.md "Threat model" has the full table. What an admitted event streams (its order among
+the others, stop strings, the text) is ``tracked.Tracked``'s.
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
 
 from kvrelay.protocol.errors import ProtocolError
 from kvrelay.protocol.messages import (
+    LEAVING_LINGER_MS,
     Abort,
     CacheEvent,
     Drain,
@@ -55,13 +56,14 @@ from kvrelay.protocol.messages import (
     LoRAState,
     Register,
     RegisterAck,
+    RouterLeaving,
     TokenEvent,
     TokenEvents,
     Undrain,
     decode,
     encode,
 )
-from kvrelay.protocol.sampling_params import REQUEST_NAMES, TokenLogprobs
+from kvrelay.protocol.sampling_params import REQUEST_NAMES
 from kvrelay.router.admission import Admission
 from kvrelay.router.backend import (
     Backend,
@@ -76,6 +78,7 @@ from kvrelay.router.lora_admin import LoRAAdmin
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.prefix_index import CacheIndex, PrefixMatch, reusable_block_keys
 from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT, Instance, Placement, Registry
+from kvrelay.router.tracked import LatencySample, Tracked
 from kvrelay.text.stop import StopChecker
 from kvrelay.text.tokenizer import Tokenizer
 from kvrelay.transport.curve import SocketSecurity
@@ -84,14 +87,6 @@ logger = logging.getLogger(__name__)
 
 _NUM_LATENCY_SAMPLES = 4096  # finished requests kept for windowed SLO attainment
 _PRUNE_INTERVAL_S = 1.0  # how often the connections of instances gone are looked at
-
-
-class LatencySample(NamedTuple):
-    """One finished request's latencies (the autoscaler's SLO windows)."""
-
-    finished_at: float  # time.monotonic() at the last token
-    ttft_s: float  # admission to the first token
-    tpot_s: float | None  # mean time per output token after the first; None with one token
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,25 +111,6 @@ class DispatcherSettings:
             raise ValueError(
                 f"prefill_queue_limit must be >= 0 (inf: never), got {self.prefill_queue_limit!r}"
             )
-
-
-@dataclasses.dataclass(slots=True)
-class _Tracked:
-    request: GenerateInput
-    stop: StopChecker
-    queue: asyncio.Queue[Delta | Exception]
-    placement: Placement
-    watch: set[str]
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    early: dict[int, TokenEvent] = dataclasses.field(default_factory=dict)
-    done: bool = False
-    num_retries: int = 0
-    num_cached_tokens: int = 0
-    cached_tokens_by_tier: dict[str, int] = dataclasses.field(default_factory=dict)
-    started: float = dataclasses.field(default_factory=time.monotonic)
-    attempt: int = 0  # GenerateRequest.attempt of the current placement
-    first_token: float = 0.0
-    last_token: float = 0.0
 
 
 class Dispatcher(Backend):
@@ -165,7 +141,7 @@ class Dispatcher(Backend):
         security.server(self._sock)  # only holders of the cluster secret get through
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, Tracked] = {}
         # instance id -> the connection it last registered from (its Aborts reach it even
         # after the router declared it dead: a paused process finds them when it resumes);
         # a dead one's is dropped once no request in flight watches it (_prune_connections)
@@ -198,7 +174,11 @@ class Dispatcher(Backend):
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._sock.close(0)
+        # each worker drops this router's requests at once and skips its link when it leaves
+        known = {inst.connection for inst in self.registry.instances()}
+        for connection in known:
+            self._send_to(connection, RouterLeaving(self.router_id))
+        self._sock.close(LEAVING_LINGER_MS if known else 0)
         self.security.stop(self._ctx)
         self._ctx.term()
 
@@ -271,7 +251,7 @@ class Dispatcher(Backend):
         if request.pooling is not None:
             self.metrics.embedding_inputs.inc()
             self.metrics.embedding_tokens.inc(len(request.prompt_token_ids))
-        tr = _Tracked(
+        tr = Tracked(
             request,
             StopChecker(self.tokenizer, request.prompt_token_ids, request.params),
             asyncio.Queue(),
@@ -337,7 +317,7 @@ class Dispatcher(Backend):
         )
         return self.cache_index.match(keys)
 
-    def _submit(self, tr: _Tracked, placement: Placement) -> None:
+    def _submit(self, tr: Tracked, placement: Placement) -> None:
         tr.placement = placement
         tr.watch = {placement.prefill.instance_id}
         decode_info = None
@@ -359,7 +339,7 @@ class Dispatcher(Backend):
         )
         self._send(placement.prefill, msg)
 
-    def _abort(self, tr: _Tracked) -> None:
+    def _abort(self, tr: Tracked) -> None:
         tr.done = True
         for instance_id in tr.watch:
             inst = self.registry.get(instance_id)
@@ -501,17 +481,16 @@ class Dispatcher(Backend):
                 error = InvalidRequest(event.error, event.error_param)
             tr.queue.put_nowait(error)
             return
-        if event.handed_off_to is not None:
-            tr.watch.discard(event.instance_id)
-            tr.watch.add(event.handed_off_to)
-        if event.offset > len(tr.tokens):
-            tr.early[event.offset] = event
-            return
-        self._apply(tr, event)
-        while not tr.done and len(tr.tokens) in tr.early:
-            self._apply(tr, tr.early.pop(len(tr.tokens)))
+        for delta in tr.accept(event, self.metrics):
+            if delta.finished:
+                if tr.stopped_by_string:
+                    self._abort(tr)  # the worker is still generating
+                self.metrics.observe_finish(tr.started, delta.finish_reason or "stop")
+                if (sample := tr.latency()) is not None:
+                    self._latencies.append(sample)
+            tr.queue.put_nowait(delta)
 
-    def _is_assigned(self, tr: _Tracked, identity: bytes, event: TokenEvent) -> bool:
+    def _is_assigned(self, tr: Tracked, identity: bytes, event: TokenEvent) -> bool:
         """True when the event comes, on its own connection, from an instance of the
         request's current placement, and hands off (if it does) within that placement."""
         assigned = {i.instance_id for i in tr.placement.instances}
@@ -520,68 +499,6 @@ class Dispatcher(Backend):
         if event.handed_off_to is not None and event.handed_off_to not in assigned:
             return False
         return self.registry.get_from(event.instance_id, identity) is not None
-
-    def _apply(self, tr: _Tracked, event: TokenEvent) -> None:
-        skip = len(tr.tokens) - event.offset  # already streamed (a retry re-sends them)
-        new = event.token_ids[skip:]
-        if not new and not event.finished:
-            return
-        is_first = not tr.tokens and (bool(new) or event.embedding is not None)
-        now = time.monotonic()
-        if is_first:
-            tr.num_cached_tokens = event.num_cached_tokens
-            tr.cached_tokens_by_tier = dict(event.cached_tokens_by_tier)
-        if is_first and new:  # an embedding has no first token
-            tr.first_token = now
-            self.metrics.ttft.observe(now - tr.started)
-        elif new:
-            self.metrics.itl.observe(now - tr.last_token)
-        tr.last_token = now
-        text, stop_str, num_used = self._detokenize(tr, new, event.finished)
-        new = new[:num_used]
-        tr.tokens.extend(new)
-        finished = event.finished or stop_str is not None
-        reason = "stop" if stop_str is not None else event.finish_reason
-        delta = Delta(
-            token_ids=new,
-            text=text,
-            logprobs=_logprobs(event.logprobs, skip, len(new)),
-            finished=finished,
-            finish_reason=reason if finished else None,
-            stop_reason=stop_str if stop_str is not None else event.stop_reason,
-            num_prompt_tokens=len(tr.request.prompt_token_ids),
-            num_cached_tokens=tr.num_cached_tokens if is_first else 0,
-            cached_tokens_by_tier=tr.cached_tokens_by_tier if is_first else {},
-            prompt_logprobs=_prompt_logprobs(event.prompt_logprobs) if is_first else None,
-            embedding=event.embedding,
-        )
-        if finished:
-            if stop_str is not None:
-                self._abort(tr)  # the worker is still generating
-            tr.done = True
-            self.metrics.observe_finish(tr.started, reason or "stop")
-            self._record_latency(tr)
-        tr.queue.put_nowait(delta)
-
-    def _record_latency(self, tr: _Tracked) -> None:
-        if not tr.tokens:
-            return
-        num_after_first = len(tr.tokens) - 1
-        tpot = (tr.last_token - tr.first_token) / num_after_first if num_after_first else None
-        self._latencies.append(LatencySample(tr.last_token, tr.first_token - tr.started, tpot))
-
-    def _detokenize(
-        self, tr: _Tracked, new: list[int], finished: bool
-    ) -> tuple[str, str | None, int]:
-        """Text of the new tokens; a stop string ends the request at the token that made it."""
-        parts = []
-        for i, token_id in enumerate(new):
-            last = finished and i == len(new) - 1
-            text, stop_str = tr.stop.append(token_id, finished=last)
-            parts.append(text)
-            if stop_str is not None:
-                return "".join(parts), stop_str, i + 1
-        return "".join(parts), None, len(new)
 
     # ------------------------------------------------------------------ failures
     async def _reap_loop(self) -> None:
@@ -628,7 +545,7 @@ class Dispatcher(Backend):
             del self._connections[instance_id]
         return len(dropped)
 
-    def _retry(self, tr: _Tracked, dead: set[str]) -> None:
+    def _retry(self, tr: Tracked, dead: set[str]) -> None:
         # the dead too: one that was only paused finds the Abort when it resumes
         abort = Abort(tr.request.request_id, tr.attempt, superseded=True)
         for instance_id in tr.watch:
@@ -657,20 +574,3 @@ class Dispatcher(Backend):
 def _log_send_error(what: str, sent: asyncio.Future[Any]) -> None:
     if not sent.cancelled() and sent.exception() is not None:
         logger.warning("cannot send %s: %s", what, sent.exception())
-
-
-def _logprobs(wire: list[Any] | None, skip: int, count: int) -> list[TokenLogprobs] | None:
-    if wire is None:
-        return None
-    return [_from_wire(item) for item in wire[skip : skip + count]]
-
-
-def _prompt_logprobs(wire: list[Any] | None) -> list[TokenLogprobs | None] | None:
-    if wire is None:
-        return None
-    return [None if item is None else _from_wire(item) for item in wire]
-
-
-def _from_wire(item: list[Any]) -> TokenLogprobs:
-    token_id, logprob, rank, top = item
-    return TokenLogprobs(token_id, logprob, rank, tuple((t[0], t[1]) for t in top))

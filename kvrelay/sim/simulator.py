@@ -24,8 +24,8 @@ from collections import deque
 from typing import Any, Literal
 
 from kvrelay.autoscale.policy import Policy, PolicyConfig, ScaledRole
-from kvrelay.router.dispatcher import LatencySample
 from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT
+from kvrelay.router.tracked import LatencySample
 from kvrelay.sim.cache import SegmentLru
 from kvrelay.sim.instance import SimInstance
 from kvrelay.sim.profile import START_MODES, Profile

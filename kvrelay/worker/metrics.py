@@ -72,7 +72,7 @@ class WorkerMetrics:
         )
         self.orphans_aborted = Counter(
             "kvrelay_orphaned_requests_aborted",
-            "Requests aborted because their router went silent (router_timeout)",
+            "Requests aborted because their router went silent (router_timeout) or left",
             registry=r,
         )
         self.superseded_dropped = Counter(

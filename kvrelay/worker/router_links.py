@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 import uuid
@@ -26,16 +27,17 @@ from typing import Any
 import zmq
 
 from kvrelay.engine.engine import RequestOutput
-from kvrelay.protocol.messages import Leaving, LoadReport, TokenEvent, TokenEvents, encode
+from kvrelay.protocol.messages import (
+    LEAVING_LINGER_MS,
+    Leaving,
+    LoadReport,
+    TokenEvent,
+    TokenEvents,
+    encode,
+)
 from kvrelay.transport.curve import SocketSecurity
 
 logger = logging.getLogger(__name__)
-
-# the most a closing worker waits for its ``Leaving`` to reach a router: a live one's connection
-# takes it in well under a millisecond; to a router already gone (``kvrelay up`` stops the
-# routers first) the whole wait is spent, on every worker's exit
-# (a router that exits could say so, and the workers would skip its link here: not done)
-LEAVING_LINGER_MS = 200
 
 
 class RouterLinks:
@@ -63,6 +65,7 @@ class RouterLinks:
         self.last_taken: dict[str, int] = {}
         self.attempts: dict[str, int] = {}  # request id -> GenerateRequest.attempt
         self._last_heard = {link: time.monotonic() for link in self.links}  # loop thread only
+        self._left: set[zmq.Socket] = set()  # links whose router said it left (loop thread)
         self.snapshot: LoadReport | None = None  # what the heartbeat thread sends
         self._heartbeat_interval = heartbeat_interval
         self._pending: list[TokenEvent] | None = None  # events of an open ``batch``
@@ -116,13 +119,23 @@ class RouterLinks:
             self.origin[request_id] = link
 
     def heard(self, link: zmq.Socket) -> None:
-        """A message came from the router on ``link`` (loop thread)."""
+        """A message came from the router on ``link`` (loop thread); one that had left is
+        back (restarted at the same address)."""
         self._last_heard[link] = time.monotonic()
+        self._left.discard(link)
+
+    def left(self, link: zmq.Socket) -> set[zmq.Socket]:
+        """The router on ``link`` said it exits (``RouterLeaving``); returns the links now
+        silent, that one included (loop thread)."""
+        self._left.add(link)
+        return self.silent_links(math.inf)
 
     def silent_links(self, timeout: float) -> set[zmq.Socket]:
-        """The router links with nothing received for ``timeout`` seconds."""
+        """The router links with nothing received for ``timeout`` seconds, and those whose
+        router left."""
         since = time.monotonic() - timeout
-        return {link for link, heard in self._last_heard.items() if heard < since}
+        silent = {link for link, heard in self._last_heard.items() if heard < since}
+        return silent | self._left
 
     def excuse(self, seconds: float) -> None:
         """The loop thread itself was held for ``seconds`` (a long step, the process paused):
@@ -215,12 +228,14 @@ class RouterLinks:
             self._heartbeat.join(timeout=2 * self._heartbeat_interval + 1)
 
     def close(self, leaving: Leaving | None = None) -> None:
-        """Closes the links; ``leaving`` is sent first and given up to ``LEAVING_LINGER_MS``
-        to go out (the links' linger is 0 otherwise: nothing queued outlives the worker)."""
-        if leaving is not None:
-            self.send(leaving)
+        """Closes the links; ``leaving`` is sent first to the routers that have not left and
+        given up to ``LEAVING_LINGER_MS`` to go out (the links' linger is 0 otherwise:
+        nothing queued outlives the worker)."""
+        staying = [link for link in self.links if link not in self._left]
+        if leaving is not None and staying:
+            self.send(leaving, staying)
         for link in self.links:
-            link.close(LEAVING_LINGER_MS if leaving is not None else 0)
+            link.close(LEAVING_LINGER_MS if leaving is not None and link in staying else 0)
 
 
 def token_event(instance_id: str, out: RequestOutput, **extra: Any) -> TokenEvent:

@@ -63,6 +63,7 @@ from kvrelay.protocol.messages import (
     PeerInfo,
     Register,
     RegisterAck,
+    RouterLeaving,
     Shutdown,
     TokenEvent,
     Undrain,
@@ -368,6 +369,16 @@ class Worker:
             elif isinstance(msg, RegisterAck):
                 self._on_register_ack(msg, sock)
                 return
+            elif isinstance(msg, RouterLeaving):
+                aborted = self._abort_orphans_of(self.routers.left(sock))
+                log = logger.warning if aborted else logger.info
+                log(
+                    "%s: router %s left; aborted %d request(s)",
+                    self.instance_id,
+                    msg.router_id,
+                    aborted,
+                )
+                return
             self.on_router_message(msg)
         else:
             assert identity is not None
@@ -440,20 +451,22 @@ class Worker:
             return
         self._last_orphan_check = now
         silent = self.routers.silent_links(self.config.router_timeout)
-        if not silent:
-            return
-        orphans = [rid for rid in self.request_ids() if self.routers.is_orphan(rid, silent)]
-        for request_id in orphans:
-            self.on_abort(request_id)
-            self.routers.forget(request_id)
-        if orphans:
-            self.metrics.orphans_aborted.inc(len(orphans))
+        if silent and (aborted := self._abort_orphans_of(silent)):
             logger.warning(
                 "%s: router silent for %.1f s; aborted %d request(s)",
                 self.instance_id,
                 self.config.router_timeout,
-                len(orphans),
+                aborted,
             )
+
+    def _abort_orphans_of(self, silent: set[zmq.Socket]) -> int:
+        """Aborts the requests whose router is on a ``silent`` link; returns how many."""
+        orphans = [rid for rid in self.request_ids() if self.routers.is_orphan(rid, silent)]
+        for request_id in orphans:
+            self.on_abort(request_id)
+            self.routers.forget(request_id)
+        self.metrics.orphans_aborted.inc(len(orphans))
+        return len(orphans)
 
     def request_ids(self) -> list[str]:
         """The requests this instance is working on (roles add what they hold)."""
