@@ -239,3 +239,46 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_while_starting_stops_at_once(tiny_model_dir, tmp_path) -> None:
+    """A signal before the workers have joined ends the start there (it does not wait for
+    every worker to be ready first): nothing claims to serve, it exits 0, and no process or
+    shared-memory segment of the cluster is left."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    log_dir = tmp_path / "logs"
+    log = (tmp_path / "up.log").open("w")
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvrelay", "up", "--model", str(tiny_model_dir), "--log-dir",
+         str(log_dir)],
+        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(children := _children(up.pid)) < 3:  # the router and both workers started
+            assert up.poll() is None and time.monotonic() < deadline, children
+            time.sleep(0.05)
+        os.killpg(up.pid, signal.SIGINT)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            os.kill(up.pid, signal.SIGINT)
+            up.wait(60)
+        log.close()
+    out = (tmp_path / "up.log").read_text()
+    assert "a signal came before every process was ready" in out, out[-2000:]
+    assert "kvrelay: serving" not in out
+    for name in ("prefill-0", "decode-0"):  # still loading when the signal came
+        assert f"{name} ready:" not in (log_dir / f"{name}.log").read_text()
+    time.sleep(0.5)
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    left = [p.name for p in Path("/dev/shm").iterdir() if f"up{up.pid}-" in p.name]
+    assert left == [], left

@@ -39,6 +39,10 @@ class LaunchError(RuntimeError):
     """A cluster process did not start or did not become ready in time."""
 
 
+class StartInterrupted(LaunchError):
+    """``interrupt`` was set (Ctrl-C, SIGTERM) before the cluster was ready."""
+
+
 LAUNCHER_CHECK_S = 0.5  # how often a started process looks for its launcher
 
 
@@ -191,6 +195,8 @@ class Launcher:
         self.procs: dict[str, Proc] = {}
         self._counts = dict.fromkeys(ROLES, 0)
         self._reaper: subprocess.Popen[bytes] | None = None  # kvrelay.cli.reaper
+        # set from a signal handler: ``wait_ready`` gives up (``StartInterrupted``)
+        self.interrupt = threading.Event()
 
     @property
     def segment_prefix(self) -> str:
@@ -355,15 +361,18 @@ class Launcher:
         return self.threads_per_worker
 
     def wait_ready(self, timeout: float = 120.0, names: Sequence[str] | None = None) -> None:
-        """Waits until the router is up and every named worker (default: all) has joined."""
+        """Waits until the router is up and every named worker (default: all) has joined;
+        raises ``StartInterrupted`` as soon as ``interrupt`` is set."""
         wanted = set(names if names is not None else self.worker_names())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if self.interrupt.is_set():
+                raise StartInterrupted("interrupted while starting")
             self._check_alive()
             joined = [self.joined_instances(url) for url in self.router_urls]
             if all(j is not None and wanted <= j for j in joined):
                 return
-            time.sleep(0.2)
+            self.interrupt.wait(0.2)
         raise LaunchError(f"cluster not ready after {timeout:.0f}s{self._where_logs()}")
 
     def worker_names(self) -> list[str]:
@@ -453,15 +462,13 @@ class Launcher:
 def run_up(spec: ClusterSpec, timeout: float = 300.0) -> int:
     """``kvrelay up``: start, print the URL, serve until Ctrl-C / SIGTERM or the router dies."""
     launcher = Launcher(spec)
-    stopping = False
 
     def on_signal(signum: int, _frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
+        launcher.interrupt.set()  # also ends a start that is still waiting for workers
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    code = 0
+    code, served = 0, False
     try:
         launcher.start(timeout)
         roles = f"{spec.num_prefill} prefill + {spec.num_decode} decode"
@@ -470,16 +477,18 @@ def run_up(spec: ClusterSpec, timeout: float = 300.0) -> int:
         print(
             f"kvrelay: serving {Path(spec.model).name} ({roles}) at {launcher.url}/v1", flush=True
         )
-        while not stopping:
-            time.sleep(0.2)
+        served = True
+        while not launcher.interrupt.wait(0.2):
             launcher._check_alive()
+    except StartInterrupted:
+        logger.info("stopping: a signal came before every process was ready")
     except LaunchError as e:
         logger.error("%s", e)
         code = 1
     finally:
         removed = launcher.stop()
         logger.info("stopped; removed %d shared-memory segment(s)", len(removed))
-        if code == 0:  # it served: the pool it built or attached outlives it, on purpose
+        if served:  # the pool it built or attached outlives it, on purpose
             logger.info(
                 "the host's parameter pool stays for the next start (attach in milliseconds "
                 "instead of reading the checkpoint): `kvrelay pool ls` shows it, "
