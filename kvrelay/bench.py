@@ -352,11 +352,10 @@ def check_server(config: LoadConfig, timeout_s: float = 10.0) -> None:
         raise BenchError(f"prompt + output up to {longest} tokens > max_model_len {max_model_len}")
 
 
-def warm_up(config: LoadConfig, num_requests: int = 2) -> None:
-    """Sends a few short requests one by one (not timed); raises BenchError if one fails."""
-    if num_requests < 1:
-        return
-    short = LoadConfig(
+def warm_up_config(config: LoadConfig, num_requests: int) -> LoadConfig:
+    """The warm-up's load: short requests, one by one, each sent when the last has finished
+    (not at the timed load's rate)."""
+    return LoadConfig(
         config.url,
         config.model,
         num_requests=num_requests,
@@ -364,8 +363,16 @@ def warm_up(config: LoadConfig, num_requests: int = 2) -> None:
         output_lens=(4, 8),
         seed=config.seed + 10_007,
         vocab_size=config.vocab_size,
+        rate=math.inf,
         concurrency_limit=1,
     )
+
+
+def warm_up(config: LoadConfig, num_requests: int = 2) -> None:
+    """Sends a few short requests one by one (not timed); raises BenchError if one fails."""
+    if num_requests < 1:
+        return
+    short = warm_up_config(config, num_requests)
     records, _ = asyncio.run(run_load(short, make_requests(short), show_progress=False))
     failed = [r.error for r in records if not r.is_ok]
     if failed:

@@ -24,6 +24,7 @@ from kvrelay.bench import (
     make_requests,
     percentile,
     summarize,
+    warm_up_config,
 )
 from tests.cluster_harness import running_cluster
 
@@ -156,6 +157,16 @@ def test_make_requests_poisson_and_seeded() -> None:
 
     burst = make_requests(LoadConfig("http://x", "m", rate=math.inf, num_requests=5))
     assert [r.arrival_s for r in burst] == [0.0] * 5
+
+
+def test_warm_ups_go_one_after_another_not_at_the_rate() -> None:
+    """``--num-warmup``'s requests: each sent when the last finished (one at a time, no gaps
+    drawn), whatever the timed load's rate (a 0.2/s load once waited ~5 s per warm-up)."""
+    timed = LoadConfig("http://x", "m", rate=0.2, num_requests=100, seed=5)
+    warm = warm_up_config(timed, 3)
+    assert warm.concurrency_limit == 1 and warm.num_requests == 3
+    assert [r.arrival_s for r in make_requests(warm)] == [0.0] * 3
+    assert {r.output_len for r in make_requests(warm)} <= set(range(4, 9))
 
 
 def test_config_and_ranges_reject_bad_values() -> None:
