@@ -434,8 +434,7 @@ def _https_ready(url: str, ca: Path) -> bool:
 
 
 def _tls_client(url: str, ca: Path, api_key: str) -> openai.OpenAI:
-    """Use it in ``with``: a TLS connection left open holds the router's graceful shutdown
-    at the module's end for its whole timeout (5 s), waiting for the connection to close."""
+    """Use it in ``with``: the connection it holds closes with it."""
     return openai.OpenAI(
         base_url=url + "/v1",
         api_key=api_key,
@@ -480,3 +479,41 @@ def test_tls_refuses_an_untrusted_server(tls_cluster: tuple[str, Path]) -> None:
     url, _ = tls_cluster
     with pytest.raises(openai.APIConnectionError):  # the system CAs do not know the test CA
         openai.OpenAI(base_url=url + "/v1", api_key=API_KEYS[0], max_retries=0).models.list()
+
+
+def test_an_idle_tls_connection_does_not_hold_the_router_exit(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A client that keeps its TLS connection idle in its pool (httpx, openai do) never
+    answers the server's close_notify: uvicorn waited its whole graceful-shutdown timeout for
+    the connection to go on every router exit. The router drops idle TLS connections."""
+    from kvrelay.cli.launcher import ClusterSpec
+
+    ca, cert, key = _write_test_ca_and_cert(tmp_path)
+    router_args = ("--served-model-name", "tiny", "--ssl-certfile", str(cert),
+                   "--ssl-keyfile", str(key))  # fmt: skip
+    spec = ClusterSpec(
+        model=str(tiny_model_dir), num_prefill=0, num_decode=0, num_colocated=1,
+        router_args=router_args, log_dir=str(tmp_path),
+    )  # fmt: skip
+    launcher = Launcher(spec)
+    url = f"https://127.0.0.1:{launcher.port}"
+    try:
+        launcher.start_router()  # alone: /health answers without a worker
+        client = httpx.Client(verify=_trust(ca))
+        _wait_for(lambda: _alive(client, url), 60, "the HTTPS router")
+        router = launcher.procs["router"].popen
+        router.send_signal(signal.SIGTERM)  # the client still holds its connection, idle
+        assert router.wait(timeout=30) == 0
+        client.close()
+    finally:
+        launcher.stop()
+    log = (tmp_path / "router.log").read_text()
+    assert "timeout graceful shutdown exceeded" not in log, log[-2000:]
+
+
+def _alive(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
