@@ -173,4 +173,6 @@ def _pool_transfer(args: argparse.Namespace) -> int:
     stop.wait()
     server.close()
     pool.close()
-    return 0
+    from kvrelay.cli.cluster import exit_without_finalizing
+
+    exit_without_finalizing(0)  # the pool and its socket are closed; torch's graph stays
