@@ -1,7 +1,8 @@
 """Builds the native pieces, plain shared libraries (no Python C-API) loaded with ctypes:
 ``kvrelay/csrc/kvcopy.c`` (KV copy and checksum, ``kvrelay.transport.slabhash``) and
-``kvrelay/csrc/gemv.c`` (decode-step matmuls, ``kvrelay.kernels.gemv``). Everything else is
-in pyproject.toml. ``optional``: without a C compiler the install still succeeds; the KV
+``kvrelay/csrc/gemv.c`` (decode-step matmuls, ``kvrelay.kernels.gemv``) with the other CPU
+kernels (attention, the whole decode step, row ops, ``kvrelay.kernels.cpu_panels``' products).
+Everything else is in pyproject.toml. ``optional``: without a C compiler the install still succeeds; the KV
 checksum runs in numpy + xxhash and the matmuls in torch (same results, slower; logged once)."""
 
 from setuptools import Extension, setup
@@ -21,6 +22,7 @@ setup(
                 "kvrelay/csrc/attention.c",
                 "kvrelay/csrc/decode.c",
                 "kvrelay/csrc/rows.c",
+                "kvrelay/csrc/panels.c",
             ],
             depends=[
                 "kvrelay/csrc/bf16.h",

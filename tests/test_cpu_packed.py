@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvrelay.engine.engine import LLMEngine
-from kvrelay.kernels import cpu_packed, gemv
+from kvrelay.kernels import cpu_packed, cpu_panels, gemv
 from tests.engine_steps import greedy_tokens
 
 needs_bf16 = pytest.mark.skipif(
@@ -21,11 +21,18 @@ needs_onednn = pytest.mark.skipif(
 )
 
 
+@pytest.mark.parametrize("kind", ["onednn", "panels"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [9, 32, 100])
-def test_packed_linear_matches_torch_in_both_layouts(rows: int, dtype: torch.dtype) -> None:
-    if not cpu_packed.supported(dtype):
-        pytest.skip(f"this CPU's oneDNN does not compute {dtype}")
+def test_packed_linear_matches_torch_in_both_layouts(
+    rows: int, dtype: torch.dtype, kind: str, monkeypatch
+) -> None:
+    """Both packed kernels, whichever ``KVRELAY_CPU_PACKED_KERNEL`` picks on this CPU."""
+    if kind == "panels" and not cpu_panels.available():
+        pytest.skip("kvrelay's native library is not built")
+    monkeypatch.setattr(cpu_packed, "kernel", lambda: kind)
+    if kind == "onednn" and not (torch.backends.mkldnn.is_available()):
+        pytest.skip("this torch has no oneDNN")
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 192, generator=g).to(dtype)
     w_kn = torch.randn(192, 320, generator=g).to(dtype)  # [in, out], kvrelay's projections
@@ -65,6 +72,8 @@ def test_an_engine_packs_and_generates_the_same_tokens(real_model_dir, monkeypat
     calls: list[int] = []
     real = cpu_packed.linear
     monkeypatch.setattr(cpu_packed, "linear", lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    # the same sums as the plain path's: bfloat16 products of many rows on plain weights
+    # run the packed copies' kernel (panels or oneDNN) too, so the tokens are the same
     assert greedy_tokens(engine, prompts, 6) == want
     assert calls and min(calls) > model.native_rows  # used, and only for steps of many rows
 
@@ -146,7 +155,8 @@ def test_unset_packs_when_the_copy_fits_in_a_quarter_of_available_memory(
     with caplog.at_level(logging.INFO, logger="kvrelay.kernels.cpu_packed"):
         engine = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0)
     assert engine.runner.model.packed == {}
-    assert f"not packing the weights for oneDNN: the copy is {size / 1e6:.0f} MB" in caplog.text
+    copy = f"the copy is {size / 1e6:.0f} MB"
+    assert f"not packing the weights ({cpu_packed.kernel()}): {copy}" in caplog.text
     assert engine.runner.model.wait_packed() and engine.runner.model.packed == {}
     monkeypatch.setattr(cpu_packed, "memory_available", lambda: 4 * size)
     model = LLMEngine.from_args(tiny_model_dir, num_threads=1, seed=0).runner.model

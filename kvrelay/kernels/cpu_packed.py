@@ -1,4 +1,6 @@
-"""Weights in oneDNN's blocked layout, for CPU steps of more than ``gemv.MAX_ROWS`` rows.
+"""Packed copies of the weights for CPU steps of more than ``gemv.MAX_ROWS`` rows: oneDNN's
+blocked layout, or kvrelay's panels (``kernels.cpu_panels``) on an AVX2 CPU without AVX-512,
+where oneDNN's kernels wait on memory (``kernel``, ``KVRELAY_CPU_PACKED_KERNEL``).
 
 A batched decode step or a prefill multiplies many rows by each weight. torch's ``mm`` on a
 plain weight packs the weight's panels on every call (MKL in float32; oneDNN reorders a
@@ -30,7 +32,8 @@ from collections.abc import Mapping
 import torch
 
 from kvrelay import envs
-from kvrelay.kernels import gemv
+from kvrelay.kernels import cpu_panels, gemv
+from kvrelay.kernels.cpu_panels import Panels
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,16 @@ PACK_ROWS = 32  # the batch size oneDNN picks its blocking for; any row count wo
 # this way against 19.9 / 24.7 in the native whole-step call). float32 keeps gemv.MAX_ROWS
 # (8 rows: 30.2 native against 34.2 packed). BENCHMARKS.md, "Native rows".
 NATIVE_ROWS_BF16 = 4
+
+
+Packed = torch.Tensor | Panels  # oneDNN's blocked copy, or kvrelay's panels
+
+
+def kernel() -> str:
+    """The packed copies' kind: ``"panels"`` (``kernels.cpu_panels``, where ``chosen``) or
+    ``"onednn"``, as ``KVRELAY_CPU_PACKED_KERNEL`` says (auto: panels where they are the
+    faster, an AVX2 CPU without AVX-512, and the native library is built)."""
+    return "panels" if cpu_panels.chosen() else "onednn"
 
 
 def native_rows(dtype: torch.dtype) -> int:
@@ -60,19 +73,24 @@ AUTO_SHARE = 0.25  # unset: pack when the copy takes at most this share of the m
 
 @functools.cache
 def supported(dtype: torch.dtype) -> bool:
-    """oneDNN is built in and ``dtype`` is float32 or bfloat16 (packed as float32 where oneDNN
-    does not compute bfloat16: ``packed_dtype``)."""
-    return torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+    """The packed kernel (``kernel``) is built in and ``dtype`` is float32 or bfloat16 (packed
+    as float32 where oneDNN does not compute bfloat16, and in panels: ``packed_dtype``)."""
+    built = kernel() == "panels" or torch.backends.mkldnn.is_available()
+    return built and dtype in (torch.float32, torch.bfloat16)
 
 
 def packed_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a ``dtype`` weight's packed copy holds: float32 for bfloat16 where oneDNN does
-    not compute it (``gemv.widens_bfloat16``), else ``dtype``."""
-    return torch.float32 if dtype == torch.bfloat16 and gemv.widens_bfloat16() else dtype
+    """The dtype a ``dtype`` weight's packed copy holds: float32 in panels, and for bfloat16
+    where oneDNN does not compute it (``gemv.widens_bfloat16``), else ``dtype``."""
+    if dtype == torch.bfloat16 and (kernel() == "panels" or gemv.widens_bfloat16()):
+        return torch.float32
+    return dtype
 
 
-def copy_bytes(w: torch.Tensor) -> int:
+def copy_bytes(w: torch.Tensor, transposed: bool = True) -> int:
     """The bytes of ``w``'s packed copy."""
+    if kernel() == "panels":
+        return cpu_panels.copy_bytes(w, transposed)
     return w.numel() * packed_dtype(w.dtype).itemsize
 
 
@@ -99,9 +117,10 @@ def plan(weights: Mapping[str, torch.Tensor], copy_bytes: int) -> str | None:
     available = memory_available()
     fits = available is not None and copy_bytes <= AUTO_SHARE * available
     logger.info(
-        "%s the weights for oneDNN: the copy is %.0f MB, %s MB available "
+        "%s the weights (%s): the copy is %.0f MB, %s MB available "
         "(KVRELAY_CPU_PACKED_WEIGHTS unset: packs when it is at most %d%%)",
         "packing (in the background)" if fits else "not packing",
+        kernel(),
         copy_bytes / 1e6,
         "unknown" if available is None else f"{available / 1e6:.0f}",
         round(100 * AUTO_SHARE),
@@ -121,15 +140,20 @@ def memory_available() -> int | None:
     return None
 
 
-def pack(w: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """A blocked copy of ``w`` (``transposed``: stored ``[in, out]``, else ``[out, in]``)."""
+def pack(w: torch.Tensor, transposed: bool) -> Packed:
+    """A packed copy of ``w`` (``transposed``: stored ``[in, out]``, else ``[out, in]``): panels
+    or oneDNN's blocked layout, as ``kernel`` says."""
+    if kernel() == "panels":
+        return cpu_panels.pack(w, transposed)
     plain = (w.t() if transposed else w).to(packed_dtype(w.dtype))
     return torch.ops.mkldnn._reorder_linear_weight(plain.contiguous(), PACK_ROWS)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ w + bias`` where ``packed`` is ``pack(w, ...)`` (a float32 copy of a bfloat16
     ``w``: computed in float32, the result rounded to ``x``'s dtype)."""
+    if isinstance(packed, Panels):
+        return cpu_panels.linear(x, packed, bias).to(x.dtype)
     if packed.dtype == x.dtype:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     wide = x.to(packed.dtype)

@@ -85,6 +85,14 @@ def load_library() -> ctypes.CDLL | None:
             library.gemv_allow_avx512.argtypes = [ctypes.c_int]
             library.gemv_allow_avx512.restype = ctypes.c_int
             library.kv_use_avx512_bf16.restype = ctypes.c_int
+            library.panels_preferred.restype = c_int  # panels.c, for kernels/cpu_panels.py
+            library.panels_pack.argtypes = [c_int, c_int, ptr, c_int, c_int, ptr]
+            library.panels_pack.restype = None
+            library.panels_gemm.argtypes = [c_int] * 3 + [ptr] * 4 + [c_int]
+            library.panels_gemm.restype = c_int
+            plain = [c_int] * 3 + [ptr] * 2 + [c_int] * 2 + [ptr] * 2 + [c_int]
+            library.panels_gemm_plain.argtypes = plain
+            library.panels_gemm_plain.restype = c_int
             library.gemv_set_threads(torch.get_num_threads())
             return library
     logger.warning(
@@ -158,11 +166,20 @@ def widened(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.device.type == "cpu" and widens_bfloat16()
 
 
-def _widened_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ w.T + bias`` (``w`` ``[n, k]``) on float32 copies, rounded to ``x``'s dtype, in
-    oneDNN's float32 kernel: the one the packed copies run (``cpu_packed``), which gives
-    the same sums on a plain weight, so a step's result does not depend on whether the
-    packed copies exist yet (MKL's sums, in another order, can flip a bfloat16 rounding)."""
+def _widened_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, transposed: bool = False
+) -> torch.Tensor:
+    """``x @ w.T + bias`` (``w`` ``[n, k]``; ``transposed``: ``w`` is ``[k, n]``, ``x @ w``) on
+    float32 copies, rounded to ``x``'s dtype, in the kernel the packed copies run
+    (``cpu_packed``: panels, or oneDNN's float32 kernel), which gives the same sums on a plain
+    weight, so a step's result does not depend on whether the packed copies exist yet (MKL's
+    sums, in another order, can flip a bfloat16 rounding)."""
+    from kvrelay.kernels import cpu_panels  # it imports this module
+
+    if cpu_panels.chosen():
+        return cpu_panels.linear_plain(x, w, transposed, bias).to(x.dtype)
+    if transposed:
+        w = w.t()
     wide, w = x.float(), w.float().contiguous()
     b = None if bias is None else bias.float()
     if torch.backends.mkldnn.is_available():
@@ -175,7 +192,7 @@ def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     library = _native(x, w)
     if library is None or w.shape[0] != x.shape[1]:
         if widened(x):
-            return _widened_linear(x, w.t(), bias)
+            return _widened_linear(x, w, bias, transposed=True)
         return torch.mm(x, w) if bias is None else torch.addmm(bias, x, w)
     y = _call(library, _KN, x, w, w.shape[1])
     return y if bias is None else y.add_(bias)

@@ -102,7 +102,7 @@ def linear(
     x: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None = None,
-    packed: torch.Tensor | None = None,
+    packed: cpu_packed.Packed | None = None,
     native_rows: int = gemv.MAX_ROWS,
 ) -> torch.Tensor:
     """``x @ w + bias`` for a weight stored ``[in, out]`` (decode-sized batches on CPU in the
@@ -131,12 +131,12 @@ class LlamaModel:
                  for n in ("qkv", "o", "gate_up", "down")]  # fmt: skip
         if config.generates:  # an embedding checkpoint has no head
             names.append("lm_head" if "lm_head" in weights else "embed")  # tied: the embedding
-        size = sum(cpu_packed.copy_bytes(weights[n]) for n in names)
+        size = sum(cpu_packed.copy_bytes(weights[n], transposed=n != "embed") for n in names)
         how = cpu_packed.plan(weights, size)
         # steps of up to this many rows take the native kernels (the whole step in one call
         # when it is decode tokens only); more rows take the packed copies once they exist
         self.native_rows = cpu_packed.native_rows(self.dtype) if how else gemv.MAX_ROWS
-        self.packed: dict[str, torch.Tensor] = self._pack(names, size) if how == "now" else {}
+        self.packed: dict[str, cpu_packed.Packed] = self._pack(names, size) if how == "now" else {}
         self._packer: threading.Thread | None = None
         if how == "background":
             self._packer = threading.Thread(
@@ -160,13 +160,14 @@ class LlamaModel:
             return
         self.packed = packed
 
-    def _pack(self, names: list[str], size: int) -> dict[str, torch.Tensor]:
+    def _pack(self, names: list[str], size: int) -> dict[str, cpu_packed.Packed]:
         """Packed copies of ``names`` (``size`` bytes in all, for the log)."""
         started = time.perf_counter()
         # stored [in, out], but a tied embedding [vocab, hidden]
         packed = {n: cpu_packed.pack(self.weights[n], transposed=n != "embed") for n in names}
-        logger.info("packed %d weights for oneDNN in %.2f s: %.0f MB beside the plain ones",
-                    len(packed), time.perf_counter() - started, size / 1e6)  # fmt: skip
+        logger.info("packed %d weights (%s) in %.2f s: %.0f MB beside the plain ones",
+                    len(packed), cpu_packed.kernel(), time.perf_counter() - started,
+                    size / 1e6)  # fmt: skip
         return packed
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

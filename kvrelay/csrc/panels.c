@@ -1,0 +1,205 @@
+/*
+ * Products of CPU steps of many rows on an AVX2 CPU: y[M, N] = x[M, K] @ W (+ bias), with W
+ * copied once, when the engine starts, into panels of 16 columns, each stored [K][16] (one
+ * contiguous 36 KB stream for K = 576).
+ *
+ * Why not oneDNN's blocked copies there: a batched decode step reads every weight from memory
+ * once, and on the AVX2 EPYC of BENCHMARKS.md oneDNN's float32 kernels reached 25-73 GFLOP/s on
+ * SmolLM2's 30 layers at 8-64 rows (weights streaming from memory), against ~120 with the same
+ * weights in cache: they wait on memory. This kernel reads a panel as one sequential stream
+ * (prefetched ahead) and keeps a 6 x 16 tile of y in twelve registers over the whole K, so
+ * each panel row (two vectors) feeds twelve multiply-adds: 1.4-1.9x oneDNN's speed at 8-64
+ * rows there, level from ~256 rows ("Packed panels" in BENCHMARKS.md).
+ *
+ *   panels_pack   W (float32 or bfloat16, stored [K, N] or [N, K]) -> float32 panels; columns
+ *                 past N in the last panel are zeros
+ *   panels_gemm   y = x @ W (+ bias), x and y float32; up to MC_FROM rows a panel is read once
+ *                 for all rows (one stream from memory); more rows go in blocks of MC, each
+ *                 block reading the panels again (from cache: a prefill chunk's x block stays
+ *                 in L2 while the panels stream)
+ *   panels_gemm_plain  the same on the plain weight, a panel packed as it is reached: the
+ *                 same sums, for the steps that come before the copy exists
+ *
+ * Each output is a sum over k in order with fused multiply-adds (float32), so a row's result
+ * does not depend on the other rows of the step or on the thread that computed it. Work is
+ * split by panels over the kernels' pool (pool.h): the threads torch's OpenMP team uses in a
+ * batched step.
+ */
+#include "bf16.h"
+#include "pool.h"
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define KV_X86 1
+#else
+#define KV_X86 0
+#endif
+
+#define NR 16       /* columns of a panel: two AVX2 vectors */
+#define MR 6        /* rows of a register tile: 6 x 2 accumulators + 2 weights + 1 broadcast */
+#define MC 48       /* rows of a block when the step has more than MC_FROM */
+#define MC_FROM 128 /* up to this many rows, one block: each panel streams from memory once */
+#define PREFETCH_ROWS 16 /* panel rows (1 KB) the first tile of a block prefetches ahead */
+#define CHUNKS_PER_THREAD 4
+
+enum { DT_F32 = 0, DT_BF16 = 1 };
+
+/* True where the panels are the faster copy: AVX2 and FMA, and no AVX-512 (where oneDNN's
+ * kernels run near the CPU's peak and stay the choice). */
+int panels_preferred(void) {
+#if KV_X86
+    return kv_use_avx2() && !kv_use_avx512();
+#else
+    return 0;
+#endif
+}
+
+/* Panel p of w (float32 or bfloat16; transposed = 1: stored [k, n], 0: stored [n, k], a tied
+ * embedding as the LM head) as float32 [k][16], columns past n zero. */
+static void pack_panel(int k, int n, const void *w, int dtype, int transposed, int p, float *panel) {
+    for (int kk = 0; kk < k; kk++) {
+        for (int c = 0; c < NR; c++) {
+            const int col = p * NR + c;
+            float v = 0.f;
+            if (col < n) {
+                const size_t i = transposed ? (size_t)kk * n + col : (size_t)col * k + kk;
+                v = dtype == DT_F32 ? ((const float *)w)[i] : bf16_to_f32(((const uint16_t *)w)[i]);
+            }
+            panel[(size_t)kk * NR + c] = v;
+        }
+    }
+}
+
+/* Every panel of w into out (ceil(n / 16) * k * 16 floats). */
+void panels_pack(int k, int n, const void *w, int dtype, int transposed, float *out) {
+    const int np = (n + NR - 1) / NR;
+    for (int p = 0; p < np; p++) pack_panel(k, n, w, dtype, transposed, p, out + (size_t)p * k * NR);
+}
+
+typedef struct {
+    int m, k, n, np, panels_per_chunk;
+    const float *x, *wp, *bias; /* wp NULL: the plain weight w, each panel packed as it goes */
+    float *y;
+    const void *w;
+    int dtype, transposed;
+    int failed; /* a chunk could not allocate its panel buffer (plain weights) */
+} Gemm;
+
+/* y rows r..r+mr-1 (mr <= MR), columns of panel p (ncols of them), over the whole k. In the
+ * AVX2 tile, rows past mr repeat row r (their sums are dropped), so every tile runs the same
+ * code. */
+static void tile_portable(const Gemm *g, const float *panel, int r, int mr, int p, int ncols) {
+    for (int i = 0; i < mr; i++) {
+        float acc[NR] = {0};
+        const float *xr = g->x + (size_t)(r + i) * g->k;
+        for (int kk = 0; kk < g->k; kk++)
+            for (int c = 0; c < NR; c++) acc[c] += xr[kk] * panel[(size_t)kk * NR + c];
+        float *yr = g->y + (size_t)(r + i) * g->n + (size_t)p * NR;
+        for (int c = 0; c < ncols; c++) yr[c] = acc[c] + (g->bias ? g->bias[p * NR + c] : 0.f);
+    }
+}
+
+#if KV_X86
+__attribute__((target("avx2,fma"))) static void tile_avx2(const Gemm *g, const float *panel, int r, int mr, int p, int ncols, int prefetch) {
+    const int k = g->k;
+    const float *x0 = g->x + (size_t)r * k;
+    const float *x1 = x0 + (size_t)k * (mr > 1), *x2 = x0 + (size_t)2 * k * (mr > 2);
+    const float *x3 = x0 + (size_t)3 * k * (mr > 3), *x4 = x0 + (size_t)4 * k * (mr > 4);
+    const float *x5 = x0 + (size_t)5 * k * (mr > 5);
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+    for (int kk = 0; kk < k; kk++) {
+        const float *row = panel + (size_t)kk * NR;
+        if (prefetch) _mm_prefetch((const char *)(row + PREFETCH_ROWS * NR), _MM_HINT_T0);
+        const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
+        __m256 b = _mm256_broadcast_ss(x0 + kk);
+        a00 = _mm256_fmadd_ps(b, w0, a00), a01 = _mm256_fmadd_ps(b, w1, a01);
+        b = _mm256_broadcast_ss(x1 + kk);
+        a10 = _mm256_fmadd_ps(b, w0, a10), a11 = _mm256_fmadd_ps(b, w1, a11);
+        b = _mm256_broadcast_ss(x2 + kk);
+        a20 = _mm256_fmadd_ps(b, w0, a20), a21 = _mm256_fmadd_ps(b, w1, a21);
+        b = _mm256_broadcast_ss(x3 + kk);
+        a30 = _mm256_fmadd_ps(b, w0, a30), a31 = _mm256_fmadd_ps(b, w1, a31);
+        b = _mm256_broadcast_ss(x4 + kk);
+        a40 = _mm256_fmadd_ps(b, w0, a40), a41 = _mm256_fmadd_ps(b, w1, a41);
+        b = _mm256_broadcast_ss(x5 + kk);
+        a50 = _mm256_fmadd_ps(b, w0, a50), a51 = _mm256_fmadd_ps(b, w1, a51);
+    }
+    float out[MR][NR];
+    _mm256_storeu_ps(out[0], a00), _mm256_storeu_ps(out[0] + 8, a01);
+    _mm256_storeu_ps(out[1], a10), _mm256_storeu_ps(out[1] + 8, a11);
+    _mm256_storeu_ps(out[2], a20), _mm256_storeu_ps(out[2] + 8, a21);
+    _mm256_storeu_ps(out[3], a30), _mm256_storeu_ps(out[3] + 8, a31);
+    _mm256_storeu_ps(out[4], a40), _mm256_storeu_ps(out[4] + 8, a41);
+    _mm256_storeu_ps(out[5], a50), _mm256_storeu_ps(out[5] + 8, a51);
+    for (int i = 0; i < mr; i++) {
+        float *yr = g->y + (size_t)(r + i) * g->n + (size_t)p * NR;
+        if (g->bias != NULL)
+            for (int c = 0; c < ncols; c++) out[i][c] += g->bias[p * NR + c];
+        memcpy(yr, out[i], sizeof(float) * ncols);
+    }
+}
+#endif
+
+/* Chunk c: panels c * panels_per_chunk onward, for every block of rows. */
+static void run_chunk(void *ctx, int c) {
+    const Gemm *g = ctx;
+    const int p0 = c * g->panels_per_chunk;
+    const int p1 = p0 + g->panels_per_chunk < g->np ? p0 + g->panels_per_chunk : g->np;
+    const int block = g->m > MC_FROM ? MC : g->m;
+    float *buf = NULL; /* plain weights: the panel being used, packed from w */
+    if (g->wp == NULL && (buf = malloc(sizeof(float) * g->k * NR)) == NULL) {
+        __atomic_store_n((int *)&g->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    for (int m0 = 0; m0 < g->m; m0 += block) {
+        const int m1 = m0 + block < g->m ? m0 + block : g->m;
+        for (int p = p0; p < p1; p++) {
+            const int ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
+            if (buf != NULL) pack_panel(g->k, g->n, g->w, g->dtype, g->transposed, p, buf);
+            const float *panel = buf != NULL ? buf : g->wp + (size_t)p * g->k * NR;
+            for (int r = m0; r < m1; r += MR) {
+                const int mr = m1 - r < MR ? m1 - r : MR;
+#if KV_X86
+                if (kv_use_avx2()) {
+                    tile_avx2(g, panel, r, mr, p, ncols, g->wp != NULL && r == m0);
+                    continue;
+                }
+#endif
+                tile_portable(g, panel, r, mr, p, ncols);
+            }
+        }
+    }
+    free(buf);
+}
+
+static int run(Gemm *g, int threads) {
+    const int want = (threads < 1 ? 1 : threads) * CHUNKS_PER_THREAD;
+    g->np = (g->n + NR - 1) / NR;
+    g->panels_per_chunk = (g->np + want - 1) / want;
+    pool_run(run_chunk, g, (g->np + g->panels_per_chunk - 1) / g->panels_per_chunk);
+    return g->failed ? -2 : 0;
+}
+
+/* y[m, n] = x[m, k] @ W + bias (bias may be NULL), W as panels_pack wrote it. threads: the
+ * pool's size, to cut the panels into CHUNKS_PER_THREAD chunks a thread. Returns 0, or -1 for
+ * a bad shape. */
+int panels_gemm(int m, int k, int n, const float *x, const float *wp, const float *bias, float *y, int threads) {
+    if (m < 1 || k < 1 || n < 1 || wp == NULL) return -1;
+    Gemm g = {m, k, n, 0, 0, x, wp, bias, y, NULL, DT_F32, 1, 0};
+    return run(&g, threads);
+}
+
+/* The same product on the plain weight w (float32 or bfloat16, stored as panels_pack takes
+ * it), each panel packed into a thread's buffer as it is reached: the same sums, bit for bit,
+ * as panels_gemm on panels_pack's copy (a step's result does not depend on whether the copy
+ * exists yet). Returns 0, -1 for a bad shape or dtype, -2 out of memory. */
+int panels_gemm_plain(int m, int k, int n, const float *x, const void *w, int dtype, int transposed, const float *bias, float *y, int threads) {
+    if (m < 1 || k < 1 || n < 1 || w == NULL || (dtype != DT_F32 && dtype != DT_BF16)) return -1;
+    Gemm g = {m, k, n, 0, 0, x, NULL, bias, y, w, dtype, transposed, 0};
+    return run(&g, threads);
+}
