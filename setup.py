@@ -2,8 +2,9 @@
 ``kvrelay/csrc/kvcopy.c`` (KV copy and checksum, ``kvrelay.transport.slabhash``) and
 ``kvrelay/csrc/gemv.c`` (decode-step matmuls, ``kvrelay.kernels.gemv``) with the other CPU
 kernels (attention, the whole decode step, row ops, ``kvrelay.kernels.cpu_panels``' products).
-Everything else is in pyproject.toml. ``optional``: without a C compiler the install still succeeds; the KV
-checksum runs in numpy + xxhash and the matmuls in torch (same results, slower; logged once)."""
+Everything else is in pyproject.toml. ``optional``: without a C compiler the install still
+succeeds; the KV checksum runs in numpy + xxhash and the matmuls in torch (same results,
+slower; logged once)."""
 
 from setuptools import Extension, setup
 
