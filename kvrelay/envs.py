@@ -211,7 +211,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "engine starts; 0: never", commands=("serve",)),
     _var("KVRELAY_CPU_PACKED_KERNEL", str, "auto",
          "the packed copy's layout and kernel: panels (kvrelay's native panels of 16 columns, "
-         "1.4-1.9x oneDNN's speed at 8-64 rows on an AVX2 CPU, where oneDNN's kernels wait on "
+         "1.3-1.6x oneDNN's speed at 8-64 rows on an AVX2 CPU, where oneDNN's kernels wait on "
          "memory), onednn (oneDNN's blocked layout), or auto: panels on a CPU with AVX2 and no "
          "AVX-512, else onednn", commands=("serve",), choices=("auto", "panels", "onednn")),
     _var("KVRELAY_GRAMMAR_WARM_UP", bool, True,

@@ -8,8 +8,8 @@
  * SmolLM2's 30 layers at 8-64 rows (weights streaming from memory), against ~120 with the same
  * weights in cache: they wait on memory. This kernel reads a panel as one sequential stream
  * (prefetched ahead) and keeps a 6 x 16 tile of y in twelve registers over the whole K, so
- * each panel row (two vectors) feeds twelve multiply-adds: 1.4-1.9x oneDNN's speed at 8-64
- * rows there, level from ~256 rows ("Packed panels" in BENCHMARKS.md).
+ * each panel row (two vectors) feeds twelve multiply-adds: 1.3-1.6x oneDNN's speed at 8-64
+ * rows there, 1.1x at 256 and 0.93x at 2,048 ("Packed panels" in BENCHMARKS.md).
  *
  *   panels_pack   W (float32 or bfloat16, stored [K, N] or [N, K]) -> float32 panels; columns
  *                 past N in the last panel are zeros
