@@ -34,17 +34,17 @@ SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out), SmolLM
 LAYERS = 30
 
 
-def products(rows: list[int], repeats: int) -> list[list[str]]:
+def products(rows: list[int], repeats: int, layers: int = LAYERS) -> list[list[str]]:
     from kvrelay.kernels import cpu_packed, cpu_panels
 
-    plain = [[torch.randn(i, o) for i, o in SHAPES] for _ in range(LAYERS)]  # [in, out]
+    plain = [[torch.randn(i, o) for i, o in SHAPES] for _ in range(layers)]  # [in, out]
     copies = {}
     for kind in ("panels", "onednn"):
         cpu_packed.kernel = lambda kind=kind: kind  # type: ignore[assignment]
         copies[kind] = [[cpu_packed.pack(w, transposed=True) for w in ws] for ws in plain]
     del plain
     out = []
-    flops_per_row = 2 * LAYERS * sum(i * o for i, o in SHAPES)
+    flops_per_row = 2 * layers * sum(i * o for i, o in SHAPES)
     for m in rows:
         xs = {i: torch.randn(m, i) for i, _ in SHAPES}
         times: dict[str, list[float]] = {kind: [] for kind in copies}
@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 2048])
     p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--layers", type=int, default=LAYERS, help="distinct layers of weights")
     p.add_argument("--write", action="store_true", help="replace the BENCHMARKS.md section")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     gemv.set_threads(args.threads)
     gemv.use_openmp(True)  # as the engine's batched steps run the library's jobs
-    product_rows = products(args.rows, args.repeats)
+    product_rows = products(args.rows, args.repeats, args.layers)
     gemv.use_openmp(False)
     engine_rows, same = [], []
     for dtype in args.dtype:

@@ -638,3 +638,23 @@ def test_bf16_widened_benchmark_times_every_path(tiny_model_dir) -> None:
                       proc.stdout, re.M)  # fmt: skip
     assert [r[0] for r in rows] == ["9", "16"], proc.stdout
     assert "widens bfloat16 here:" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_cpu_panels_compares_the_packed_kernels(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/cpu_panels.py on one layer and the tiny model (a smoke test, not a timing):
+    both kernels' products, both engines per dtype with their ratio, greedy identity."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "cpu_panels.py"), "--model",
+        str(tiny_model_dir), "--layers", "1", "--rows", "8", "300", "--repeats", "1",
+        "--num-requests", "4",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rows in (8, 300):
+        assert re.search(rf"^\| {rows} \| [\d.]+ \| \d+ \| [\d.]+ \| \d+ \| [\d.]+x \|$",
+                         proc.stdout, re.M), proc.stdout  # fmt: skip
+    for dtype in ("float32", "bfloat16"):
+        assert re.search(rf"^\| {dtype} \| panels / oneDNN \| [\d.]+x \|", proc.stdout, re.M)
+        same = re.search(rf"{dtype}: greedy tokens identical on (\d+) of 4", proc.stdout)
+        assert same is not None, proc.stdout

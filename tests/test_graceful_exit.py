@@ -135,8 +135,9 @@ def test_a_router_that_exits_tells_its_workers(tiny_model_dir, tmp_path, referen
     the workers (by the router's Abort, or by ``RouterLeaving`` where that did not come)."""
     router_args = ("--dead-after", "30", "--served-model-name", "tiny", "--drain-timeout", "0")
     with running_cluster(
-        tiny_model_dir, tmp_path, num_routers=2, router_args=router_args
-    ) as launcher:
+        tiny_model_dir, tmp_path, num_routers=2, num_prefill=0, num_decode=0, num_colocated=1,
+        router_args=router_args,
+    ) as launcher:  # fmt: skip
         proc, parts = None, 0
         try:
             for _ in _stream(_client(launcher.router_urls[1]), max_tokens=3000):

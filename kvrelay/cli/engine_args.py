@@ -34,9 +34,11 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
         default="float32",
         choices=["float32", "bfloat16", "float16"],
         help="weights, KV and compute [env KVRELAY_CPU_PACKED_WEIGHTS: a CPU engine keeps a "
-        "oneDNN-packed copy of the weights for steps of many rows, at twice their memory; "
+        "packed copy of the weights for steps of many rows, at twice their memory; "
         "unset: when the copy fits in a quarter of the memory available, on a thread after "
-        "the engine starts, 1: always, before it starts, 0: never]",
+        "the engine starts, 1: always, before it starts, 0: never; env "
+        "KVRELAY_CPU_PACKED_KERNEL: the copy's kind, panels (kvrelay's, the faster on an AVX2 "
+        "CPU), onednn, or auto: panels on an AVX2 CPU without AVX-512]",
     )
     if from_env:
         envs.add_option(p, "KVRELAY_DEVICE")

@@ -4,7 +4,7 @@
  * contiguous 36 KB stream for K = 576).
  *
  * Why not oneDNN's blocked copies there: a batched decode step reads every weight from memory
- * once, and on the AVX2 EPYC of BENCHMARKS.md oneDNN's float32 kernels reached 25-73 GFLOP/s on
+ * once, and on the AVX2 EPYC of BENCHMARKS.md oneDNN's float32 kernels reached 21-73 GFLOP/s on
  * SmolLM2's 30 layers at 8-64 rows (weights streaming from memory), against ~120 with the same
  * weights in cache: they wait on memory. This kernel reads a panel as one sequential stream
  * (prefetched ahead) and keeps a 6 x 16 tile of y in twelve registers over the whole K, so
@@ -20,8 +20,9 @@
  *   panels_gemm_plain  the same on the plain weight, a panel packed as it is reached: the
  *                 same sums, for the steps that come before the copy exists
  *
- * Each output is a sum over k in order with fused multiply-adds (float32), so a row's result
- * does not depend on the other rows of the step or on the thread that computed it. Work is
+ * Each output is a sum over k in order (float32; fused multiply-adds in the AVX2 tile, which
+ * is the one used wherever the panels are chosen), so a row's result does not depend on the
+ * other rows of the step or on the thread that computed it. Work is
  * split by panels over the kernels' pool (pool.h): the threads torch's OpenMP team uses in a
  * batched step.
  */

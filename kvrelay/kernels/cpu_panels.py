@@ -2,7 +2,7 @@
 
 The packed copy ``kernels.cpu_packed`` keeps for batched decode steps and prefill, on CPUs
 where it beats oneDNN's blocked copy: AVX2 without AVX-512 (``preferred``). There a batched
-decode step's products wait on memory in oneDNN's kernels (25-73 GFLOP/s at 8-64 rows over
+decode step's products wait on memory in oneDNN's kernels (21-73 GFLOP/s at 8-64 rows over
 SmolLM2's 30 layers, against ~120 in cache); a panel is one sequential stream and each of its
 rows feeds a 6 x 16 register tile, 1.3-1.6x faster at 8-64 rows, 1.1x at 256, 0.93x at 2,048
 (BENCHMARKS.md, "Packed panels"). The copy is float32 (a bfloat16 model's too: an AVX2 CPU
