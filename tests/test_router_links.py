@@ -68,17 +68,23 @@ def test_a_held_loop_excuses_the_routers(links: RouterLinks) -> None:
     assert links.silent_links(0.1) == set()
 
 
-def test_a_batch_sends_one_message_per_router_in_order() -> None:
-    """A step's events: one TokenEvents per router that takes them (its RegisterAck said so)
-    with that router's events in order, one message an event to a router that does not (an
-    older one), an event of unknown origin to every router, a lone event as itself; outside
-    a batch each event goes at once."""
+def _two_routers() -> tuple[zmq.Context, list[zmq.Socket], RouterLinks]:
+    """Two ROUTER sockets on loopback and a worker's links to both."""
     ctx = zmq.Context()
     routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
     ports = [r.bind_to_random_port("tcp://127.0.0.1") for r in routers]
     links = RouterLinks(
         ctx, "w0", ",".join(f"tcp://127.0.0.1:{p}" for p in ports), 0.05, SocketSecurity(None)
     )
+    return ctx, routers, links
+
+
+def test_a_batch_sends_one_message_per_router_in_order() -> None:
+    """A step's events: one TokenEvents per router that takes them (its RegisterAck said so)
+    with that router's events in order, one message an event to a router that does not (an
+    older one), an event of unknown origin to every router, a lone event as itself; outside
+    a batch each event goes at once."""
+    ctx, routers, links = _two_routers()
     try:
         first, second = links.links
         links.set_takes_batches(first, True)
@@ -228,12 +234,7 @@ def test_a_router_that_left_is_silent_until_heard_again(links: RouterLinks) -> N
 
 
 def test_leaving_goes_only_to_the_routers_still_there() -> None:
-    ctx = zmq.Context()
-    routers = [ctx.socket(zmq.ROUTER) for _ in range(2)]
-    ports = [r.bind_to_random_port("tcp://127.0.0.1") for r in routers]
-    links = RouterLinks(
-        ctx, "w0", ",".join(f"tcp://127.0.0.1:{p}" for p in ports), 0.05, SocketSecurity(None)
-    )
+    ctx, routers, links = _two_routers()
     try:
         links.send(messages.LoadReport("w0", 0, 0, 0, 0))  # both connections are up
         for router in routers:

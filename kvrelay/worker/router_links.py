@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import threading
 import time
 import uuid
@@ -125,10 +124,10 @@ class RouterLinks:
         self._left.discard(link)
 
     def left(self, link: zmq.Socket) -> set[zmq.Socket]:
-        """The router on ``link`` said it exits (``RouterLeaving``); returns the links now
-        silent, that one included (loop thread)."""
+        """The router on ``link`` said it exits (``RouterLeaving``); returns the links whose
+        router left, that one included (loop thread)."""
         self._left.add(link)
-        return self.silent_links(math.inf)
+        return set(self._left)
 
     def silent_links(self, timeout: float) -> set[zmq.Socket]:
         """The router links with nothing received for ``timeout`` seconds, and those whose
