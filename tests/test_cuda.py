@@ -197,14 +197,15 @@ def compiled_triton_variants() -> int:
     """Variants of kvrelay's Triton kernels compiled in this process so far, every device."""
     from kvrelay.kernels import triton_attention as ta
 
-    kernels = (ta._decode_kernel, ta._combine_kernel, ta._store_kernel, ta._prefill_kernel)
+    k = ta._kernels()  # the kernels' module, imported at the first launch
+    kernels = (k.decode_kernel, k.combine_kernel, k.store_kernel, k.prefill_kernel)
     return sum(len(caches[0]) for k in kernels for caches in k.device_caches.values())
 
 
 def compiled_prefill_variants() -> int:
     from kvrelay.kernels import triton_attention as ta
 
-    return sum(len(caches[0]) for caches in ta._prefill_kernel.device_caches.values())
+    return sum(len(caches[0]) for caches in ta._kernels().prefill_kernel.device_caches.values())
 
 
 @needs_cuda
