@@ -9,13 +9,16 @@ Passes repeat the workload in the same process (the second has nothing left to c
 runs the workload twice in the process, prefill attention in Triton's one-launch kernel
 (``triton``) and then through torch's gather + SDPA per segment (``sdpa``,
 ``KVRELAY_TRITON_PREFILL=0``), each on its own engine, and prints the medians side by side.
-``--mixed-graphs both`` does the same for prompt and mixed steps replayed as CUDA graphs
+``--rows both`` does the same for a layer's small ops in Triton's row kernels (``triton-rows``)
+and in torch's ops (``torch-rows``, ``KVRELAY_TRITON_ROWS=0``). ``--mixed-graphs both`` does
+the same for prompt and mixed steps replayed as CUDA graphs
 (``graphs``: the whole step) and run eagerly (``eager``, ``KVRELAY_MIXED_GRAPHS=0``); ``all``
 adds ``pieces`` between them: the layers around attention as graphs, attention eager
 (``LayerGraphs`` installed on an engine made without step graphs, Triton's prefill kept).
 
     python benchmarks/gpu_steps.py --like SMOLLM2_DIR [--requests 64] [--concurrency 32]
         [--prefill triton|sdpa|both] [--mixed-graphs graphs|pieces|eager|both|all]
+        [--rows triton|torch|both]
 """
 
 from __future__ import annotations
@@ -123,9 +126,17 @@ def main() -> int:
         help="prompt and mixed steps: whole-step CUDA graphs, graphs around eager attention "
         "(pieces), eager (KVRELAY_MIXED_GRAPHS=0), graphs and eager in turn (both), or all three",
     )
+    p.add_argument(
+        "--rows",
+        choices=("triton", "torch", "both"),
+        default="triton",
+        help="a layer's small ops: Triton's row kernels, torch's ops (KVRELAY_TRITON_ROWS=0), "
+        "or both in turn",
+    )
     args = p.parse_args()
-    if args.prefill == "both" and args.mixed_graphs in ("both", "all"):
-        p.error("compare one thing at a time: --prefill both or --mixed-graphs both")
+    compared = [args.prefill == "both", args.mixed_graphs in ("both", "all"), args.rows == "both"]
+    if sum(compared) > 1:
+        p.error("compare one thing at a time: --prefill both, --mixed-graphs both or --rows both")
     if not 1 <= args.output_len[0] < args.output_len[1]:
         p.error("--output-len needs 1 <= LOW < HIGH")
     import torch
@@ -140,13 +151,16 @@ def main() -> int:
         args.mixed_graphs, (args.mixed_graphs,)
     )
     # each path: its name and the environment its engine is made under
+    rows = ("triton", "torch") if args.rows == "both" else (args.rows,)
     paths = {
-        (b if len(layers) > 1 else a): {
+        (f"{c}-rows" if len(rows) > 1 else b if len(layers) > 1 else a): {
             "KVRELAY_TRITON_PREFILL": "1" if a == "triton" else "0",
             "KVRELAY_MIXED_GRAPHS": "1" if b == "graphs" else "0",
+            "KVRELAY_TRITON_ROWS": "1" if c == "triton" else "0",
         }
         for a in prefill
         for b in layers
+        for c in rows
     }
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -229,6 +229,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "on CUDA, a step's prefill segments attend in one Triton launch per layer, reading "
          "the KV pool in place (0: torch's gather + SDPA per segment; for comparisons)",
          commands=("serve",)),
+    _var("KVRELAY_TRITON_ROWS", bool, True,
+         "on CUDA, a layer's small ops (residual add + RMSNorm, rotary embedding, SiLU x up) "
+         "run as one Triton launch each (0: torch's ops, ~20 launches a layer; for comparisons)",
+         commands=("serve",)),
     _var("KVRELAY_CUDA_GRAPHS", bool, True,
          "a CUDA engine replays decode-only steps as CUDA graphs, one per padded batch size, "
          "captured by the warm-up (0: every step eager; for comparisons and debugging)",

@@ -55,6 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
         "env KVRELAY_CUDA_GRAPHS=0: a CUDA engine runs every step without CUDA graphs; "
         "env KVRELAY_MIXED_GRAPHS=0: its prompt and mixed steps without them; "
         "env KVRELAY_TRITON_PREFILL=0: a CUDA engine's prefill through torch's SDPA; "
+        "env KVRELAY_TRITON_ROWS=0: a CUDA layer's small ops in torch, not Triton; "
         "env KVRELAY_GRAMMAR_WARM_UP=0: xgrammar's tables on the first structured request, "
         "not on a thread at start]",
     )

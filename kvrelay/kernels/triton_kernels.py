@@ -209,3 +209,72 @@ def store_kernel(
         v = tl.load(v_ptr + t * stride_v_row + head * stride_v_head + dim, mask=ok)
         tl.store(k_pool + slot * ROW + i, k, mask=ok)
         tl.store(v_pool + slot * ROW + i, v, mask=ok)
+
+
+# A decoder layer's small ops on a GPU (``triton_rows``), torch's roundings: a 16-bit model's
+# products and sums round to its dtype where torch's separate ops would store them.
+@triton.jit
+def _rounded(x, dt: tl.constexpr):
+    """float32 ``x`` rounded to ``dt`` (to nearest, ties to even) and kept as float32. bfloat16
+    by its bits: the same on a GPU and in Triton's interpreter (whose cast truncates)."""
+    if dt == tl.bfloat16:
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        return u.to(tl.float32, bitcast=True)
+    else:
+        return x.to(dt).to(tl.float32)
+
+
+@triton.jit
+def add_rms_norm_kernel(
+    x_ptr, d_ptr, w_ptr, h_ptr, n, eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n
+    dt = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * n + cols, mask=ok, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + row * n + cols, mask=ok, other=0.0)
+        xf = _rounded(x.to(tl.float32) + d.to(tl.float32), dt)
+        tl.store(x_ptr + row * n + cols, xf.to(dt), mask=ok)
+    else:
+        xf = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    normed = _rounded(xf * r, dt)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(h_ptr + row * n + cols, _rounded(normed * w, dt).to(dt), mask=ok)
+
+
+@triton.jit
+def rope_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, width, heads, HALF: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    c = tl.arange(0, HALF_PAD)[None, :]
+    ok = (h < heads) & (c < HALF)
+    dt = qkv_ptr.dtype.element_ty
+    first = qkv_ptr + t * width + h * (2 * HALF) + c
+    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
+    cs = tl.load(cos_ptr + t * HALF + c, mask=c < HALF, other=0.0).to(tl.float32)
+    sn = tl.load(sin_ptr + t * HALF + c, mask=c < HALF, other=0.0).to(tl.float32)
+    # each product rounded on its own (no fused multiply-add), as torch's separate ops
+    a, b = _rounded(x1 * cs, dt), _rounded(x2 * sn, dt)
+    e, f = _rounded(x2 * cs, dt), _rounded(x1 * sn, dt)
+    tl.store(first, _rounded(a - b, dt).to(dt), mask=ok)
+    tl.store(first + HALF, _rounded(e + f, dt).to(dt), mask=ok)
+
+
+@triton.jit
+def silu_mul_kernel(gate_up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(gate_up_ptr + row * 2 * n + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gate_up_ptr + row * 2 * n + n + cols, mask=ok, other=0.0).to(tl.float32)
+    s = _rounded(g / (1.0 + tl.exp(-g)), dt)
+    tl.store(out_ptr + row * n + cols, _rounded(s * u, dt).to(dt), mask=ok)

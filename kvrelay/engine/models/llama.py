@@ -18,9 +18,10 @@ kernel, which streams each weight once on all threads. A tied ``embed`` stays
 ``[vocab, hidden]`` and serves both ends.
 
 On CPU a layer's small ops (residual add + RMSNorm, rotary embedding, SiLU-and-multiply) run
-as one native call each (``kernels.cpu_rows``) with the same rounding as the torch ops below,
-which stay for other devices; decode-only steps of a few rows run every layer in one native
-call (``kernels.cpu_decode``).
+as one native call each (``kernels.cpu_rows``), and on a GPU as one Triton launch each
+(``kernels.triton_rows``), with the rounding of the torch ops below, which stay for the
+rest (and for ``KVRELAY_TRITON_ROWS=0``); decode-only steps of a few rows run every layer in
+one native call (``kernels.cpu_decode``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import math
 import threading
 import time
 from collections.abc import Mapping
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from kvrelay.engine import background
 from kvrelay.engine.config import ModelConfig, RopeConfig
 from kvrelay.engine.lora import LoRABatch
-from kvrelay.kernels import cpu_packed, cpu_rows, gemv
+from kvrelay.kernels import cpu_packed, cpu_rows, gemv, triton_rows
 from kvrelay.kernels.attention import AttentionMetadata, paged_attention
 from kvrelay.kernels.cpu_decode import FusedDecode
 
@@ -86,13 +88,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+RowOps = ModuleType  # cpu_rows or triton_rows: add_rms_norm, rope_, silu_mul
+
+
+def row_ops(x: torch.Tensor) -> RowOps | None:
+    """The fused row ops for activations like ``x``: the native library's on CPU
+    (``kernels.cpu_rows``), Triton's on a GPU (``kernels.triton_rows``); None: torch's ops."""
+    if cpu_rows.supports(x):
+        return cpu_rows
+    if x.device.type == "cuda" and triton_rows.supports(x):
+        return triton_rows
+    return None
+
+
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float, native: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x + delta, rms_norm(x + delta) * weight)`` (``delta`` None: ``x`` itself). The native
-    path (``kernels.cpu_rows``) adds in place and does both in one call."""
-    if native:
-        return x, cpu_rows.add_rms_norm(x, delta, weight, eps)
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    rows: RowOps | None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(x + delta, rms_norm(x + delta) * weight)`` (``delta`` None: ``x`` itself). The fused
+    row ops (``row_ops``) add in place and do both in one call."""
+    if rows is not None:
+        return x, rows.add_rms_norm(x, delta, weight, eps)
     if delta is not None:
         x = x + delta
     return x, rms_norm(x, weight, eps)
@@ -223,16 +239,16 @@ class LlamaModel:
         """Layer ``i`` up to attention: the residual ``x + delta`` (``delta`` the last layer's
         output, None before the first) and this layer's rotated ``q, k`` and ``v``."""
         w, cfg, hd = self.weights, self.config, self.config.head_dim
-        p, native = f"layers.{i}.", cpu_rows.supports(x)  # the small ops in the library (CPU)
-        x, h = add_rms_norm(x, delta, w[p + "in_norm"], cfg.rms_norm_eps, native)
+        p, ops = f"layers.{i}.", row_ops(x)  # the small ops fused (CPU library, Triton)
+        x, h = add_rms_norm(x, delta, w[p + "in_norm"], cfg.rms_norm_eps, ops)
         qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"), self.packed.get(p + "qkv"),
                      self.native_rows)  # fmt: skip
         if lora is not None:
             lora.add(p + "qkv", h, qkv)
         qk_size = self._q_size + self._kv_size
         # q and k rotate in one call: their columns are adjacent in the fused projection
-        if native:
-            cpu_rows.rope_(qkv, self._qk_heads, hd, cos, sin)
+        if ops is not None:
+            ops.rope_(qkv, self._qk_heads, hd, cos, sin)
             qk = qkv[:, :qk_size].view(-1, self._qk_heads, hd)
         else:
             qk = apply_rope(qkv[:, :qk_size].view(-1, self._qk_heads, hd), cos, sin)
@@ -245,17 +261,17 @@ class LlamaModel:
         """Layer ``i`` from its attention output ``[T, q_heads, head_dim]``: the residual and
         the MLP's output, which the next ``layer_in`` (or the caller, after the last) adds."""
         w, pk, rows = self.weights, self.packed, self.native_rows
-        p, native = f"layers.{i}.", cpu_rows.supports(x)
+        p, ops = f"layers.{i}.", row_ops(x)
         attn = attn.reshape(-1, self._q_size)
         delta = linear(attn, w[p + "o"], None, pk.get(p + "o"), rows)
         if lora is not None:
             lora.add(p + "o", attn, delta)
-        x, h = add_rms_norm(x, delta, w[p + "post_norm"], self.config.rms_norm_eps, native)
+        x, h = add_rms_norm(x, delta, w[p + "post_norm"], self.config.rms_norm_eps, ops)
         gate_up = linear(h, w[p + "gate_up"], None, pk.get(p + "gate_up"), rows)
         if lora is not None:
             lora.add(p + "gate_up", h, gate_up)
-        if native:
-            act = cpu_rows.silu_mul(gate_up)
+        if ops is not None:
+            act = ops.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
