@@ -215,14 +215,18 @@ def store_kernel(
 # products and sums round to its dtype where torch's separate ops would store them.
 @triton.jit
 def _rounded(x, dt: tl.constexpr):
-    """float32 ``x`` rounded to ``dt`` (to nearest, ties to even) and kept as float32. bfloat16
-    by its bits: the same on a GPU and in Triton's interpreter (whose cast truncates)."""
+    """float32 ``x`` rounded to ``dt`` (to nearest, ties to even) and kept as float32, by its
+    bits: the same on a GPU and in Triton's interpreter (whose bfloat16 cast truncates), and no
+    compiler pass can drop it (a float16 cast and widening back were, on an H200). float16
+    values under 2^-14 (its subnormals) are rounded again by the store's cast."""
     if dt == tl.bfloat16:
         u = x.to(tl.uint32, bitcast=True)
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-        return u.to(tl.float32, bitcast=True)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif dt == tl.float16:
+        u = x.to(tl.uint32, bitcast=True)
+        return ((u + 0xFFF + ((u >> 13) & 1)) & 0xFFFFE000).to(tl.float32, bitcast=True)
     else:
-        return x.to(dt).to(tl.float32)
+        return x
 
 
 @triton.jit
