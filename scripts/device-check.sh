@@ -25,7 +25,7 @@ fi
 nvidia-smi -L
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_rows.py \
   tests/test_triton_attention.py > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"
 grep -v "CUDAGraph.cpp" "$OUT/tests.log" | tail -8
