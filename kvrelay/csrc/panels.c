@@ -9,7 +9,9 @@
  * weights in cache: they wait on memory. This kernel reads a panel as one sequential stream
  * (prefetched ahead) and keeps a 6 x 16 tile of y in twelve registers over the whole K, so
  * each panel row (two vectors) feeds twelve multiply-adds: 1.3-1.6x oneDNN's speed at 8-64
- * rows there, 1.1x at 256 and 0.93x at 2,048 ("Packed panels" in BENCHMARKS.md).
+ * rows there, 1.1x at 256 and 0.93x at 2,048 ("Packed panels" in BENCHMARKS.md). A block's
+ * rows go in tiles as even as 6 allows, each of exactly its rows (8 rows: two tiles of 4, 16
+ * multiply-adds a panel row, not 6 + 2 rows' 24): 1.05-1.15x at 8-256 rows.
  *
  *   panels_pack   W (float32 or bfloat16, stored [K, N] or [N, K]) -> float32 panels; columns
  *                 past N in the last panel are zeros
@@ -42,9 +44,13 @@
 
 #define NR 16       /* columns of a panel: two AVX2 vectors */
 #define MR 6        /* rows of a register tile: 6 x 2 accumulators + 2 weights + 1 broadcast */
+#ifndef MC
 #define MC 48       /* rows of a block when the step has more than MC_FROM */
+#endif
 #define MC_FROM 128 /* up to this many rows, one block: each panel streams from memory once */
+#ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 16 /* panel rows (1 KB) the first tile of a block prefetches ahead */
+#endif
 #define CHUNKS_PER_THREAD 4
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
@@ -105,43 +111,47 @@ static void tile_portable(const Gemm *g, const float *panel, int r, int mr, int 
 }
 
 #if KV_X86
-__attribute__((target("avx2,fma"))) static void tile_avx2(const Gemm *g, const float *panel, int r, int mr, int p, int ncols, int prefetch) {
+/* The tile of ROWS rows (1..MR, a constant where it is inlined): 2 * ROWS accumulators, so a
+ * tile of fewer rows does fewer multiply-adds, not MR rows' worth. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2_rows(const Gemm *g, const float *panel, int r, int p, int ncols, int prefetch, const int ROWS) {
     const int k = g->k;
-    const float *x0 = g->x + (size_t)r * k;
-    const float *x1 = x0 + (size_t)k * (mr > 1), *x2 = x0 + (size_t)2 * k * (mr > 2);
-    const float *x3 = x0 + (size_t)3 * k * (mr > 3), *x4 = x0 + (size_t)4 * k * (mr > 4);
-    const float *x5 = x0 + (size_t)5 * k * (mr > 5);
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
-    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+    const float *xs[MR];
+    __m256 acc[MR][2];
+#pragma GCC unroll 8
+    for (int i = 0; i < ROWS; i++) {
+        xs[i] = g->x + (size_t)(r + i) * k;
+        acc[i][0] = _mm256_setzero_ps(), acc[i][1] = _mm256_setzero_ps();
+    }
     for (int kk = 0; kk < k; kk++) {
         const float *row = panel + (size_t)kk * NR;
         if (prefetch) _mm_prefetch((const char *)(row + PREFETCH_ROWS * NR), _MM_HINT_T0);
         const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
-        __m256 b = _mm256_broadcast_ss(x0 + kk);
-        a00 = _mm256_fmadd_ps(b, w0, a00), a01 = _mm256_fmadd_ps(b, w1, a01);
-        b = _mm256_broadcast_ss(x1 + kk);
-        a10 = _mm256_fmadd_ps(b, w0, a10), a11 = _mm256_fmadd_ps(b, w1, a11);
-        b = _mm256_broadcast_ss(x2 + kk);
-        a20 = _mm256_fmadd_ps(b, w0, a20), a21 = _mm256_fmadd_ps(b, w1, a21);
-        b = _mm256_broadcast_ss(x3 + kk);
-        a30 = _mm256_fmadd_ps(b, w0, a30), a31 = _mm256_fmadd_ps(b, w1, a31);
-        b = _mm256_broadcast_ss(x4 + kk);
-        a40 = _mm256_fmadd_ps(b, w0, a40), a41 = _mm256_fmadd_ps(b, w1, a41);
-        b = _mm256_broadcast_ss(x5 + kk);
-        a50 = _mm256_fmadd_ps(b, w0, a50), a51 = _mm256_fmadd_ps(b, w1, a51);
+#pragma GCC unroll 8
+        for (int i = 0; i < ROWS; i++) {
+            const __m256 b = _mm256_broadcast_ss(xs[i] + kk);
+            acc[i][0] = _mm256_fmadd_ps(b, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(b, w1, acc[i][1]);
+        }
     }
-    float out[MR][NR];
-    _mm256_storeu_ps(out[0], a00), _mm256_storeu_ps(out[0] + 8, a01);
-    _mm256_storeu_ps(out[1], a10), _mm256_storeu_ps(out[1] + 8, a11);
-    _mm256_storeu_ps(out[2], a20), _mm256_storeu_ps(out[2] + 8, a21);
-    _mm256_storeu_ps(out[3], a30), _mm256_storeu_ps(out[3] + 8, a31);
-    _mm256_storeu_ps(out[4], a40), _mm256_storeu_ps(out[4] + 8, a41);
-    _mm256_storeu_ps(out[5], a50), _mm256_storeu_ps(out[5] + 8, a51);
-    for (int i = 0; i < mr; i++) {
+#pragma GCC unroll 8
+    for (int i = 0; i < ROWS; i++) {
+        float out[NR];
+        _mm256_storeu_ps(out, acc[i][0]), _mm256_storeu_ps(out + 8, acc[i][1]);
         float *yr = g->y + (size_t)(r + i) * g->n + (size_t)p * NR;
         if (g->bias != NULL)
-            for (int c = 0; c < ncols; c++) out[i][c] += g->bias[p * NR + c];
-        memcpy(yr, out[i], sizeof(float) * ncols);
+            for (int c = 0; c < ncols; c++) out[c] += g->bias[p * NR + c];
+        memcpy(yr, out, sizeof(float) * ncols);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static void tile_avx2(const Gemm *g, const float *panel, int r, int mr, int p, int ncols, int prefetch) {
+    switch (mr) {
+    case 1: tile_avx2_rows(g, panel, r, p, ncols, prefetch, 1); break;
+    case 2: tile_avx2_rows(g, panel, r, p, ncols, prefetch, 2); break;
+    case 3: tile_avx2_rows(g, panel, r, p, ncols, prefetch, 3); break;
+    case 4: tile_avx2_rows(g, panel, r, p, ncols, prefetch, 4); break;
+    case 5: tile_avx2_rows(g, panel, r, p, ncols, prefetch, 5); break;
+    default: tile_avx2_rows(g, panel, r, p, ncols, prefetch, 6); break;
     }
 }
 #endif
@@ -163,8 +173,10 @@ static void run_chunk(void *ctx, int c) {
             const int ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
             if (buf != NULL) pack_panel(g->k, g->n, g->w, g->dtype, g->transposed, p, buf);
             const float *panel = buf != NULL ? buf : g->wp + (size_t)p * g->k * NR;
-            for (int r = m0; r < m1; r += MR) {
-                const int mr = m1 - r < MR ? m1 - r : MR;
+            /* the block's rows in tiles as even as MR allows (8 rows: 4 + 4, not 6 + 2) */
+            const int tiles = (m1 - m0 + MR - 1) / MR;
+            for (int t = 0, r = m0, mr = 0; t < tiles; t++, r += mr) {
+                mr = (m1 - r + (tiles - t) - 1) / (tiles - t);
 #if KV_X86
                 if (kv_use_avx2()) {
                     tile_avx2(g, panel, r, mr, p, ncols, g->wp != NULL && r == m0);
