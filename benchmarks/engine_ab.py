@@ -62,6 +62,11 @@ def base_tree(rev: str, path: Path, build_cache: Path | None = None) -> Path:
     """A worktree of ``rev`` with its native library built in place. ``build_cache``: a folder
     that keeps the built libraries by their sources (``native_sources_key``), so another
     worktree of the same sources copies them instead of compiling again."""
+    if path.exists():  # left by a run that was killed: this script's own scratch tree
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)],
+                       capture_output=True)  # fmt: skip
+        shutil.rmtree(path, ignore_errors=True)
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "prune"], check=True)
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-f", str(path), rev], check=True)
     cached = build_cache / native_sources_key(path) if build_cache is not None else None
     if cached is not None and cached.is_dir():

@@ -6,6 +6,7 @@ The library is built by ``pip install`` (setup.py); these tests need it, as CI b
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,6 +145,37 @@ def test_disabled_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         assert torch.equal(gemv.matmul(x, w), torch.mm(x, w))
     finally:
         monkeypatch.delenv("KVRELAY_NATIVE_MATMUL")
+        gemv.load_library.cache_clear()
+    assert gemv.available()
+
+
+def test_a_library_built_from_older_sources_is_named_and_left_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``_gemv`` built before a function this kvrelay declares (an editable install not
+    rebuilt) is not loaded: a warning names it and the missing function, and the products run
+    in torch, instead of a worker failing at start on an undefined symbol."""
+    if not gemv.available():
+        pytest.skip("the native library is not built")
+    import ctypes
+
+    import kvrelay.transport
+
+    # a real shared library that has none of _gemv's functions stands in for a stale build
+    other = next(Path(kvrelay.transport.__file__).parent.glob("_kvcopy*.so"), None)
+    if other is None:
+        pytest.skip("the _kvcopy library is not built")
+    real_cdll = ctypes.CDLL
+    monkeypatch.setattr(ctypes, "CDLL", lambda path: real_cdll(str(other)))
+    gemv.load_library.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="kvrelay.kernels.gemv"):
+            assert gemv.load_library() is None
+        assert "built from older sources" in caplog.text and "undefined symbol" in caplog.text
+        x, w = torch.randn(1, 16), torch.randn(16, 8)
+        assert torch.equal(gemv.matmul(x, w), torch.mm(x, w))
+    finally:
+        monkeypatch.undo()
         gemv.load_library.cache_clear()
     assert gemv.available()
 

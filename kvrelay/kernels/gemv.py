@@ -55,44 +55,16 @@ def load_library() -> ctypes.CDLL | None:
         path = here / f"{LIBRARY_NAME}{suffix}"
         if path.exists():
             library = ctypes.CDLL(str(path))
-            library.gemv.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p] * 3
-            library.gemv.restype = ctypes.c_int
-            library.decode_attention.argtypes = (
-                [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_void_p] * 7
-            )
-            library.decode_attention.restype = ctypes.c_int
-            library.paged_attention_rows.argtypes = (
-                [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_void_p] * 8
-            )
-            library.paged_attention_rows.restype = ctypes.c_int
-            library.attention_set_isa.argtypes = [ctypes.c_int]
-            library.attention_set_isa.restype = ctypes.c_int
-            library.attention_isa.argtypes = [ctypes.c_int, ctypes.c_int]
-            library.attention_isa.restype = ctypes.c_int
-            ptr, c_int = ctypes.c_void_p, ctypes.c_int  # decode.c, for kernels/cpu_decode.py
-            library.decode_forward.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, ptr, ptr, c_int, ptr]
-            library.decode_forward.restype = ctypes.c_int
-            c_float = ctypes.c_float  # rows.c, for kernels/cpu_rows.py
-            library.rows_add_rms_norm.argtypes = [c_int, c_int, c_int, c_float, ptr, ptr, ptr, ptr]
-            library.rows_rope.argtypes = [c_int] * 5 + [ptr] * 3
-            library.rows_silu_mul.argtypes = [c_int, c_int, c_int, ptr, ptr]
-            for fn in (library.rows_add_rms_norm, library.rows_rope, library.rows_silu_mul):
-                fn.restype = c_int
-            library.gemv_set_threads.argtypes = [ctypes.c_int]
-            library.gemv_set_threads.restype = ctypes.c_int
-            library.gemv_use_openmp.argtypes = [ctypes.c_int]
-            library.gemv_use_openmp.restype = ctypes.c_int
-            library.gemv_allow_avx512.argtypes = [ctypes.c_int]
-            library.gemv_allow_avx512.restype = ctypes.c_int
-            library.kv_use_avx512_bf16.restype = ctypes.c_int
-            library.panels_preferred.restype = c_int  # panels.c, for kernels/cpu_panels.py
-            library.panels_pack.argtypes = [c_int, c_int, ptr, c_int, c_int, ptr]
-            library.panels_pack.restype = None
-            library.panels_gemm.argtypes = [c_int] * 3 + [ptr] * 4 + [c_int]
-            library.panels_gemm.restype = c_int
-            plain = [c_int] * 3 + [ptr] * 2 + [c_int] * 2 + [ptr] * 2 + [c_int]
-            library.panels_gemm_plain.argtypes = plain
-            library.panels_gemm_plain.restype = c_int
+            try:
+                _declare(library)
+            except AttributeError as missing:  # a library built before a function it lacks
+                logger.warning(
+                    "%s was built from older sources than this kvrelay (%s): rebuild it "
+                    "(`pip install -e .`, or reinstall); the native kernels are off",
+                    path,
+                    missing,
+                )
+                return None
             library.gemv_set_threads(torch.get_num_threads())
             return library
     logger.warning(
@@ -102,6 +74,49 @@ def load_library() -> ctypes.CDLL | None:
         LIBRARY_NAME,
     )
     return None
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    """The argument and result types of the library's functions; AttributeError names the
+    first one it lacks."""
+    library.gemv.argtypes = [ctypes.c_int] * 5 + [ctypes.c_void_p] * 3
+    library.gemv.restype = ctypes.c_int
+    library.decode_attention.argtypes = (
+        [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_void_p] * 7
+    )
+    library.decode_attention.restype = ctypes.c_int
+    library.paged_attention_rows.argtypes = (
+        [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_void_p] * 8
+    )
+    library.paged_attention_rows.restype = ctypes.c_int
+    library.attention_set_isa.argtypes = [ctypes.c_int]
+    library.attention_set_isa.restype = ctypes.c_int
+    library.attention_isa.argtypes = [ctypes.c_int, ctypes.c_int]
+    library.attention_isa.restype = ctypes.c_int
+    ptr, c_int = ctypes.c_void_p, ctypes.c_int  # decode.c, for kernels/cpu_decode.py
+    library.decode_forward.argtypes = [ptr, c_int, ptr, ptr, ptr, ptr, ptr, ptr, c_int, ptr]
+    library.decode_forward.restype = ctypes.c_int
+    c_float = ctypes.c_float  # rows.c, for kernels/cpu_rows.py
+    library.rows_add_rms_norm.argtypes = [c_int, c_int, c_int, c_float, ptr, ptr, ptr, ptr]
+    library.rows_rope.argtypes = [c_int] * 5 + [ptr] * 3
+    library.rows_silu_mul.argtypes = [c_int, c_int, c_int, ptr, ptr]
+    for fn in (library.rows_add_rms_norm, library.rows_rope, library.rows_silu_mul):
+        fn.restype = c_int
+    library.gemv_set_threads.argtypes = [ctypes.c_int]
+    library.gemv_set_threads.restype = ctypes.c_int
+    library.gemv_use_openmp.argtypes = [ctypes.c_int]
+    library.gemv_use_openmp.restype = ctypes.c_int
+    library.gemv_allow_avx512.argtypes = [ctypes.c_int]
+    library.gemv_allow_avx512.restype = ctypes.c_int
+    library.kv_use_avx512_bf16.restype = ctypes.c_int
+    library.panels_preferred.restype = c_int  # panels.c, for kernels/cpu_panels.py
+    library.panels_pack.argtypes = [c_int, c_int, ptr, c_int, c_int, ptr]
+    library.panels_pack.restype = None
+    library.panels_gemm.argtypes = [c_int] * 3 + [ptr] * 4 + [c_int]
+    library.panels_gemm.restype = c_int
+    plain = [c_int] * 3 + [ptr] * 2 + [c_int] * 2 + [ptr] * 2 + [c_int]
+    library.panels_gemm_plain.argtypes = plain
+    library.panels_gemm_plain.restype = c_int
 
 
 def set_threads(threads: int) -> int:
