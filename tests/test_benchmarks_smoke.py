@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -638,6 +639,32 @@ def test_bf16_widened_benchmark_times_every_path(tiny_model_dir) -> None:
                       proc.stdout, re.M)  # fmt: skip
     assert [r[0] for r in rows] == ["9", "16"], proc.stdout
     assert "widens bfloat16 here:" in proc.stdout
+
+
+@pytest.mark.timeout(240)
+def test_panels_ab_compares_two_builds_of_the_kernel(tmp_path: Path) -> None:
+    """benchmarks/panels_ab.py with HEAD as the base, one layer (a smoke test, not a timing):
+    both builds time each row count, and the same sources give the same outputs."""
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc")
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "panels_ab.py"), "--base", "HEAD",
+        "--layers", "1", "--rows", "5", "130", "--repeats", "2",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rows in (5, 130):
+        row = rf"^\| {rows} \| [\d.]+ \| \d+ \| [\d.]+ \| \d+ \| [\d.]+x \| (\w+) \|$"
+        found = re.search(row, proc.stdout, re.M)
+        assert found is not None, proc.stdout
+        # HEAD's kernel sources against the tree's: unless a change to them is under way,
+        # the same sums
+        assert found.group(1) == "yes" or _csrc_changed(), proc.stdout
+
+
+def _csrc_changed() -> bool:
+    diff = ["git", "-C", str(REPO_ROOT), "diff", "--quiet", "HEAD", "--", "kvrelay/csrc"]
+    return subprocess.run(diff).returncode != 0
 
 
 @pytest.mark.timeout(240)
