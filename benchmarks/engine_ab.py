@@ -41,7 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--cpu-packed-weights", action="store_true")
+    parser.add_argument(
+        "--cpu-packed-weights", choices=("auto", "1", "0"), default="auto",
+        help="KVRELAY_CPU_PACKED_WEIGHTS for both engines: auto leaves it unset (kvrelay's "
+        "default: packed copies when they fit in memory, as a served engine has)",
+    )  # fmt: skip
     parser.add_argument("--max-wait-quiet", type=float, default=30.0, help="seconds; 0: none")
     parser.add_argument("--prefill-prompts", type=int, default=8, help="0: no prefill step")
     parser.add_argument("--build-cache", type=Path, help="keeps the base's native libraries "
@@ -90,7 +94,8 @@ def base_tree(rev: str, path: Path, build_cache: Path | None = None) -> Path:
 def start(name: str, root: Path, args: argparse.Namespace) -> Engine:
     """``name``'s engine process from ``root``, loading (``Engine.ask_ready`` waits for it)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(root))
-    env["KVRELAY_CPU_PACKED_WEIGHTS"] = "1" if args.cpu_packed_weights else "0"
+    if args.cpu_packed_weights != "auto":  # was "0" unless asked: engines without the copies
+        env["KVRELAY_CPU_PACKED_WEIGHTS"] = args.cpu_packed_weights
     argv = [sys.executable, str(root / "benchmarks" / ENGINE_SCRIPT.name), "--system", "kvrelay"]
     argv += ["--model", args.model, "--dtype", args.dtype, "--threads", str(args.threads)]
     return Engine(name, argv, env, wait=False)
