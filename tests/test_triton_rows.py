@@ -126,7 +126,7 @@ def test_torchs_ops_stay_on_cpu_and_when_turned_off(monkeypatch):
     """The model takes Triton's row ops for CUDA activations only, and not with
     ``KVRELAY_TRITON_ROWS=0``."""
     x = torch.zeros(3, 8, dtype=torch.float16)  # no CPU library path for float16
-    assert llama.row_ops(x) is None
+    assert llama.row_ops(x, gpu_rows=True) is None
     if triton_attention.available() and triton_attention.interpreted():
         assert triton_rows.supports(x)  # the kernels could run it; the model does not ask
     monkeypatch.setenv("KVRELAY_TRITON_ROWS", "0")
@@ -150,11 +150,11 @@ def test_a_model_on_the_triton_row_ops_generates_torchs_tokens(tiny_model_dir, m
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     tokens, calls = {}, []
 
-    def triton_ops(x: torch.Tensor):
+    def triton_ops(x: torch.Tensor, gpu_rows: bool):
         calls.append(x.shape[0])
         return triton_rows
 
-    for name, ops in (("torch", lambda x: None), ("triton", triton_ops)):
+    for name, ops in (("torch", lambda x, gpu_rows: None), ("triton", triton_ops)):
         llm = LLM(tiny_model_dir, dtype="float32")
         monkeypatch.setattr(llama, "row_ops", ops)
         tokens[name] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]

@@ -28,22 +28,26 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SILU_BLOCK = 1024  # columns of a SiLU program
 
 
-def supports(x: torch.Tensor) -> bool:
-    """True when the row ops take tensors like ``x``: a contiguous 2-D CUDA activation (or a
-    CPU one under Triton's interpreter, the tests), Triton present and
-    ``KVRELAY_TRITON_ROWS`` on."""
+def enabled() -> bool:
+    """Triton is installed and ``KVRELAY_TRITON_ROWS`` is on (read when called: an engine asks
+    once, when its model is made)."""
+    return triton_attention.available() and envs.get("KVRELAY_TRITON_ROWS")
+
+
+def fits(x: torch.Tensor) -> bool:
+    """True when the kernels take tensors like ``x``: a contiguous 2-D CUDA activation (or a
+    CPU one under Triton's interpreter, the tests)."""
     return (
-        (x.device.type == "cuda" or (x.device.type == "cpu" and _interpreted()))
+        (x.device.type == "cuda" or (x.device.type == "cpu" and triton_attention.interpreted()))
         and x.dtype in _DTYPES
         and x.dim() == 2
         and x.is_contiguous()
-        and triton_attention.available()
-        and envs.get("KVRELAY_TRITON_ROWS")
     )
 
 
-def _interpreted() -> bool:
-    return triton_attention.available() and triton_attention.interpreted()
+def supports(x: torch.Tensor) -> bool:
+    """``fits(x)`` and ``enabled()``."""
+    return fits(x) and enabled()
 
 
 def _pow2(n: int) -> int:

@@ -91,12 +91,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 RowOps = ModuleType  # cpu_rows or triton_rows: add_rms_norm, rope_, silu_mul
 
 
-def row_ops(x: torch.Tensor) -> RowOps | None:
+def row_ops(x: torch.Tensor, gpu_rows: bool) -> RowOps | None:
     """The fused row ops for activations like ``x``: the native library's on CPU
-    (``kernels.cpu_rows``), Triton's on a GPU (``kernels.triton_rows``); None: torch's ops."""
+    (``kernels.cpu_rows``), Triton's on a GPU (``kernels.triton_rows``) where ``gpu_rows``
+    (the model's ``triton_rows.enabled()``, read once); None: torch's ops."""
     if cpu_rows.supports(x):
         return cpu_rows
-    if x.device.type == "cuda" and triton_rows.supports(x):
+    if gpu_rows and x.device.type == "cuda" and triton_rows.fits(x):
         return triton_rows
     return None
 
@@ -140,6 +141,7 @@ class LlamaModel:
         self._kv_size = config.num_kv_heads * config.head_dim
         self._qk_heads = config.num_heads + config.num_kv_heads
         self._fused: FusedDecode | None = None  # built for the first KV pool it can serve
+        self.gpu_rows = triton_rows.enabled()  # Triton's row ops for CUDA steps (``row_ops``)
         # oneDNN-blocked copies of the projections for steps of many rows (kernels.cpu_packed):
         # made now, or on a thread while the engine serves on the plain weights; a step reads
         # ``self.packed`` once, and the thread replaces the empty dict with the whole set
@@ -239,7 +241,7 @@ class LlamaModel:
         """Layer ``i`` up to attention: the residual ``x + delta`` (``delta`` the last layer's
         output, None before the first) and this layer's rotated ``q, k`` and ``v``."""
         w, cfg, hd = self.weights, self.config, self.config.head_dim
-        p, ops = f"layers.{i}.", row_ops(x)  # the small ops fused (CPU library, Triton)
+        p, ops = f"layers.{i}.", row_ops(x, self.gpu_rows)  # small ops fused (library, Triton)
         x, h = add_rms_norm(x, delta, w[p + "in_norm"], cfg.rms_norm_eps, ops)
         qkv = linear(h, w[p + "qkv"], w.get(p + "qkv_bias"), self.packed.get(p + "qkv"),
                      self.native_rows)  # fmt: skip
@@ -261,7 +263,7 @@ class LlamaModel:
         """Layer ``i`` from its attention output ``[T, q_heads, head_dim]``: the residual and
         the MLP's output, which the next ``layer_in`` (or the caller, after the last) adds."""
         w, pk, rows = self.weights, self.packed, self.native_rows
-        p, ops = f"layers.{i}.", row_ops(x)
+        p, ops = f"layers.{i}.", row_ops(x, self.gpu_rows)
         attn = attn.reshape(-1, self._q_size)
         delta = linear(attn, w[p + "o"], None, pk.get(p + "o"), rows)
         if lora is not None:
