@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,28 @@ def offline(llm: Any, requests: list[list[Any]]) -> tuple[float, list[list[int]]
     return sum(map(len, tokens)) / seconds, tokens
 
 
+def interleaved(
+    engines: dict[str, Any],
+    requests: list[list[Any]],
+    repeats: int,
+    each: Callable[[str, Any], None] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, list[list[int]]], str]:
+    """One untimed offline run of each engine (first-run costs; its greedy tokens), then
+    ``repeats`` rounds of them in turn, ``each(name, llm)`` after every timed run (another
+    measurement on the same engine). Returns each engine's tok/s of its timed runs, its
+    tokens, and the 1-minute load average's range over the runs."""
+    tokens = {name: offline(llm, requests)[1] for name, llm in engines.items()}
+    tok_s: dict[str, list[float]] = {name: [] for name in engines}
+    loads = []
+    for _ in range(repeats):
+        for name, llm in engines.items():
+            tok_s[name].append(offline(llm, requests)[0])
+            if each is not None:
+                each(name, llm)
+            loads.append(os.getloadavg()[0])
+    return tok_s, tokens, f"{min(loads):.1f}-{max(loads):.1f}"
+
+
 def prefill_s(llm: Any, prompt: list[int]) -> float:
     from kvrelay import SamplingParams
 
@@ -67,19 +90,13 @@ def measure(args: argparse.Namespace, dtype: str) -> tuple[list[list[str]], str]
     engines = {"plain": build(args.model, dtype, args.threads, False)}
     engines["packed"] = build(args.model, dtype, args.threads, True)
     assert engines["packed"].engine.runner.model.packed, "the packed engine packed nothing"
-    tok_s: dict[str, list[float]] = {name: [] for name in engines}
     pre_s: dict[str, list[float]] = {name: [] for name in engines}
-    tokens: dict[str, list[list[int]]] = {}
-    loads = []
-    for name, llm in engines.items():  # untimed: first-run costs
-        tokens[name] = offline(llm, requests)[1]
-    for _ in range(args.repeats):
-        for name, llm in engines.items():
-            tok_s[name].append(offline(llm, requests)[0])
-            pre_s[name].append(prefill_s(llm, long_prompt))
-            loads.append(os.getloadavg()[0])
+
+    def prefill(name: str, llm: Any) -> None:
+        pre_s[name].append(prefill_s(llm, long_prompt))
+
+    tok_s, tokens, load = interleaved(engines, requests, args.repeats, prefill)
     same = sum(a == b for a, b in zip(tokens["plain"], tokens["packed"], strict=True))
-    load = f"{min(loads):.1f}-{max(loads):.1f}"
     rows = [
         [dtype, name, f"{median(tok_s[name]):.1f}", f"{median(pre_s[name]) * 1e3:.0f}",
          " / ".join(f"{v:.1f}" for v in tok_s[name]), load]

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_model, markdown_table, median, update_benchmarks_md
-from cpu_packed import offline
+from cpu_packed import interleaved
 from peers import make_requests, model_vocab
 
 TITLE = "Packed panels: the copies of steps of many rows on an AVX2 CPU"
@@ -84,15 +84,8 @@ def build(model: str, dtype: str, threads: int, kind: str) -> Any:
 def engines(args: argparse.Namespace, dtype: str) -> tuple[list[list[str]], str]:
     requests = make_requests(args.num_requests, model_vocab(args.model))
     llms = {kind: build(args.model, dtype, args.threads, kind) for kind in ("panels", "onednn")}
-    tok_s: dict[str, list[float]] = {kind: [] for kind in llms}
-    tokens = {kind: offline(llm, requests)[1] for kind, llm in llms.items()}  # untimed
-    loads = []
-    for _ in range(args.repeats):
-        for kind, llm in llms.items():
-            tok_s[kind].append(offline(llm, requests)[0])
-            loads.append(os.getloadavg()[0])
+    tok_s, tokens, load = interleaved(llms, requests, args.repeats)
     same = sum(a == b for a, b in zip(tokens["panels"], tokens["onednn"], strict=True))
-    load = f"{min(loads):.1f}-{max(loads):.1f}"
     rows = [[dtype, kind, f"{median(tok_s[kind]):.1f}",
              " / ".join(f"{v:.1f}" for v in tok_s[kind]), load] for kind in llms]  # fmt: skip
     ratio = median(tok_s["panels"]) / median(tok_s["onednn"])
