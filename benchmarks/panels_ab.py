@@ -28,11 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO_ROOT, cpu_model, markdown_table
+from cpu_panels import LAYERS, SHAPES
 
 SOURCES = ("gemv.c", "attention.c", "decode.c", "rows.c", "panels.c")  # setup.py's _gemv
 FLAGS = ("-O3", "-std=gnu99", "-pthread", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
-SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (in, out), SmolLM2-135M
-LAYERS = 30
 
 
 def compile_library(csrc: Path, out: Path, defines: list[str]) -> subprocess.Popen:

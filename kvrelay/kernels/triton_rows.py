@@ -5,7 +5,7 @@ kernels on a GPU: an RMSNorm in a 16-bit dtype is five (the residual add, the wi
 norm, the narrowing, the weight's product), the rotary embedding seven on strided halves of
 the heads plus a concatenation, SiLU and the product two. On an H200 a SmolLM2-135M decode step
 of 32 sequences (a CUDA graph's replay) spent ~1.1 of its ~1.9 ms of GPU time in them, 1-2 us
-each ("GPU decode steps: a layer's small ops" in BENCHMARKS.md). Here each group is one
+each (BENCHMARKS.md "GPU steps: a layer's small ops in Triton"). Here each group is one
 launch, with the same API as the CPU library's row ops (``cpu_rows``): ``add_rms_norm``
 (the residual added in place, fused into the next norm), ``rope_`` (q and k rotated in place
 in the fused projection's output) and ``silu_mul``.
