@@ -272,9 +272,16 @@ def render_section(section_title: str, body_markdown: str, command: str) -> str:
 
 
 def update_benchmarks_md(
-    section_title: str, body_markdown: str, command: str, path: Path = BENCHMARKS_MD
+    section_title: str,
+    body_markdown: str,
+    command: str,
+    path: Path = BENCHMARKS_MD,
+    *,
+    history: bool = False,
 ) -> Path:
-    """Replaces the ``## section_title`` section of ``path`` (or appends it), keeping the rest.
+    """Replaces the ``## section_title`` section of ``path`` (or appends it), keeping the rest;
+    ``history``: the new run goes on top and the section's earlier text stays below it (the
+    peer comparisons, whose earlier runs are the record of how the figures moved).
 
     A section runs from its ``## `` heading to the next ``# ``/``## `` heading outside a code
     fence. The file is created with a short preamble if it does not exist, and written
@@ -284,9 +291,10 @@ def update_benchmarks_md(
     preamble, sections = split_sections(old)
     new_section = render_section(section_title, body_markdown, command)
     replaced = False
-    for i, (title, _) in enumerate(sections):
+    for i, (title, text) in enumerate(sections):
         if title == section_title:
-            sections[i] = (title, new_section)
+            earlier = text.split("\n", 1)[1].strip() if history and "\n" in text else ""
+            sections[i] = (title, new_section + (f"\n{earlier}\n" if earlier else ""))
             replaced = True
     if not replaced:
         sections.append((section_title, new_section))

@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             + f"; kvrelay's KVRELAY_CPU_PACKED_WEIGHTS: {args.cpu_packed_weights}"
             + f"; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n{table}"
         )
-        update_benchmarks_md(SECTION, body, command_line())
+        update_benchmarks_md(SECTION, body, command_line(), history=True)
     return 0
 
 

@@ -509,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         section = {"random": SECTION, "copy": SPEC_SECTION, "embed": EMBED_SECTION,
                    "rerank": RERANK_SECTION}[args.dataset]  # fmt: skip
-        update_benchmarks_md(section, body, command_line())
+        update_benchmarks_md(section, body, command_line(), history=True)
     return 0
 
 

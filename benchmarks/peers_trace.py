@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.cpu_packed_weights}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}."
             f"\n\n{table}"
         )
-        update_benchmarks_md(SECTION, body, command_line())
+        update_benchmarks_md(SECTION, body, command_line(), history=True)
     return 0
 
 

@@ -69,6 +69,23 @@ def test_update_benchmarks_md_replaces_only_its_section(tmp_path: Path) -> None:
     assert path.read_text() == text
 
 
+def test_update_benchmarks_md_keeps_a_sections_history_below_the_new_run(tmp_path: Path) -> None:
+    """The peer comparisons' sections: a new run on top, the earlier runs kept below."""
+    common = _load_common()
+    path = tmp_path / "BENCHMARKS.md"
+    common.update_benchmarks_md("Peers", "run one", "cmd 1", path=path, history=True)
+    common.update_benchmarks_md("Other", "other body", "cmd o", path=path)
+    common.update_benchmarks_md("Peers", "run two", "cmd 2", path=path, history=True)
+    _, sections = common.split_sections(path.read_text())
+    assert [title for title, _ in sections] == ["Peers", "Other"]
+    peers = sections[0][1]
+    assert peers.count("## Peers") == 1
+    assert peers.index("run two") < peers.index("cmd 2") < peers.index("run one")
+    assert peers.index("run one") < peers.index("cmd 1")
+    common.update_benchmarks_md("Peers", "run three", "cmd 3", path=path)  # no history: replaced
+    assert "run one" not in path.read_text() and "run two" not in path.read_text()
+
+
 def test_sections_name_their_model_and_dtype(tmp_path: Path) -> None:
     common = _load_common()
     imported = tmp_path / "smollm2"
