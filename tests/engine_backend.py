@@ -25,7 +25,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput
+from kvrelay.engine.admission import RequestError
+from kvrelay.engine.engine import LLMEngine
+from kvrelay.engine.outputs import RequestOutput
 from kvrelay.router.backend import (
     Backend,
     Delta,

@@ -22,7 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kvrelay import LLM, PoolingParams, SamplingParams  # noqa: E402
-from kvrelay.engine.engine import RequestError  # noqa: E402
+from kvrelay.engine.admission import RequestError  # noqa: E402
 from kvrelay.engine.identity import CheckpointError  # noqa: E402
 from kvrelay.engine.make_tiny import make_classifier, make_tiny  # noqa: E402
 from kvrelay.protocol.pooling import ClassifierConfig, PoolingConfigError  # noqa: E402

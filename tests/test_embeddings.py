@@ -21,8 +21,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from kvrelay import LLM, PoolingParams, SamplingParams  # noqa: E402
+from kvrelay.engine.admission import RequestError  # noqa: E402
 from kvrelay.engine.config import ConfigError  # noqa: E402
-from kvrelay.engine.engine import LLMEngine, RequestError  # noqa: E402
+from kvrelay.engine.engine import LLMEngine  # noqa: E402
 from kvrelay.engine.make_tiny import make_tiny  # noqa: E402
 from kvrelay.protocol.pooling import PoolerConfig, PoolingConfigError  # noqa: E402
 

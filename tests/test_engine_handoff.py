@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.engine.engine import LLMEngine, RequestError
+from kvrelay.engine.admission import RequestError
+from kvrelay.engine.engine import LLMEngine
 from kvrelay.protocol import messages
 from kvrelay.protocol.errors import VersionMismatch
 from kvrelay.protocol.messages import (

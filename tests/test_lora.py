@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from kvrelay import LLM, LoRARequest, SamplingParams
 from kvrelay.cachetier.block_hash import HASH_BYTES, chain_seed
+from kvrelay.engine.admission import RequestError
 from kvrelay.engine.config import ModelConfig
-from kvrelay.engine.engine import RequestError
 from kvrelay.engine.lora import LoRAError, adapter_identity, load_adapter
 from kvrelay.protocol.lora_modules import parse_lora_modules
 from tests.lora_adapters import base_logits, make_adapter, peft_logits

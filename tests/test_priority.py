@@ -13,7 +13,7 @@ import pytest
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.cli.launcher import Launcher
-from kvrelay.engine.engine import RequestError
+from kvrelay.engine.admission import RequestError
 from tests.cluster_harness import metric_value, read_text, running_cluster
 
 PROMPT = "The quick brown fox"

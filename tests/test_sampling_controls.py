@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.engine.engine import RequestError
+from kvrelay.engine.admission import RequestError
 from kvrelay.engine.sampling import Sampler, SampleRequest, create_generator
 from kvrelay.protocol.messages import decode, encode
 from tests.cluster_harness import running_cluster

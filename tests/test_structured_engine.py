@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.engine.engine import RequestError
+from kvrelay.engine.admission import RequestError
 from kvrelay.engine.sampling import Sampler, SampleRequest
 from kvrelay.protocol.messages import GenerateRequest, decode, encode
 from kvrelay.protocol.sampling_params import StructuredOutput

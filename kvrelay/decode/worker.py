@@ -23,7 +23,7 @@ import logging
 import time
 from typing import Any
 
-from kvrelay.engine.engine import RequestError
+from kvrelay.engine.admission import RequestError
 from kvrelay.protocol.messages import KvAck, KvReady
 from kvrelay.worker.runtime import Worker
 

@@ -10,8 +10,10 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from kvrelay.engine.engine import LLMEngine, RequestError, RequestOutput
+from kvrelay.engine.admission import RequestError
+from kvrelay.engine.engine import LLMEngine
 from kvrelay.engine.lora import LoRARequest
+from kvrelay.engine.outputs import RequestOutput
 from kvrelay.protocol.pooling import PoolingParams
 from kvrelay.protocol.sampling_params import SamplingParams, TokenLogprobs
 from kvrelay.protocol.scoring import cosine, cross_encodes, pair_indices

@@ -22,7 +22,7 @@ import logging
 import time
 from typing import Any
 
-from kvrelay.engine.engine import RequestOutput
+from kvrelay.engine.outputs import RequestOutput
 from kvrelay.protocol.messages import GenerateRequest, KvAck, KvPull, KvReady, PeerInfo
 from kvrelay.transport.blocks import PinnedStaging
 from kvrelay.transport.copier import SlabCopier

@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from kvrelay.engine.engine import RequestOutput
+from kvrelay.engine.outputs import RequestOutput
 from kvrelay.protocol.messages import (
     LEAVING_LINGER_MS,
     Leaving,

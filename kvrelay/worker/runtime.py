@@ -39,14 +39,11 @@ import zmq
 
 from kvrelay import envs
 from kvrelay.cachetier.param_pool import ParamPool
-from kvrelay.engine.engine import (
-    LLMEngine,
-    RequestError,
-    RequestOutput,
-    build_engine_config,
-    resolve_device,
-)
+from kvrelay.engine.admission import RequestError
+from kvrelay.engine.device import resolve_device
+from kvrelay.engine.engine import LLMEngine, build_engine_config
 from kvrelay.engine.lora import LoRAError
+from kvrelay.engine.outputs import RequestOutput
 from kvrelay.protocol.errors import ProtocolError
 from kvrelay.protocol.messages import (
     KV_HANDOFF_VERSION,

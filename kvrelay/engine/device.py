@@ -1,0 +1,65 @@
+"""Where an engine runs: its torch device, the KV pool's allocator, and what a CPU computes
+natively (bfloat16 or not)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvrelay.engine.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+KvAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+"""Makes the KV pool tensor (zeroed) of a shape and dtype on a device; workers share it
+(a shared-memory segment on CPU, a CUDA IPC handle on a GPU)."""
+
+
+def allocate_local(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The ``KvAllocator`` of an engine that shares its pool with no other process."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16): torch's bfloat16
+    matmuls run on a slow conversion path without either."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return True  # cannot tell (not Linux): say nothing
+    flags = set(next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "").split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def note_cpu_dtype(device: torch.device, dtype: str) -> None:
+    """Logs how bfloat16 runs on a CPU without native BF16, where torch's bfloat16 GEMMs take a
+    conversion path 8-190x slower than float32's (an AVX2 CPU; BENCHMARKS.md): steps of many
+    rows multiply float32 copies of the weights there (``gemv.widens_bfloat16``)."""
+    if device.type == "cpu" and dtype == "bfloat16" and not cpu_has_native_bf16():
+        logger.info(
+            "bfloat16 on a CPU without AVX512-BF16 or AMX: prompts and large batches multiply "
+            "float32 copies of the weights (twice their bytes) and round to bfloat16; lone "
+            "decode steps read the bfloat16 weights in kvrelay's native kernel"
+        )
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for ``EngineConfig.device``; ConfigError when it cannot run here."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r} asked for, but torch sees no CUDA device here")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device {name!r} asked for, but only {torch.cuda.device_count()} CUDA device(s)"
+            )
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)  # kernels, streams and IPC handles of this process use it
+    return device
