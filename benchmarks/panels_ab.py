@@ -6,8 +6,10 @@ of their own (the flags of setup.py's ``_gemv``; ``-D`` defines for the tree's b
 constant), both are loaded, and the products alternate between them (A, B, B, A...) over
 SmolLM2-135M's four projection shapes in 30 layers of distinct float32 weights packed once
 (425 MB: every call reads its weight from memory, as a batched engine step does). Per row
-count: the median time of each build, its GFLOP/s, the ratio to the base, and whether the
-two builds' outputs are equal bit for bit (each row's sums are meant not to change).
+count: the median time of each build, its GFLOP/s, the ratio to the base, the median and
+range of the ratios within each repeat (its two runs are adjacent in time: the machine's drift
+between repeats cancels), and whether the two builds' outputs are equal bit for bit (each
+row's sums are meant not to change).
 
     python benchmarks/panels_ab.py --base REV [--rows 8 16 64 256 2048] [--repeats 5]
         [-D KC=256 ...]
@@ -95,11 +97,17 @@ def compare(libs: dict[str, ctypes.CDLL], rows: list[int], repeats: int, threads
                 times[name].append(time.perf_counter() - start)
                 outputs[name] = ys
         base, tree = (statistics.median(times[name]) for name in libs)
+        # each repeat's two runs are adjacent in time: their ratio cancels the machine's
+        # drift between repeats, which on a shared VM moves both by more than a kernel
+        # change does (BENCHMARKS "Panels: even tiles, and what else was tried")
+        paired = sorted(b / t for b, t in zip(*times.values(), strict=True))
         a, b = outputs.values()
         same = all(torch.equal(a[n], b[n]) for _, n in SHAPES)
         table.append([
             m, f"{base * 1e3:.1f}", f"{m * flops_per_row / base / 1e9:.0f}", f"{tree * 1e3:.1f}",
-            f"{m * flops_per_row / tree / 1e9:.0f}", f"{base / tree:.2f}x", "yes" if same else "NO",
+            f"{m * flops_per_row / tree / 1e9:.0f}", f"{base / tree:.2f}x",
+            f"{statistics.median(paired):.2f}x ({paired[0]:.2f}-{paired[-1]:.2f})",
+            "yes" if same else "NO",
         ])  # fmt: skip
     return table
 
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         libs = {name: load(Path(tmp) / f"{name}.so") for name in builds}
         table = compare(libs, args.rows, args.repeats, args.threads, args.layers)
     headers = ["rows", "base ms", "base GFLOP/s", "tree ms", "tree GFLOP/s", "tree speed-up",
-               "same outputs"]  # fmt: skip
+               "paired speed-up (range)", "same outputs"]  # fmt: skip
     print(f"{cpu_model()}, {args.threads} threads, base {args.base} against the tree"
           + (f" (-D {' -D '.join(args.defines)})" if args.defines else ""))  # fmt: skip
     print(markdown_table(headers, table))

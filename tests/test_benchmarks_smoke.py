@@ -671,7 +671,8 @@ def test_panels_ab_compares_two_builds_of_the_kernel(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=230, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rows in (5, 130):
-        row = rf"^\| {rows} \| [\d.]+ \| \d+ \| [\d.]+ \| \d+ \| [\d.]+x \| (\w+) \|$"
+        paired = r"[\d.]+x \([\d.]+-[\d.]+\)"
+        row = rf"^\| {rows} \| [\d.]+ \| \d+ \| [\d.]+ \| \d+ \| [\d.]+x \| {paired} \| (\w+) \|$"
         found = re.search(row, proc.stdout, re.M)
         assert found is not None, proc.stdout
         # HEAD's kernel sources against the tree's: unless a change to them is under way,
