@@ -15,8 +15,9 @@ from collections.abc import Mapping
 import pytest
 
 from kvrelay.protocol.messages import CacheEvent, KvLayout, LoadReport, PeerInfo, Register, Role
+from kvrelay.router.instance import Instance, Placement, can_pair
 from kvrelay.router.prefix_index import CacheIndex, PrefixMatch
-from kvrelay.router.registry import Instance, Placement, Registry, can_pair
+from kvrelay.router.registry import Registry
 
 ROLES = (Role.PREFILL, Role.PREFILL, Role.DECODE, Role.DECODE, Role.COLOCATED)
 MATCHES = (PrefixMatch(1, 0), PrefixMatch(4, 0), PrefixMatch(0, 8), PrefixMatch(2, 4))

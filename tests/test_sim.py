@@ -20,7 +20,7 @@ import pytest
 import kvrelay.sim
 from kvrelay.autoscale import autoscaler, policy
 from kvrelay.protocol.messages import LoadReport
-from kvrelay.router import load_order, prefix_index, registry
+from kvrelay.router import instance, load_order, prefix_index, registry
 from kvrelay.sim import router_glue
 from kvrelay.sim.cache import SegmentLru
 from kvrelay.sim.profile import (
@@ -208,8 +208,8 @@ REAL_DECISIONS = [
     registry.Registry._least_busy_decode,
     registry.Registry.assign,
     load_order.LoadOrder.in_order,
-    registry.Instance.load_score,
-    registry.Instance.queued_tokens,
+    instance.Instance.load_score,
+    instance.Instance.queued_tokens,
     prefix_index.CacheIndex.match,
     prefix_index.PrefixIndex.matched_blocks,
     prefix_index.PrefixIndex.num_held_from,

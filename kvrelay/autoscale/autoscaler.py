@@ -48,7 +48,8 @@ from kvrelay.protocol.messages import Role
 
 if TYPE_CHECKING:
     from kvrelay.router.dispatcher import Dispatcher
-    from kvrelay.router.registry import Instance, Registry
+    from kvrelay.router.instance import Instance
+    from kvrelay.router.registry import Registry
     from kvrelay.router.tracked import LatencySample
 
 logger = logging.getLogger(__name__)

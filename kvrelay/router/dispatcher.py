@@ -74,10 +74,11 @@ from kvrelay.router.backend import (
     InvalidRequest,
     Unavailable,
 )
+from kvrelay.router.instance import Instance, Placement
 from kvrelay.router.lora_admin import LoRAAdmin
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.prefix_index import CacheIndex, PrefixMatch, reusable_block_keys
-from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT, Instance, Placement, Registry
+from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT, Registry
 from kvrelay.router.tracked import LatencySample, Tracked
 from kvrelay.text.stop import StopChecker
 from kvrelay.text.tokenizer import Tokenizer

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvrelay.router.registry import Instance
+    from kvrelay.router.instance import Instance
 
 SLACK = 64  # stale entries tolerated beyond one per current entry before a compaction
 

@@ -22,7 +22,8 @@ from typing import Any
 from kvrelay.protocol.lora_modules import check_name
 from kvrelay.protocol.messages import LoRAState, LoRAUpdate
 from kvrelay.router.errors import ApiError
-from kvrelay.router.registry import Instance, Registry
+from kvrelay.router.instance import Instance
+from kvrelay.router.registry import Registry
 
 logger = logging.getLogger(__name__)
 

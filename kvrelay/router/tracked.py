@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 from kvrelay.protocol.messages import TokenEvent
 from kvrelay.protocol.sampling_params import TokenLogprobs
 from kvrelay.router.backend import Delta, GenerateInput
+from kvrelay.router.instance import Placement
 from kvrelay.router.metrics import RouterMetrics
-from kvrelay.router.registry import Placement
 from kvrelay.text.stop import StopChecker
 
 

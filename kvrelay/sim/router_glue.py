@@ -16,8 +16,9 @@ from kvrelay.autoscale.autoscaler import live_instances, role_observation
 from kvrelay.autoscale.base import ScaleDecision, ScalingHook
 from kvrelay.autoscale.policy import Observation, Policy, PolicyConfig, ScaledRole
 from kvrelay.protocol.messages import CacheEvent, KvLayout, LoadReport, PeerInfo, Register, Role
+from kvrelay.router.instance import Placement
 from kvrelay.router.prefix_index import CacheIndex
-from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT, Placement, Registry
+from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT, Registry
 from kvrelay.router.tracked import LatencySample
 from kvrelay.sim.instance import SimInstance
 from kvrelay.sim.workload import segment_keys
