@@ -7,7 +7,8 @@ alternate between them (A, B, B, A...), each started on a quiet machine. Measure
 ``peers.py``: offline throughput (64 mixed requests, ignore_eos, prefix caching off), a
 lone request's decode step, and a prefill step of ``--prefill-prompts`` prompts of 256 random
 tokens with one output token each (8 x 256: one 2,048-token step, the default chunk budget).
-This VM's speed drifts by 20-30% within an hour, so only ratios from one run mean anything.
+This VM's speed drifts by 20-30% within an hour, so only ratios from one run mean anything;
+the offline ratio is also given per repeat (its two runs are close in time), median and range.
 
     python benchmarks/engine_ab.py --model DIR --base REV [--dtype bfloat16] [--repeats 3]
 """
@@ -160,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
             )
     ratio = statistics.median(offline["head"]) / statistics.median(offline["base"])
     print(f"head / base offline: {ratio:.2f}x")
+    # a repeat's two runs are close in time: their ratio cancels the machine's drift between
+    # repeats, which on a shared VM can exceed the change being measured
+    paired = sorted(h / b for h, b in zip(offline["head"], offline["base"], strict=True))
+    print(
+        f"head / base offline, paired by repeat: {statistics.median(paired):.2f}x "
+        f"({paired[0]:.2f}-{paired[-1]:.2f})"
+    )
     return 0
 
 

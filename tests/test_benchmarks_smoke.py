@@ -135,6 +135,8 @@ def test_engine_ab_runs_a_commit_against_the_tree(
     assert re.search(r"base: offline [\d.]+ tok/s", proc.stdout), proc.stdout
     assert re.search(r"head: offline [\d.]+ tok/s .*decode step [\d.]+ ms", proc.stdout)
     assert re.search(r"base: prefill step of 8 x 256 tokens \d+ ms", proc.stdout), proc.stdout
+    paired = r"head / base offline, paired by repeat: [\d.]+x \([\d.]+-[\d.]+\)"
+    assert re.search(paired, proc.stdout), proc.stdout
     assert not worktree.exists()
     listed = subprocess.run(
         ["git", "-C", str(REPO_ROOT), "worktree", "list"], capture_output=True, text=True
