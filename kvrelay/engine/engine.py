@@ -45,7 +45,6 @@ from kvrelay.engine.scheduler import Scheduler, StepPlan
 from kvrelay.engine.sequence import Sequence, SequenceStatus
 from kvrelay.engine.structured import GrammarCache, GrammarError
 from kvrelay.engine.warm_up import run_warm_up
-from kvrelay.kernels.gemv import MAX_ROWS as _GEMV_ROWS
 from kvrelay.protocol.pooling import PoolerConfig, PoolingConfigError, PoolingParams
 from kvrelay.protocol.sampling_params import SamplingParams
 from kvrelay.protocol.speculative import SpeculativeConfig
@@ -338,11 +337,8 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def warm_up(self, prompt_len: int = 128, batch: int = _GEMV_ROWS + 2) -> float:
-        """Runs throwaway requests through every kind of step before the engine serves
-        (``engine.warm_up``: compiles, captures, then leaves nothing behind); returns the
-        seconds it took. Raises RuntimeError unless the engine is idle."""
-        return run_warm_up(self, prompt_len, batch)
+    # throwaway requests through every kind of step before serving (``engine.warm_up``)
+    warm_up = run_warm_up
 
     # ------------------------------------------------------------------ step
     def step(self) -> list[RequestOutput]:
