@@ -26,9 +26,16 @@ from kvrelay.engine.make_tiny import make_tiny
 if TYPE_CHECKING:
     from tests.engine_backend import ApiServer
 
+_SHM = Path("/dev/shm")
+_SHM_BEFORE = pytest.StashKey[set[str]]()
 
-@pytest.fixture(scope="session", autouse=True)
-def free_host_pools_made_by_the_suite() -> Iterator[None]:
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Notes the shared memory that exists before the run (``pytest_sessionfinish``)."""
+    session.config.stash[_SHM_BEFORE] = set(os.listdir(_SHM)) if _SHM.is_dir() else set()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
     """Frees the per-host pools that test processes created under default names.
 
     Workers started with default options (``tests/test_deploy.py`` runs compose's commands)
@@ -37,16 +44,18 @@ def free_host_pools_made_by_the_suite() -> Iterator[None]:
     a live process still maps or uses, are left alone; so are the per-test pools
     (``kvrelay-l1-test-*``), which their fixtures remove: another test session on the same
     machine may be between two opens of one (nothing maps it then) when this one ends.
+
+    Under pytest-xdist only the controlling process frees them, once every worker is done: a
+    worker that finished first could otherwise remove a pool another worker's test is
+    between two opens of.
     """
+    if hasattr(session.config, "workerinput") or not _SHM.is_dir():
+        return  # an xdist worker: the controller frees them
     from kvrelay.cachetier import host_ops, param_locks, param_ops
 
-    shm = Path("/dev/shm")
-    before = set(os.listdir(shm)) if shm.is_dir() else set()
-    yield
-    if not shm.is_dir():
-        return
+    before = session.config.stash.get(_SHM_BEFORE, set())
     log = logging.getLogger(__name__)
-    for name in sorted(set(os.listdir(shm)) - before):
+    for name in sorted(set(os.listdir(_SHM)) - before):
         if name.endswith(".lock") or name.startswith("kvrelay-l1-test-"):
             continue
         try:
@@ -55,7 +64,7 @@ def free_host_pools_made_by_the_suite() -> Iterator[None]:
             elif name.startswith(param_ops.PREFIX):
                 param_ops.remove(name)
         except (host_ops.PoolInUse, param_locks.PoolBusy, ValueError) as exc:
-            log.warning("left %s in %s: %s", name, shm, exc)
+            log.warning("left %s in %s: %s", name, _SHM, exc)
 
 
 @pytest.fixture(scope="session")

