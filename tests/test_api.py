@@ -33,7 +33,7 @@ from kvrelay.router.backend import (
     Overloaded,
     Unavailable,
 )
-from kvrelay.router.responses import TokenStrings
+from kvrelay.router.token_strings import TokenStrings
 from kvrelay.text.tokenizer import Tokenizer
 from tests.engine_backend import API_ADMIN_TOKEN, API_MAX_MODEL_LEN, API_MODEL_NAMES, ApiServer
 

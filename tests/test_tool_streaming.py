@@ -10,8 +10,10 @@ import pytest
 from openai.types.chat import ChatCompletionChunk
 
 from kvrelay.router.backend import Delta
-from kvrelay.router.responses import ChatBuilder, PromptInfo, ResponseOptions, TokenStrings
+from kvrelay.router.chat_builder import ChatBuilder
+from kvrelay.router.responses import PromptInfo, ResponseOptions
 from kvrelay.router.structured import plan_tools
+from kvrelay.router.token_strings import TokenStrings
 from kvrelay.text.tool_parsers import HermesParser, Llama3JsonParser
 
 TOOLS = [

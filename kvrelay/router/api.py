@@ -33,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from kvrelay.protocol.pooling import ClassifierConfig
 from kvrelay.protocol.sampling_params import MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, StructuredOutput
 from kvrelay.router.backend import Backend, Delta, GenerateInput
+from kvrelay.router.chat_builder import ChatBuilder
 from kvrelay.router.errors import (
     ApiError,
     BodyLimitMiddleware,
@@ -49,13 +50,7 @@ from kvrelay.router.request_models import (
     resolve_max_tokens,
     sampling_params,
 )
-from kvrelay.router.responses import (
-    ChatBuilder,
-    CompletionBuilder,
-    ResponseBuilder,
-    ResponseOptions,
-    TokenStrings,
-)
+from kvrelay.router.responses import CompletionBuilder, ResponseBuilder, ResponseOptions
 from kvrelay.router.sse import (
     ChoiceStream,
     ClientDisconnected,
@@ -66,6 +61,7 @@ from kvrelay.router.sse import (
 )
 from kvrelay.router.structured import plan_tools, resolve_structured
 from kvrelay.router.text_workers import TextWorkers
+from kvrelay.router.token_strings import TokenStrings
 from kvrelay.text.tokenizer import Tokenizer
 from kvrelay.text.tool_parsers import ToolParser, create_tool_parser, detect_tool_parser
 

@@ -1,8 +1,9 @@
 """Response bodies of ``/v1/completions`` and ``/v1/chat/completions``: what the client sees.
 
 Decides how the ``Delta`` stream of every choice is shown: ``ResponseBuilder`` turns it into
-OpenAI response bodies, stream chunks, usage and logprobs; ``TokenStrings`` gives each token's
-text and bytes for logprobs, as vLLM reports them.
+OpenAI response bodies, stream chunks, usage and logprobs; ``CompletionBuilder`` writes
+completions, ``chat_builder.ChatBuilder`` chat completions; ``token_strings.TokenStrings``
+gives each token's text and bytes for logprobs, as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -12,76 +13,11 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
 from typing import Any
 
 from kvrelay.protocol.sampling_params import TokenLogprobs
 from kvrelay.router.backend import Delta
-from kvrelay.router.structured import ToolPlan, new_call_id
-from kvrelay.text.tokenizer import REPLACEMENT_CHAR, Tokenizer, TokenizerError
-from kvrelay.text.tool_parsers import PartialCall, ToolCall
-
-MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps to this too
-
-
-# ---- token strings ------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode: byte-level BPE symbol char -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
-class TokenStrings:
-    """Per-token text and bytes for logprobs, as vLLM reports them (cached per id).
-
-    ``text`` is the token decoded on its own. ``utf8`` is its UTF-8 bytes, except that a
-    byte-level BPE token holding part of a character (its text is U+FFFD) gives its true bytes.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._cache: dict[int, tuple[str, list[int]]] = {}
-
-    def text(self, token_id: int) -> str:
-        return self._lookup(token_id)[0]
-
-    def utf8(self, token_id: int) -> list[int]:
-        return self._lookup(token_id)[1]
-
-    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
-        entry = self._cache.get(token_id)
-        if entry is None:
-            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-            entry = (text, self._true_bytes(token_id, text))
-            if len(self._cache) < 1 << 16:
-                self._cache[token_id] = entry
-        return entry
-
-    def _true_bytes(self, token_id: int, text: str) -> list[int]:
-        if REPLACEMENT_CHAR in text:
-            try:
-                symbol = self._tokenizer.convert_ids_to_tokens(token_id)
-            except TokenizerError:
-                symbol = ""
-            decoder = _byte_decoder()
-            if symbol and all(c in decoder for c in symbol):
-                return [decoder[c] for c in symbol]
-        return list(text.encode("utf-8", errors="replace"))
-
-
-def _clamp(logprob: float) -> float:
-    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # also maps NaN
-
+from kvrelay.router.token_strings import TokenStrings, clamped
 
 # ---- responses ----------------------------------------------------------------------------
 
@@ -266,7 +202,7 @@ class ResponseBuilder(abc.ABC):
             ranked = {t: (lp, r) for r, (t, lp) in enumerate(entry.top, start=1)}
             ranked[entry.token_id] = (entry.logprob, entry.rank)
             out.append({
-                str(t): {"logprob": _clamp(lp), "rank": r, "decoded_token": self.tokens.text(t)}
+                str(t): {"logprob": clamped(lp), "rank": r, "decoded_token": self.tokens.text(t)}
                 for t, (lp, r) in ranked.items()
             })  # fmt: skip
         return out
@@ -363,14 +299,14 @@ class CompletionBuilder(ResponseBuilder):
                 self._append(out, choice, token_id, None, None)
             else:
                 top = self._top(entry._replace(top=entry.top[: self.options.num_logprobs]))
-                self._append(out, choice, token_id, _clamp(entry.logprob), top)
+                self._append(out, choice, token_id, clamped(entry.logprob), top)
         for entry in entries:
-            self._append(out, choice, entry.token_id, _clamp(entry.logprob), self._top(entry))
+            self._append(out, choice, entry.token_id, clamped(entry.logprob), self._top(entry))
         return out
 
     def _top(self, entry: TokenLogprobs) -> dict[str, float]:
-        top = {self._token_text(i): _clamp(lp) for i, lp in entry.top}
-        top[self._token_text(entry.token_id)] = _clamp(entry.logprob)
+        top = {self._token_text(i): clamped(lp) for i, lp in entry.top}
+        top[self._token_text(entry.token_id)] = clamped(entry.logprob)
         return top
 
     def _append(
@@ -386,186 +322,3 @@ class CompletionBuilder(ResponseBuilder):
         out["top_logprobs"].append(top)
         out["text_offset"].append(choice.text_offset)
         choice.text_offset += len(self.tokens.text(token_id))
-
-
-def _tool_calls(calls: Iterable[Any], with_index: bool) -> list[dict[str, Any]]:
-    return [
-        {
-            **({"index": i} if with_index else {}),
-            "id": new_call_id(),
-            "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments},
-        }
-        for i, call in enumerate(calls)
-    ]
-
-
-def _finish_reason(choice: ChoiceState, has_calls: bool) -> str | None:
-    return "tool_calls" if has_calls and choice.finish_reason == "stop" else choice.finish_reason
-
-
-class ChatBuilder(ResponseBuilder):
-    """Chat responses; with ``tools``, a choice's text is read back as tool calls.
-
-    Streaming with tools: a ``named`` choice streams its arguments as they come; ``auto`` and
-    ``required`` stream the text that cannot be part of a call (``ToolParser.content_len``;
-    none for ``required``), and each call as the model writes it: its id and name once the
-    name is complete, then its arguments' raw JSON text as it grows (``ToolPlan.streamed``).
-    """
-
-    object_name = "chat.completion"
-    chunk_object_name = "chat.completion.chunk"
-    id_prefix = "chatcmpl-"
-
-    def __init__(
-        self,
-        model: str,
-        prompts: Sequence[PromptInfo],
-        n: int,
-        tokens: TokenStrings,
-        options: ResponseOptions,
-        tools: ToolPlan | None = None,
-    ) -> None:
-        super().__init__(model, prompts, n, tokens, options)
-        self.tools = tools or ToolPlan("none")
-
-    def response(self) -> dict[str, Any]:
-        body = super().response()
-        if self.options.prompt_logprobs:  # vLLM's: the one prompt's, beside the choices
-            body["prompt_logprobs"] = self._prompt_logprobs(self.choices[0])
-        return body
-
-    def start_chunks(self) -> list[dict[str, Any]]:
-        role = {"role": "assistant", "content": ""}
-        return [
-            self.chunk([{"index": c.index, "delta": role, "logprobs": None, "finish_reason": None}])
-            for c in self.choices
-        ]
-
-    def _final_choice(self, choice: ChoiceState) -> dict[str, Any]:
-        text = "".join(choice.text)
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        parsed = self.tools.extract(text)
-        calls = parsed.calls
-        if calls:
-            message = {
-                "role": "assistant",
-                "content": parsed.content,
-                "tool_calls": _tool_calls(parsed.calls, with_index=False),
-            }
-        return {
-            "index": choice.index,
-            "message": message,
-            "logprobs": self._logprobs(choice.logprobs) if self.options.want_logprobs else None,
-            "finish_reason": _finish_reason(choice, bool(calls)),
-            "stop_reason": choice.stop_reason,
-        }
-
-    def delta_chunk(self, index: int, delta: Delta) -> dict[str, Any] | None:
-        if self.tools.mode == "none":
-            return super().delta_chunk(index, delta)
-        choice = self.choices[index]
-        first = not choice.started
-        choice.started = True
-        choice.add(delta)
-        body = self._delta_choice(choice, delta, first)
-        if self.tools.mode == "named":
-            body["delta"] = self._named_delta(delta, first)
-        else:
-            body["delta"] = self._parsed_delta(choice, delta.finished)
-        if delta.finished:
-            has_calls = self.tools.mode == "named" or bool(choice.calls_sent)
-            body["finish_reason"] = _finish_reason(choice, has_calls)
-            body["stop_reason"] = delta.stop_reason
-        elif not body["delta"] and not (self.options.want_logprobs and delta.logprobs):
-            return None
-        return self.chunk([body])
-
-    def _named_delta(self, delta: Delta, first: bool) -> dict[str, Any]:
-        """The forced function's call: its name first, then its arguments as they come."""
-        if first:
-            call = _tool_calls([ToolCall(self.tools.name, delta.text)], with_index=True)
-            return {"tool_calls": call}
-        if delta.text:
-            return {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
-        return {}
-
-    def _parsed_delta(self, choice: ChoiceState, finished: bool) -> dict[str, Any]:
-        """Content that cannot be part of a call at once; each call's name once its string is
-        complete, then its arguments as they grow; at the end, what is left."""
-        text = "".join(choice.text)
-        final = self.tools.extract(text).calls if finished else []
-        partial, ready = self.tools.streamed(text)
-        parts = self._call_parts(choice, partial, final)
-        if finished and not choice.calls_sent:
-            ready = len(text)  # no call after all: the rest is content
-        content = text[choice.num_sent_chars : ready]
-        choice.num_sent_chars = max(choice.num_sent_chars, ready)
-        body: dict[str, Any] = {"content": content} if content else {}
-        if parts:
-            body["tool_calls"] = parts
-        return body
-
-    def _call_parts(
-        self, choice: ChoiceState, partial: list[PartialCall], final: list[ToolCall]
-    ) -> list[dict[str, Any]]:
-        """``delta.tool_calls`` entries for what the calls gained since the last chunk: a new
-        call's id and name (once the name is complete), then the growth of its arguments.
-        Arguments written as an object stream as raw text; any other form (a JSON string of
-        the object, say) is sent whole, as the final parse reads it, when the choice ends."""
-        parts = []
-        for i, call in enumerate(partial):
-            if call.name is None:
-                break  # later calls wait for this one's name
-            part: dict[str, Any] = {"index": i, "function": {}}
-            if i == len(choice.calls_sent):
-                part |= {"id": new_call_id(), "type": "function"}
-                part["function"] = {"name": call.name, "arguments": ""}
-                choice.calls_sent.append(0)
-            sent = choice.calls_sent[i]
-            new = ""
-            if call.arguments.startswith("{") and sent >= 0:
-                new = call.arguments[sent:]
-                choice.calls_sent[i] += len(new)
-            elif i < len(final) and sent == 0:
-                new = final[i].arguments
-                choice.calls_sent[i] = -1  # sent whole
-            if new:
-                part["function"]["arguments"] = new
-            if "id" in part or new:
-                parts.append(part)
-        for i in range(len(choice.calls_sent), len(final)):  # a form the scan cannot follow
-            parts.extend(_tool_calls([final[i]], with_index=True))
-            parts[-1]["index"] = i
-            choice.calls_sent.append(-1)
-        return parts
-
-    def _delta_choice(self, choice: ChoiceState, delta: Delta, first: bool) -> dict[str, Any]:
-        logprobs = None
-        if self.options.want_logprobs:
-            logprobs = self._logprobs(delta.logprobs or ())
-        return {
-            "index": choice.index,
-            "delta": {"content": delta.text} if delta.text else {},
-            "logprobs": logprobs,
-            "finish_reason": None,
-        }
-
-    def _logprobs(self, entries: Iterable[TokenLogprobs]) -> dict[str, Any]:
-        return {
-            "content": [
-                {
-                    **self._token(entry.token_id, entry.logprob),
-                    "top_logprobs": [self._token(i, lp) for i, lp in entry.top],
-                }
-                for entry in entries
-            ],
-            "refusal": None,
-        }
-
-    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        return {
-            "token": self._token_text(token_id),
-            "logprob": _clamp(logprob),
-            "bytes": self.tokens.utf8(token_id),
-        }

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.router.backend import BackendError, Delta
+from kvrelay.router.chat_builder import ChatBuilder
 from kvrelay.router.errors import from_backend_error
-from kvrelay.router.responses import ChatBuilder
 
 if TYPE_CHECKING:
     from kvrelay.router.responses_api import ResponsesRequest
