@@ -3,7 +3,7 @@
 Both engines are started once (``benchmarks/peers_engine.py``, vLLM with the Python of its own
 venv) and kept alive; timed runs then alternate between them (A, B, A, B...) so that the
 machine's noise (it is shared) falls on both, and medians of the repeats are reported with the
-load average seen around each run. Each timed run starts on a quiet machine: vLLM's worker
+load average seen around each run; the offline ratio also repeat by repeat (``paired_ratios``). Each timed run starts on a quiet machine: vLLM's worker
 keeps a core busy for 1-2 s after it answers, which fell on whichever run came next (kvrelay's
 bfloat16 offline run: 10.3-11.0 s right after vLLM's, 8.5 s alone), so the script waits until
 other processes use under 5% of the CPUs (at most 30 s) before each one, and the engine not
@@ -359,6 +359,15 @@ def measure(engines: list[Engine], args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def paired_ratios(ours: list[dict], theirs: list[dict]) -> list[float]:
+    """kvrelay's offline tok/s over vLLM's, repeat by repeat (sorted): ``interleaved`` runs a
+    repeat's two engines back to back, so their ratio cancels the machine's drift between
+    repeats, which on a shared VM moves both sides by more than the difference measured."""
+    rate = [r["tokens"] / r["seconds"] for r in ours]
+    peer = [r["tokens"] / r["seconds"] for r in theirs]
+    return sorted(a / b for a, b in zip(rate, peer, strict=True))
+
+
 def summarize(dtype: str, result: dict[str, Any]) -> list[list[str]]:
     rows = []
     for name in ("kvrelay", "vllm"):
@@ -381,8 +390,15 @@ def summarize(dtype: str, result: dict[str, Any]) -> list[list[str]]:
     k, v = rows
     ratio_tok = float(k[2]) / float(v[2])
     ratio_step = float(k[3]) / float(v[3])
+    paired = paired_ratios(result["offline"]["kvrelay"], result["offline"]["vllm"])
     rows.append(
-        [dtype, "kvrelay / vLLM", f"{ratio_tok:.2f}x", f"{ratio_step:.2f}x", "", "", "", ""]
+        [
+            dtype,
+            "kvrelay / vLLM",
+            f"{ratio_tok:.2f}x (paired {median(paired):.2f}x, {paired[0]:.2f}-{paired[-1]:.2f})",
+            f"{ratio_step:.2f}x",
+            *[""] * 4,
+        ]
     )
     bw, bound = result["bandwidth_gbs"], result["bound_s"]
     lo = {k: v[0] for k, v in result["bandwidth_spread_gbs"].items()}

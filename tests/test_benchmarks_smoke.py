@@ -705,3 +705,13 @@ def test_cpu_panels_compares_the_packed_kernels(tiny_model_dir, tmp_path: Path) 
         assert re.search(rf"^\| {dtype} \| panels / oneDNN \| [\d.]+x \|", proc.stdout, re.M)
         same = re.search(rf"{dtype}: greedy tokens identical on (\d+) of 4", proc.stdout)
         assert same is not None, proc.stdout
+
+
+def test_peers_pairs_each_repeats_offline_runs() -> None:
+    """peers.py's offline ratio per repeat: the two engines' runs of one repeat, divided."""
+    module = _load_benchmark("peers")
+    ours = [{"tokens": 100, "seconds": s} for s in (1.0, 2.0, 1.25)]  # 100, 50, 80 tok/s
+    theirs = [{"tokens": 100, "seconds": s} for s in (2.0, 2.5, 1.25)]  # 50, 40, 80 tok/s
+    assert module.paired_ratios(ours, theirs) == [1.0, 1.25, 2.0]
+    with pytest.raises(ValueError):  # a repeat without its pair is not a pair
+        module.paired_ratios(ours, theirs[:2])
