@@ -3,12 +3,13 @@
 Both engines are started once (``benchmarks/peers_engine.py``, vLLM with the Python of its own
 venv) and kept alive; timed runs then alternate between them (A, B, A, B...) so that the
 machine's noise (it is shared) falls on both, and medians of the repeats are reported with the
-load average seen around each run; the offline ratio also repeat by repeat (``paired_ratios``). Each timed run starts on a quiet machine: vLLM's worker
-keeps a core busy for 1-2 s after it answers, which fell on whichever run came next (kvrelay's
-bfloat16 offline run: 10.3-11.0 s right after vLLM's, 8.5 s alone), so the script waits until
-other processes use under 5% of the CPUs (at most 30 s) before each one, and the engine not
-being timed is frozen (SIGSTOP) meanwhile: idle, vLLM's worker still wakes ~1,300 times a
-second (``common.signal_tree``). Measured: offline
+load average seen around each run; the offline ratio also repeat by repeat (``paired_ratios``).
+Each timed run starts on a quiet machine: vLLM's worker keeps a core busy for 1-2 s after it
+answers, which fell on whichever run came next (kvrelay's bfloat16 offline run: 10.3-11.0 s
+right after vLLM's, 8.5 s alone), so the script waits until other processes use under 5% of the
+CPUs (at most 30 s) before each one, and the engine not being timed is frozen (SIGSTOP)
+meanwhile: idle, vLLM's worker still wakes ~1,300 times a second
+(``common.signal_tree``). Measured: offline
 throughput (mixed requests, ignore_eos), a lone request's decode step, and greedy token
 identity on chat prompts. The vLLM venv is created when missing (``--vllm-venv``; idempotent:
 an existing one is reused).
