@@ -57,6 +57,21 @@ def wait_idle(launcher: Launcher, timeout: float = 30.0) -> dict[str, dict[str, 
         time.sleep(0.1)
 
 
+def decode_running(launcher: Launcher, timeout: float = 10.0) -> str:
+    """The one decode worker running the stream's request, once one counts it. Under load
+    (two test files at a time) one read of /stats after five tokens found the prefill worker
+    still counting the request and no decode worker counting it yet."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = worker_stats(launcher)
+        busy = [i for i, s in stats.items() if s["num_running"] and i.startswith("decode")]
+        if busy:
+            assert len(busy) == 1, stats
+            return busy[0]
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+
+
 def assert_no_leaks(launcher: Launcher) -> None:
     for instance_id, s in wait_idle(launcher).items():
         assert s["num_used_blocks"] == 0, f"{instance_id} holds blocks when idle: {s}"

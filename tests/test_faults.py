@@ -13,7 +13,13 @@ import openai
 import pytest
 
 from kvrelay import LLM, SamplingParams
-from tests.cluster_harness import metric_value, read_text, running_cluster, worker_stats
+from tests.cluster_harness import (
+    decode_running,
+    metric_value,
+    read_text,
+    running_cluster,
+    worker_stats,
+)
 
 PROMPT = "The cache moves to the decode worker"
 LONG = 400
@@ -48,9 +54,7 @@ def test_decode_killed_mid_stream_finishes_on_the_other(tiny_model_dir, tmp_path
         for chunk in stream:
             parts.append(chunk.choices[0].text)
             if victim is None and len(parts) == 5:
-                busy = [i for i, s in worker_stats(launcher).items() if s["num_running"]]
-                assert len(busy) == 1 and busy[0].startswith("decode"), busy
-                victim = busy[0]
+                victim = decode_running(launcher)
                 launcher.kill(victim, signal.SIGKILL)
         assert victim is not None
         assert "".join(parts) == reference

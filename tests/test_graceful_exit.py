@@ -20,7 +20,13 @@ import pytest
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.cli.launcher import Launcher
-from tests.cluster_harness import metric_value, read_text, running_cluster, worker_stats
+from tests.cluster_harness import (
+    decode_running,
+    metric_value,
+    read_text,
+    running_cluster,
+    worker_stats,
+)
 
 PROMPT = "The cache moves to the decode worker"
 LONG = 400
@@ -70,28 +76,13 @@ def _wait_gone(launcher: Launcher, instance_id: str, timeout: float = 30.0) -> N
         time.sleep(0.1)
 
 
-def _decode_running(launcher: Launcher, timeout: float = 10.0) -> str:
-    """The one decode worker running the stream's request, once one counts it. Under load
-    (two test files at a time) one read of /stats after five tokens found the prefill worker
-    still counting the request and no decode worker counting it yet."""
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = worker_stats(launcher)
-        busy = [i for i, s in stats.items() if s["num_running"] and i.startswith("decode")]
-        if busy:
-            assert len(busy) == 1, stats
-            return busy[0]
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
-
-
 def test_sigterm_drains_a_decode_worker_mid_stream(tiny_model_dir, tmp_path, reference):
     with running_cluster(tiny_model_dir, tmp_path, num_prefill=1, num_decode=2) as launcher:
         parts, victim, proc = [], None, None
         for chunk in _stream(_client(launcher.url)):
             parts.append(chunk.choices[0].text)
             if victim is None and len(parts) == 5:
-                victim = _decode_running(launcher)
+                victim = decode_running(launcher)
                 proc = _terminate(launcher, victim)
         assert victim is not None
         assert "".join(parts) == reference
