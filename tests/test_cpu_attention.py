@@ -120,9 +120,11 @@ def test_engine_decode_tokens_use_the_native_kernel(
 ) -> None:
     """A batch of more decoding sequences than the fused step takes attends through the kernel
     once per layer per step, prompt tokens (short segments: a row each) and decode tokens
-    alike, and greedy tokens equal the torch path's."""
+    alike, and greedy tokens equal the torch path's. No packed copies: with panels for every
+    projection a float32 model's wide decode steps are fused too (test_cpu_decode)."""
     from kvrelay import LLM, SamplingParams
 
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "0")
     calls: list[int] = []  # query rows per call
     real = cpu_attention.decode
 

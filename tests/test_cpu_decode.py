@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from kvrelay.kernels import cpu_decode, cpu_rows, gemv
+from kvrelay.kernels import cpu_decode, cpu_packed, cpu_panels, cpu_rows, gemv
 
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="native library not built")
 
@@ -59,8 +60,12 @@ def test_fused_steps_match_the_torch_ops(
             assert abs(step_a.logprob - step_b.logprob) <= tol
 
 
-def test_not_used_for_prefill_or_large_batches(tiny_model_dir, monkeypatch) -> None:
+def test_not_used_for_prefill_or_large_batches_without_panels(tiny_model_dir, monkeypatch) -> None:
+    """Without panels for every projection (here no packed copies at all) a step of more
+    than gemv.MAX_ROWS rows is the torch path's, and a prefill step always is."""
     from kvrelay import LLM
+
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "0")
 
     steps: list[int] = []
     real = cpu_decode.FusedDecode.forward
@@ -73,6 +78,7 @@ def test_not_used_for_prefill_or_large_batches(tiny_model_dir, monkeypatch) -> N
     steps.clear()  # the LLM's warm-up: this test counts its own generate's steps
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in range(5, 5 + gemv.MAX_ROWS + 2)]
     _generate(llm, prompts, max_tokens=3)
+    assert llm.engine.runner.model.packed == {}
     assert not steps  # every decode step had MAX_ROWS + 2 tokens
 
 
@@ -83,3 +89,60 @@ def test_off_with_either_native_kernel_off(tiny_model_dir, monkeypatch) -> None:
     llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2)
     _generate(llm, [{"prompt_token_ids": [3, 4, 5]}], max_tokens=3)
     assert llm.engine.runner.model._fused is None
+
+
+@pytest.mark.skipif(not cpu_panels.available(), reason="native library not built")
+def test_wide_decode_steps_run_natively_on_panels(
+    tiny_model_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 model whose projections have panels runs decode steps of more than
+    gemv.MAX_ROWS rows in one native call too, with the torch path's greedy tokens and
+    logprobs bit for bit: the same panel products, row ops and attention, in the same order."""
+    from kvrelay import LLM
+
+    monkeypatch.setattr(cpu_packed, "kernel", lambda: "panels")  # whatever this CPU prefers
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "1")  # packed before the first step
+    steps: list[int] = []
+    real = cpu_decode.FusedDecode.forward
+
+    def spy(self, x, *args):
+        steps.append(x.shape[0])
+        return real(self, x, *args)
+
+    monkeypatch.setattr(cpu_decode.FusedDecode, "forward", spy)
+    llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2, dtype="float32")
+    model = llm.engine.runner.model
+    assert model.wait_packed()
+    assert cpu_decode.wide_panels(model.config, model.weights, model.packed) is not None
+    rows = gemv.MAX_ROWS + 4
+    prompts = [{"prompt_token_ids": list(range(3 + n, 20 + 3 * n))} for n in range(rows)]
+    steps.clear()
+    fused_tokens, fused_lp = _generate(llm, prompts)
+    assert steps == [rows] * 5  # every decode step of the batch, natively
+    monkeypatch.setattr(model, "_fused_for", lambda *a: None)
+    steps.clear()
+    torch_tokens, torch_lp = _generate(llm, prompts)
+    assert not steps
+    assert fused_tokens == torch_tokens
+    for a, b in zip(fused_lp, torch_lp, strict=True):
+        assert [s.logprob for s in a] == [s.logprob for s in b]
+
+
+def test_wide_panels_need_every_projection_of_a_float32_model(tiny_model_dir) -> None:
+    """Steps of more rows than gemv's stay on the torch path while any projection lacks its
+    panels (still packing, or oneDNN's copies) or the model is not float32."""
+    from kvrelay.engine.config import ModelConfig
+    from kvrelay.engine.loader import load_weights
+
+    config = ModelConfig.from_dir(tiny_model_dir)
+    weights = load_weights(tiny_model_dir, config, "float32")
+    names = [
+        f"layers.{i}.{n}" for i in range(config.num_layers) for n in ("qkv", "o", "gate_up", "down")
+    ]
+    panels = {n: cpu_panels.pack(weights[n], transposed=True) for n in names}
+    assert cpu_decode.wide_panels(config, weights, panels) == panels
+    assert cpu_decode.wide_panels(config, weights, dict(list(panels.items())[:-1])) is None
+    onednn = dict(panels, **{names[0]: weights[names[0]]})  # a oneDNN copy is a tensor
+    assert cpu_decode.wide_panels(config, weights, onednn) is None
+    bf16 = {n: w.to(torch.bfloat16) for n, w in weights.items()}
+    assert cpu_decode.wide_panels(config, bf16, panels) is None

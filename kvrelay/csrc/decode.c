@@ -1,5 +1,5 @@
 /*
- * A whole decode step's decoder layers on CPU in one call: for a few tokens (one per
+ * A whole decode step's decoder layers on CPU in one call: for its tokens (one per
  * sequence), every layer's RMSNorm, fused QKV projection (+ bias), rotary embedding, KV store,
  * paged attention, output projection, residual, RMSNorm, gate/up projection, SiLU-and-multiply,
  * down projection and residual, with no Python or torch op between them.
@@ -10,6 +10,10 @@
  * and with the rounding of kvrelay's torch path (engine/models/llama.py): values are float32
  * throughout, and for a bfloat16 model each op's result is rounded to bfloat16 where torch's
  * op would round it, so both paths agree to float32 summation order.
+ *
+ * A float32 model whose projections have panels (panels.c) runs its batched decode steps here
+ * too: their products on the panels, as the torch path's products of many rows are (the same
+ * sums bit for bit), and the rest of each layer without the Python-issued ops around them.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -18,8 +22,10 @@
 #include "rowops.h"
 
 enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_PER_LAYER };
+enum { P_QKV, P_O, P_GATE_UP, P_DOWN, P_PER_LAYER }; /* a layer's panels, when there are */
 
 int gemv(int kind, int dtype, int m, int k, int n, const void *x, const void *w, void *y);
+int panels_gemm(int m, int k, int n, const float *x, const float *wp, const float *bias, float *y, int threads);
 int decode_attention(int dtype, int n, int q_heads, int kv_heads, int head_dim, int block_size,
                      int max_blocks, int window, float scale, const void *q, const void *k,
                      const void *v, const int64_t *rows, const int32_t *tables,
@@ -31,6 +37,10 @@ typedef struct {
     const void *const *weights; /* W_PER_LAYER per layer; a missing bias is NULL */
     void *kv;                   /* [layers, 2, num_blocks, block_size, kv_heads, head_dim] */
     int64_t kv_layer_elems;     /* elements of one layer's [2, ...] pool */
+    /* a float32 model's projections as panels (panels.c; P_PER_LAYER per layer), or NULL:
+     * steps of more than panels_from rows take them, as the torch path's products do */
+    const float *const *panels;
+    int panels_from, threads;
 } DecodeModel;
 
 typedef struct {
@@ -45,8 +55,10 @@ typedef struct {
     void *in, *out;                                   /* dtype copies for gemv / attention */
 } Buffers;
 
-/* y[m, n] = x[m, k] @ w, x and y float32 rows, w in the model's dtype (gemv.c rounds y). */
-static int matmul(const DecodeModel *md, Buffers *b, int kind, int m, int k, int n, const float *x, const void *w, float *y) {
+/* y[m, n] = x[m, k] @ w, x and y float32 rows, w in the model's dtype (gemv.c rounds y);
+ * a step of more than panels_from rows on w's panels `wp` when there are (float32: no copies). */
+static int matmul(const DecodeModel *md, Buffers *b, int kind, int m, int k, int n, const float *x, const void *w, const float *wp, float *y) {
+    if (wp != NULL && m > md->panels_from && md->dtype == DT_F32) return panels_gemm(m, k, n, x, wp, NULL, y, md->threads) == 0 ? 0 : -1;
     for (size_t i = 0; i < (size_t)m * k; i++) put(md->dtype, b->in, i, x[i]);
     if (gemv(kind, md->dtype, m, k, n, b->in, w, b->out) != 0) return -1;
     for (size_t i = 0; i < (size_t)m * n; i++) y[i] = get(md->dtype, b->out, i);
@@ -102,12 +114,14 @@ static void silu_mul(int dtype, int m, int inter, const float *gate_up, float *a
 
 static int layer(const DecodeModel *md, const StepInputs *in, Buffers *b, int i, float *x) {
     const void *const *w = md->weights + (size_t)i * W_PER_LAYER;
+    static const float *const none[P_PER_LAYER] = {NULL};
+    const float *const *wp = md->panels != NULL ? md->panels + (size_t)i * P_PER_LAYER : none;
     const size_t esize = md->dtype == DT_F32 ? 4 : 2;
     char *pool = (char *)md->kv + (size_t)i * md->kv_layer_elems * esize;
     void *k_pool = pool, *v_pool = pool + (size_t)md->kv_layer_elems / 2 * esize;
     const int m = in->m, hd = md->head_dim, n_qkv = (md->q_heads + 2 * md->kv_heads) * hd;
     rms_norm(md, m, x, w[W_IN_NORM], b->h);
-    if (matmul(md, b, 0, m, md->hidden, n_qkv, b->h, w[W_QKV], b->qkv) != 0) return -1;
+    if (matmul(md, b, 0, m, md->hidden, n_qkv, b->h, w[W_QKV], wp[P_QKV], b->qkv) != 0) return -1;
     if (w[W_QKV_BIAS] != NULL)
         for (int r = 0; r < m; r++)
             for (int c = 0; c < n_qkv; c++) {
@@ -117,12 +131,12 @@ static int layer(const DecodeModel *md, const StepInputs *in, Buffers *b, int i,
     rope(md, in, b->qkv);
     store_kv(md, in, b->qkv, k_pool, v_pool);
     if (attend(md, in, b, b->qkv, k_pool, v_pool) != 0) return -1;
-    if (matmul(md, b, 0, m, md->q_heads * hd, md->hidden, b->attn, w[W_O], b->proj) != 0) return -1;
+    if (matmul(md, b, 0, m, md->q_heads * hd, md->hidden, b->attn, w[W_O], wp[P_O], b->proj) != 0) return -1;
     add_rows(md->dtype, (size_t)m * md->hidden, x, b->proj);
     rms_norm(md, m, x, w[W_POST_NORM], b->h);
-    if (matmul(md, b, 0, m, md->hidden, 2 * md->inter, b->h, w[W_GATE_UP], b->gate_up) != 0) return -1;
+    if (matmul(md, b, 0, m, md->hidden, 2 * md->inter, b->h, w[W_GATE_UP], wp[P_GATE_UP], b->gate_up) != 0) return -1;
     silu_mul(md->dtype, m, md->inter, b->gate_up, b->act);
-    if (matmul(md, b, 0, m, md->inter, md->hidden, b->act, w[W_DOWN], b->proj) != 0) return -1;
+    if (matmul(md, b, 0, m, md->inter, md->hidden, b->act, w[W_DOWN], wp[P_DOWN], b->proj) != 0) return -1;
     add_rows(md->dtype, (size_t)m * md->hidden, x, b->proj);
     return 0;
 }

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from kvrelay.engine import background
 from kvrelay.engine.config import ModelConfig, RopeConfig
 from kvrelay.engine.lora import LoRABatch
-from kvrelay.kernels import cpu_packed, cpu_rows, gemv, triton_rows
+from kvrelay.kernels import cpu_decode, cpu_packed, cpu_rows, gemv, triton_rows
 from kvrelay.kernels.attention import AttentionMetadata, paged_attention
 from kvrelay.kernels.cpu_decode import FusedDecode
 
@@ -141,6 +141,8 @@ class LlamaModel:
         self._kv_size = config.num_kv_heads * config.head_dim
         self._qk_heads = config.num_heads + config.num_kv_heads
         self._fused: FusedDecode | None = None  # built for the first KV pool it can serve
+        # the packed copies _fused_for last saw, and their panels for wide fused steps
+        self._wide: tuple[dict | None, dict | None] = (None, None)
         self.gpu_rows = triton_rows.enabled()  # Triton's row ops for CUDA steps (``row_ops``)
         # oneDNN-blocked copies of the projections for steps of many rows (kernels.cpu_packed):
         # made now, or on a thread while the engine serves on the plain weights; a step reads
@@ -284,11 +286,16 @@ class LlamaModel:
         self, kv_cache: torch.Tensor, meta: AttentionMetadata, rows: int
     ) -> FusedDecode | None:
         """The native whole-step path (``kernels.cpu_decode``) when this step is decode tokens
-        only, at most ``native_rows`` of them, and the model and pool allow it."""
+        only, at most ``native_rows`` of them (more where a float32 model's projections all
+        have panels: ``cpu_decode.wide_panels``), and the model and pool allow it."""
         batch = meta.native_decode
         if batch is None or meta.prefills or meta.native_prefill or meta.decode:
             return None
-        if rows > self.native_rows:
+        packed = self.packed  # read once: the packing thread replaces it
+        if self._wide[0] is not packed:
+            self._wide = (packed, cpu_decode.wide_panels(self.config, self.weights, packed))
+        panels = self._wide[1]
+        if rows > self.native_rows and panels is None:
             return None
         if batch.row_table is not None:  # prefill tokens among the rows
             return None
@@ -296,11 +303,18 @@ class LlamaModel:
             return None
         if batch.rows.numel() != rows:
             return None
-        if self._fused is None or self._fused.kv_cache.data_ptr() != kv_cache.data_ptr():
+        fused = self._fused
+        if (
+            fused is None
+            or fused.kv_cache.data_ptr() != kv_cache.data_ptr()
+            or fused.panels is not panels
+        ):
             if not FusedDecode.supports(self.config, self.weights, kv_cache):
                 return None
-            self._fused = FusedDecode(self.config, self.weights, kv_cache)
-        return self._fused
+            fused = self._fused = FusedDecode(
+                self.config, self.weights, kv_cache, panels, self.native_rows
+            )
+        return fused
 
     @torch.inference_mode()
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
