@@ -117,9 +117,12 @@ def test_batched_steps_use_them_and_match_the_torch_ops(
     tiny_model_dir, dtype: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill and decode steps of more rows than the fused path takes run the row ops
-    natively and give the torch ops' greedy tokens and, to rounding, their logprobs."""
+    natively and give the torch ops' greedy tokens and, to rounding, their logprobs. No
+    packed copies: with panels for every projection a float32 model's wide decode steps are
+    fused too (test_cpu_decode)."""
     from kvrelay import LLM, SamplingParams
 
+    monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "0")
     calls: list[int] = []
     real = cpu_rows.silu_mul
     monkeypatch.setattr(cpu_rows, "silu_mul", lambda g: calls.append(g.shape[0]) or real(g))
