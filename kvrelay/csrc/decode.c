@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pool.h"
 #include "rowops.h"
 
 enum { W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, W_PER_LAYER };
@@ -65,25 +66,25 @@ static int matmul(const DecodeModel *md, Buffers *b, int kind, int m, int k, int
     return 0;
 }
 
-/* h = RMSNorm(x) * w, row by row (rowops.h). */
-static void rms_norm(const DecodeModel *md, int m, const float *x, const void *w, float *h) {
-    for (int r = 0; r < m; r++)
+/* h = RMSNorm(x) * w for rows r0..r1-1 (rowops.h). */
+static void rms_norm(const DecodeModel *md, int r0, int r1, const float *x, const void *w, float *h) {
+    for (int r = r0; r < r1; r++)
         norm_row(md->dtype, md->hidden, md->eps, x + (size_t)r * md->hidden, w, h + (size_t)r * md->hidden);
 }
 
-/* Rotates the q and k heads of qkv rows in place (rowops.h). */
-static void rope(const DecodeModel *md, const StepInputs *in, float *qkv) {
+/* Rotates the q and k heads of qkv rows r0..r1-1 in place (rowops.h). */
+static void rope(const DecodeModel *md, const StepInputs *in, int r0, int r1, float *qkv) {
     const int hd = md->head_dim, half = hd / 2, width = (md->q_heads + 2 * md->kv_heads) * hd;
-    for (int r = 0; r < in->m; r++)
+    for (int r = r0; r < r1; r++)
         rope_row(md->dtype, md->q_heads + md->kv_heads, hd, in->cos + (size_t)r * half, in->sin + (size_t)r * half,
                  qkv + (size_t)r * width);
 }
 
-/* Writes each row's k and v heads into its pool slot of this layer. */
-static void store_kv(const DecodeModel *md, const StepInputs *in, const float *qkv, void *k_pool, void *v_pool) {
+/* Writes rows r0..r1-1's k and v heads into their pool slots of this layer. */
+static void store_kv(const DecodeModel *md, const StepInputs *in, int r0, int r1, const float *qkv, void *k_pool, void *v_pool) {
     const int hd = md->head_dim, kvw = md->kv_heads * hd, qw = md->q_heads * hd;
     const int width = qw + 2 * kvw;
-    for (int r = 0; r < in->m; r++) {
+    for (int r = r0; r < r1; r++) {
         const size_t base = (size_t)in->slots[r] * kvw;
         for (int c = 0; c < kvw; c++) {
             put(md->dtype, k_pool, base + c, qkv[(size_t)r * width + qw + c]);
@@ -104,12 +105,62 @@ static int attend(const DecodeModel *md, const StepInputs *in, Buffers *b, const
     return 0;
 }
 
-/* act = SiLU(gate) * up, row by row (rowops.h). */
-static void silu_mul(int dtype, int m, int inter, const float *gate_up, float *act) {
-    for (int r = 0; r < m; r++) {
+/* act = SiLU(gate) * up for rows r0..r1-1 (rowops.h). */
+static void silu_mul(int dtype, int r0, int r1, int inter, const float *gate_up, float *act) {
+    for (int r = r0; r < r1; r++) {
         const float *g = gate_up + (size_t)r * 2 * inter;
         silu_mul_row(dtype, inter, g, g + inter, act + (size_t)r * inter);
     }
+}
+
+/* A layer's row ops between its products, on rows of the step: each row's values depend on
+ * that row only, so a wide step splits them over the pool (ROWS_PER_CHUNK rows a chunk) and a
+ * narrow one runs them here (a lone step's ops take microseconds; a pool round trip would
+ * cost as much). SmolLM2, 49-64-row steps: 6.3-7.5 ms of row ops a step on the pool against
+ * 8.1-8.2 on the calling thread (BENCHMARKS.md "Batched decode steps in one native call"). */
+enum { OP_NORM_IN, OP_ROPE_STORE, OP_ADD_NORM_POST, OP_SILU, OP_ADD };
+#define ROWS_PER_CHUNK 4
+
+typedef struct {
+    const DecodeModel *md;
+    const StepInputs *in;
+    Buffers *b;
+    const void *const *w;
+    float *x;
+    void *k_pool, *v_pool;
+    int op;
+} RowOps;
+
+static void row_ops_range(const RowOps *o, int r0, int r1) {
+    const DecodeModel *md = o->md;
+    Buffers *b = o->b;
+    const size_t hid = md->hidden;
+    switch (o->op) {
+    case OP_NORM_IN: rms_norm(md, r0, r1, o->x, o->w[W_IN_NORM], b->h); break;
+    case OP_ROPE_STORE:
+        rope(md, o->in, r0, r1, b->qkv);
+        store_kv(md, o->in, r0, r1, b->qkv, o->k_pool, o->v_pool);
+        break;
+    case OP_ADD_NORM_POST:
+        add_rows(md->dtype, (size_t)(r1 - r0) * hid, o->x + r0 * hid, b->proj + r0 * hid);
+        rms_norm(md, r0, r1, o->x, o->w[W_POST_NORM], b->h);
+        break;
+    case OP_SILU: silu_mul(md->dtype, r0, r1, md->inter, b->gate_up, b->act); break;
+    default: add_rows(md->dtype, (size_t)(r1 - r0) * hid, o->x + r0 * hid, b->proj + r0 * hid); break;
+    }
+}
+
+static void row_ops_chunk(void *ctx, int c) {
+    const RowOps *o = ctx;
+    const int r0 = c * ROWS_PER_CHUNK, r1 = r0 + ROWS_PER_CHUNK < o->in->m ? r0 + ROWS_PER_CHUNK : o->in->m;
+    row_ops_range(o, r0, r1);
+}
+
+static void row_ops(RowOps *o, int op) {
+    o->op = op;
+    const int m = o->in->m;
+    if (m > o->md->panels_from && m > ROWS_PER_CHUNK) pool_run(row_ops_chunk, o, (m + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK);
+    else row_ops_range(o, 0, m);
 }
 
 static int layer(const DecodeModel *md, const StepInputs *in, Buffers *b, int i, float *x) {
@@ -120,7 +171,8 @@ static int layer(const DecodeModel *md, const StepInputs *in, Buffers *b, int i,
     char *pool = (char *)md->kv + (size_t)i * md->kv_layer_elems * esize;
     void *k_pool = pool, *v_pool = pool + (size_t)md->kv_layer_elems / 2 * esize;
     const int m = in->m, hd = md->head_dim, n_qkv = (md->q_heads + 2 * md->kv_heads) * hd;
-    rms_norm(md, m, x, w[W_IN_NORM], b->h);
+    RowOps ops = {md, in, b, w, x, k_pool, v_pool, 0};
+    row_ops(&ops, OP_NORM_IN);
     if (matmul(md, b, 0, m, md->hidden, n_qkv, b->h, w[W_QKV], wp[P_QKV], b->qkv) != 0) return -1;
     if (w[W_QKV_BIAS] != NULL)
         for (int r = 0; r < m; r++)
@@ -128,16 +180,14 @@ static int layer(const DecodeModel *md, const StepInputs *in, Buffers *b, int i,
                 float *v = b->qkv + (size_t)r * n_qkv + c;
                 *v = rnd(md->dtype, *v + get(md->dtype, w[W_QKV_BIAS], c));
             }
-    rope(md, in, b->qkv);
-    store_kv(md, in, b->qkv, k_pool, v_pool);
+    row_ops(&ops, OP_ROPE_STORE);
     if (attend(md, in, b, b->qkv, k_pool, v_pool) != 0) return -1;
     if (matmul(md, b, 0, m, md->q_heads * hd, md->hidden, b->attn, w[W_O], wp[P_O], b->proj) != 0) return -1;
-    add_rows(md->dtype, (size_t)m * md->hidden, x, b->proj);
-    rms_norm(md, m, x, w[W_POST_NORM], b->h);
+    row_ops(&ops, OP_ADD_NORM_POST);
     if (matmul(md, b, 0, m, md->hidden, 2 * md->inter, b->h, w[W_GATE_UP], wp[P_GATE_UP], b->gate_up) != 0) return -1;
-    silu_mul(md->dtype, m, md->inter, b->gate_up, b->act);
+    row_ops(&ops, OP_SILU);
     if (matmul(md, b, 0, m, md->inter, md->hidden, b->act, w[W_DOWN], wp[P_DOWN], b->proj) != 0) return -1;
-    add_rows(md->dtype, (size_t)m * md->hidden, x, b->proj);
+    row_ops(&ops, OP_ADD);
     return 0;
 }
 
