@@ -234,7 +234,9 @@ def test_start_time_benchmark_starts_a_cluster_and_answers(tiny_model_dir, tmp_p
     pattern = r"^\| tree \| " + r" \| ".join(cells) + r" \|$"
     row = re.search(pattern, proc.stdout, re.M)
     assert row is not None and float(row.group(1)) > 0, proc.stdout
-    assert float(row.group(4)) > 0 and float(row.group(6)) > 0  # first TTFT, TPOT p50
+    # first TTFT, then TPOT p50: 0.0 ms is a valid reading (on a loaded machine a stream's
+    # tokens can reach the client in one read, seen in CI), so only that it was measured
+    assert float(row.group(4)) > 0 and float(row.group(6)) >= 0
 
 
 def _gpu_steps(model_dir: Path, *args: str) -> list[str]:
