@@ -10,6 +10,19 @@ from kvrelay.kernels import cpu_decode, cpu_packed, cpu_panels, cpu_rows, gemv
 pytestmark = pytest.mark.skipif(not gemv.available(), reason="native library not built")
 
 
+def _fused_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every native whole-step call from now on (FusedDecode.forward spied)."""
+    steps: list[int] = []
+    real = cpu_decode.FusedDecode.forward
+
+    def spy(self, x, *args):
+        steps.append(x.shape[0])
+        return real(self, x, *args)
+
+    monkeypatch.setattr(cpu_decode.FusedDecode, "forward", spy)
+    return steps
+
+
 def _generate(llm, prompts, max_tokens=6):
     from kvrelay import SamplingParams
 
@@ -26,14 +39,7 @@ def test_fused_steps_match_the_torch_ops(
     layer), and give the torch path's greedy tokens and, to rounding, its logprobs."""
     from kvrelay import LLM
 
-    steps: list[int] = []
-    real = cpu_decode.FusedDecode.forward
-
-    def spy(self, x, *args):
-        steps.append(x.shape[0])
-        return real(self, x, *args)
-
-    monkeypatch.setattr(cpu_decode.FusedDecode, "forward", spy)
+    steps = _fused_steps(monkeypatch)
     modes: list[bool] = []  # the pool mode each step asked for
     real_mode = gemv.use_openmp
     monkeypatch.setattr(gemv, "use_openmp", lambda on: modes.append(on) or real_mode(on))
@@ -67,13 +73,7 @@ def test_not_used_for_prefill_or_large_batches_without_panels(tiny_model_dir, mo
 
     monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "0")
 
-    steps: list[int] = []
-    real = cpu_decode.FusedDecode.forward
-    monkeypatch.setattr(
-        cpu_decode.FusedDecode,
-        "forward",
-        lambda self, x, *a: steps.append(x.shape[0]) or real(self, x, *a),
-    )
+    steps = _fused_steps(monkeypatch)
     llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2)
     steps.clear()  # the LLM's warm-up: this test counts its own generate's steps
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in range(5, 5 + gemv.MAX_ROWS + 2)]
@@ -102,14 +102,7 @@ def test_wide_decode_steps_run_natively_on_panels(
 
     monkeypatch.setattr(cpu_packed, "kernel", lambda: "panels")  # whatever this CPU prefers
     monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "1")  # packed before the first step
-    steps: list[int] = []
-    real = cpu_decode.FusedDecode.forward
-
-    def spy(self, x, *args):
-        steps.append(x.shape[0])
-        return real(self, x, *args)
-
-    monkeypatch.setattr(cpu_decode.FusedDecode, "forward", spy)
+    steps = _fused_steps(monkeypatch)
     llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2, dtype="float32")
     model = llm.engine.runner.model
     assert model.wait_packed()
