@@ -260,8 +260,36 @@ def test_a_real_1p1d_on_shared_cores_runs_its_decode_worker_at_lower_priority(
         c = openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
         c.completions.create(model="tiny", prompt="hello " * 20, max_tokens=4)  # teams started
         by_role = {p.role: nices(p.popen.pid) for p in launcher.procs.values()}
+        # the router knows which one yields its cores (it waits longer for its heartbeats)
+        told = {i["role"]: i["cpu_nice"] for i in launcher.get_json("/admin/instances")["data"]}
+        assert told == {"prefill": 0, "decode": 19}
     decode_threads, decode_group = by_role["decode"]
     assert decode_threads == {base + 19} and decode_group in (None, 19)
     for role in ("prefill", "router"):
         role_threads, group = by_role[role]
         assert base + 19 not in role_threads and group in (None, 0), (role, by_role[role])
+
+
+def test_a_lowered_worker_may_stay_silent_longer_before_it_is_dead() -> None:
+    """A worker that yields its cores (``Register.cpu_nice``) has heartbeats as low as the
+    rest of it: the router gives it LOWERED_SILENCE_FACTOR x --dead-after, the others
+    --dead-after; a crashed lowered worker is still reaped, later."""
+    from kvrelay.protocol.messages import KvLayout, PeerInfo, Register, Role
+    from kvrelay.router.registry import LOWERED_SILENCE_FACTOR, Registry
+
+    layout = KvLayout(2, 64, 16, 2, 8, "float32")
+    registry = Registry(dead_after=2.0)
+    for instance_id, role, nice in (("p0", Role.PREFILL, 0), ("d0", Role.DECODE, 19)):
+        info = PeerInfo(instance_id, role, "A", "tcp://x:1", "", None, layout, b"f")
+        registry.register(
+            Register(info, "tiny", 4096, 1, cpu_nice=nice), b"c" + nice.to_bytes(), 0.0
+        )
+    assert registry.get("d0").cpu_nice == 19
+    assert [i.instance_id for i in registry.reap(now=2.1)] == ["p0"]
+    limit = 2.0 * LOWERED_SILENCE_FACTOR
+    assert LOWERED_SILENCE_FACTOR > 1 and registry.reap(now=limit - 0.1) == []
+    assert [i.instance_id for i in registry.reap(now=limit + 0.1)] == ["d0"]
+    # a nice out of range (a worker's word) is held to what the kernel allows
+    info = PeerInfo("d1", Role.DECODE, "A", "tcp://x:2", "", None, layout, b"f")
+    registry.register(Register(info, "tiny", 4096, 1, cpu_nice=1000), b"c2", 0.0)
+    assert registry.get("d1").cpu_nice == 19

@@ -82,6 +82,44 @@ def test_port_check_refuses_a_listener_but_not_closing_connections() -> None:
     check_port_free("127.0.0.1", port)
 
 
+@pytest.mark.parametrize("taken", ["http", "control"])
+def test_a_port_taken_after_the_pick_starts_the_cluster_on_others(
+    tiny_model_dir, tmp_path, taken: str
+) -> None:
+    """A port the launcher picked was free when picked; another process can bind it before the
+    router does (CI saw a router exit so). The router exits with EXIT_ADDRESS_IN_USE, naming
+    what is taken, and the launcher starts everything again on other ports."""
+    from kvrelay.cli.launcher import ClusterSpec, Launcher
+
+    spec = ClusterSpec(
+        model=str(tiny_model_dir),
+        num_prefill=0,
+        num_decode=0,
+        num_colocated=1,
+        worker_args=("--num-blocks", "64", "--threads", "1"),
+        log_dir=str(tmp_path),
+    )
+    launcher = Launcher(spec)
+    picked = (launcher.port, launcher.control_addr)
+    port = launcher.port if taken == "http" else int(launcher.control_addr.rsplit(":", 1)[1])
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
+        other.listen()
+        try:
+            launcher.start(timeout=120)
+            assert (launcher.port, launcher.control_addr) != picked
+            assert port not in (launcher.port, int(launcher.control_addr.rsplit(":", 1)[1]))
+            models = launcher.get_json("/v1/models", timeout=10)
+            assert [m["id"] for m in models["data"]] == [tiny_model_dir.name]
+            assert launcher.joined_instances() == {"colocated-0"}
+        finally:
+            launcher.stop()
+    log = (tmp_path / "router.log").read_text()
+    assert "router: cannot start: " in log and f":{port}" in log
+    assert "Address already in use" in log or "Address in use" in log
+    assert log.count("router: serving") == 1  # the second start's
+
+
 @pytest.mark.timeout(180)
 def test_ctrl_c_during_a_stream_leaves_no_process_and_no_shared_memory(
     tiny_model_dir, tmp_path

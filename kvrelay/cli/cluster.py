@@ -136,8 +136,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--dead-after",
         type=float,
         default=2.0,
-        help="router: a worker silent this long is dead; worker: a router silent this long is "
-        "gone (its requests are aborted) (s)",
+        help="router: a worker silent this long is dead (4x this for a worker at --cpu-nice: "
+        "its heartbeats yield too); worker: a router silent this long is gone (its requests "
+        "are aborted) (s)",
     )
     p.add_argument("--lease-ttl", type=float, default=30.0, help="prefill: KV lease (s)")
     p.add_argument(

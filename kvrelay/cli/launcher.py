@@ -28,6 +28,7 @@ from typing import IO, Any
 
 from kvrelay import envs
 from kvrelay.protocol.credential import ClusterCredential, child_environ
+from kvrelay.router import EXIT_ADDRESS_IN_USE
 from kvrelay.worker import cpu_priority
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,13 @@ class LaunchError(RuntimeError):
 
 class StartInterrupted(LaunchError):
     """``interrupt`` was set (Ctrl-C, SIGTERM) before the cluster was ready."""
+
+
+class AddressInUse(LaunchError):
+    """A router exited because its HTTP port or control address was taken."""
+
+
+START_ATTEMPTS = 3  # starts on fresh ports when a picked port was taken before the router bound it
 
 
 LAUNCHER_CHECK_S = 0.5  # how often a started process looks for its launcher
@@ -185,18 +193,23 @@ class Launcher:
         self.credential: ClusterCredential | None = None
         if not spec.insecure_no_auth:
             self.credential = spec.credential or ClusterCredential.generate()
-        self.port = spec.port or free_port(spec.host)
-        self.control_addr = f"tcp://{spec.host}:{free_port(spec.host)}"
-        # routers after the first: (HTTP port, control address) each
-        self.more_routers = [
-            (free_port(spec.host), f"tcp://{spec.host}:{free_port(spec.host)}")
-            for _ in range(spec.num_routers - 1)
-        ]
+        self._pick_ports()
         self.procs: dict[str, Proc] = {}
         self._counts = dict.fromkeys(ROLES, 0)
         self._reaper: subprocess.Popen[bytes] | None = None  # kvrelay.cli.reaper
         # set from a signal handler: ``wait_ready`` gives up (``StartInterrupted``)
         self.interrupt = threading.Event()
+
+    def _pick_ports(self) -> None:
+        """Free ports for the routers (``spec.port`` for the first one's HTTP, when given)."""
+        host = self.spec.host
+        self.port = self.spec.port or free_port(host)
+        self.control_addr = f"tcp://{host}:{free_port(host)}"
+        # routers after the first: (HTTP port, control address) each
+        self.more_routers = [
+            (free_port(host), f"tcp://{host}:{free_port(host)}")
+            for _ in range(self.spec.num_routers - 1)
+        ]
 
     @property
     def segment_prefix(self) -> str:
@@ -219,10 +232,30 @@ class Launcher:
 
     # ------------------------------------------------------------------ start
     def start(self, timeout: float = 120.0) -> None:
-        """Starts the routers and the workers; returns when all are ready."""
+        """Starts the routers and the workers; returns when all are ready.
+
+        A port picked here can be taken by another process before the router binds it (it
+        is free only when picked): the router then exits with ``EXIT_ADDRESS_IN_USE``, and
+        everything started is stopped and started again on new ports, up to
+        ``START_ATTEMPTS`` times."""
         check_model_dir(self.spec.model)
         if self.spec.port:
             check_port_free(self.spec.host, self.spec.port)
+        deadline = time.monotonic() + timeout
+        for attempt in range(1, START_ATTEMPTS + 1):
+            self._start_processes()
+            try:
+                self.wait_ready(max(1.0, deadline - time.monotonic()))
+                return
+            except AddressInUse as e:
+                if attempt == START_ATTEMPTS:
+                    raise
+                logger.warning("%s; starting again on other ports", e)
+                self.stop()
+                self._counts = dict.fromkeys(ROLES, 0)
+                self._pick_ports()
+
+    def _start_processes(self) -> None:
         self.start_router()
         for i, (port, addr) in enumerate(self.more_routers, start=1):
             args = ["--port", str(port), *self.spec.router_args]
@@ -232,7 +265,6 @@ class Launcher:
         ):
             for _ in range(count):
                 self.add_worker(role)
-        self.wait_ready(timeout)
 
     def start_router(self) -> None:
         """Starts the router (again, after a crash: same port and control address)."""
@@ -399,6 +431,10 @@ class Launcher:
     def _check_alive(self) -> None:
         for proc in self.procs.values():
             code = proc.popen.poll()
+            if code == EXIT_ADDRESS_IN_USE and proc.role == "router":
+                raise AddressInUse(
+                    f"{proc.name} exited: its port or control address is in use{self._where_logs()}"
+                )
             if code is not None and proc.role == "router":
                 raise LaunchError(f"{proc.name} exited with code {code}{self._where_logs()}")
 

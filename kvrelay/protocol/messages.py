@@ -121,6 +121,10 @@ class Register:
     # the width of its embeddings (``GenerateRequest.pooling``); 0: it cannot pool (an older
     # worker): the router sends it no embedding request
     embedding_size: int = 0
+    # how far it lowered its CPU priority (``--cpu-nice``, 0-19): it yields the cores to
+    # others on its host, so its heartbeats may come late while they keep them busy; the
+    # router gives it ``LOWERED_SILENCE_FACTOR`` x ``--dead-after`` before calling it dead
+    cpu_nice: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

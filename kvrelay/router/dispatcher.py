@@ -142,6 +142,7 @@ class Dispatcher(Backend):
         security.server(self._sock)  # only holders of the cluster secret get through
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._bound = False
         self._tracked: dict[str, Tracked] = {}
         # instance id -> the connection it last registered from (its Aborts reach it even
         # after the router declared it dead: a paused process finds them when it resumes);
@@ -162,8 +163,14 @@ class Dispatcher(Backend):
         lens = [i.max_model_len for i in self.registry.instances()]
         return min([self._max_model_len, *lens])
 
+    def bind(self) -> None:
+        """Binds the control address (once; ``start`` does it if nobody did before)."""
+        if not self._bound:
+            self._sock.bind(self.settings.control_addr)
+            self._bound = True
+
     async def start(self) -> None:
-        self._sock.bind(self.settings.control_addr)
+        self.bind()
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="router-recv"),
             asyncio.create_task(self._reap_loop(), name="router-reap"),

@@ -35,6 +35,7 @@ class Instance:
     # names it registered with other files than the cluster's adapter of that name
     conflicting_lora_adapters: tuple[str, ...] = ()
     embedding_size: int = 0  # Register.embedding_size: 0, it cannot pool (an older worker)
+    cpu_nice: int = 0  # Register.cpu_nice: it yields its cores, so it gets a longer silence
 
     @property
     def instance_id(self) -> str:
@@ -87,6 +88,7 @@ class Instance:
             ],
             "lora_adapters": {name: fp.hex() for name, fp in sorted(self.lora_adapters.items())},
             "embedding_size": self.embedding_size,
+            "cpu_nice": self.cpu_nice,
             "conflicting_lora_adapters": list(self.conflicting_lora_adapters),
         }
 

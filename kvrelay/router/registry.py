@@ -1,7 +1,13 @@
 """The router's view of the cluster: which instances exist, how loaded, and where to place.
 
 The registry owns worker membership. Instances join with ``Register``, stay alive by sending
-a ``LoadReport`` every heartbeat, and are dropped when silent for ``dead_after`` seconds.
+a ``LoadReport`` every heartbeat, and are dropped when silent for ``dead_after`` seconds;
+a worker that lowered its CPU priority (``Register.cpu_nice``: a decode worker yielding shared
+cores to prefill) gets ``LOWERED_SILENCE_FACTOR`` times that. Its heartbeat thread is as low
+as the rest of it, and needs the GIL from a loop thread that is as starved: while other
+processes keep the cores busy its beats come late (on 2 vCPUs with four busy processes, a
+nice-19 Python beat every 0.2 s was up to 1.2-3.3 s late, against 0.45 s at nice 10), and a
+router that called it dead then re-ran its streams elsewhere and an autoscaler added another.
 
 Placement (DistServe-style, decode pulls):
 - prefill: the live, non-draining prefill instance whose queue plus this prompt is the least
@@ -66,6 +72,7 @@ from kvrelay.protocol.sampling_params import FIELDS as SAMPLING_FIELDS
 from kvrelay.router.instance import Instance, PairKey, Placement, pair_key
 from kvrelay.router.load_order import LoadOrder
 from kvrelay.router.prefix_index import PrefixMatch
+from kvrelay.worker.cpu_priority import MAX_NICE
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +88,7 @@ def _free_key(inst: Instance) -> tuple[int, int]:
 
 
 DEFAULT_PREFILL_QUEUE_LIMIT = math.inf  # prompt tokens (DispatcherSettings.prefill_queue_limit)
+LOWERED_SILENCE_FACTOR = 4  # x dead_after: the silence a worker with cpu_nice > 0 may keep
 
 
 class Registry:
@@ -119,6 +127,7 @@ class Registry:
         inst = Instance(info, msg.model_name, msg.max_model_len, msg.pid, empty, now, connection)
         inst.sampling_fields = frozenset(msg.sampling_fields)
         inst.embedding_size = msg.embedding_size
+        inst.cpu_nice = min(MAX_NICE, max(0, int(msg.cpu_nice)))
         if live is not None:
             self._forget(live)
         self._file_lora_adapters(inst, msg.lora_adapters or {})
@@ -253,10 +262,15 @@ class Registry:
             if not by_free:
                 del self._by_free[key]
 
+    def silence_limit(self, inst: Instance) -> float:
+        """How long ``inst`` may be silent before it is dead: ``dead_after``, times
+        ``LOWERED_SILENCE_FACTOR`` for a worker that lowered its CPU priority."""
+        return self.dead_after * (LOWERED_SILENCE_FACTOR if inst.cpu_nice else 1)
+
     def reap(self, now: float | None = None) -> list[Instance]:
-        """Removes and returns the instances silent for longer than ``dead_after``."""
+        """Removes and returns the instances silent for longer than their ``silence_limit``."""
         now = time.monotonic() if now is None else now
-        dead = [i for i in self._instances.values() if now - i.last_seen > self.dead_after]
+        dead = [i for i in self._instances.values() if now - i.last_seen > self.silence_limit(i)]
         for inst in dead:
             self.remove(inst.instance_id)
         return dead

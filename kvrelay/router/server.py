@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import importlib.util
 import json
 import logging
 import math
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+import zmq
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -30,6 +33,7 @@ from kvrelay.autoscale.autoscaler import Autoscaler, AutoscalerSettings, UpdateE
 from kvrelay.autoscale.policy import Policy, PolicyConfig
 from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.pooling import ClassifierConfig
+from kvrelay.router import EXIT_ADDRESS_IN_USE
 from kvrelay.router.api import ApiSettings, create_app
 from kvrelay.router.cache_stats import build_report, fetch_worker_stats
 from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
@@ -305,11 +309,36 @@ def run_router(config: RouterConfig) -> None:
         ssl_certfile=config.ssl_certfile,
         ssl_keyfile=config.ssl_keyfile,
     )
+    # both addresses are bound before the server starts: one that is taken exits with
+    # EXIT_ADDRESS_IN_USE (uvicorn's own bind would exit 3, as any failed start does)
+    try:
+        backend.bind()
+        listener = listen_socket(config.host, config.port)
+    except (OSError, zmq.ZMQError) as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        logger.error(
+            "router: cannot start: %s (HTTP %s:%d, control %s)",
+            e,
+            config.host,
+            config.port,
+            config.control_addr,
+        )
+        raise SystemExit(EXIT_ADDRESS_IN_USE) from None
     scheme = "https" if config.ssl_certfile else "http"
     logger.info(
         "router: serving %s on %s://%s:%d", config.model_name, scheme, config.host, config.port
     )
-    _DrainingServer(uv_config, backend, config.drain_timeout).run()
+    _DrainingServer(uv_config, backend, config.drain_timeout).run(sockets=[listener])
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The router's HTTP socket, bound as uvicorn binds one (SO_REUSEADDR: connections of a
+    router stopped a moment ago, in TIME_WAIT, do not refuse its restart)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 class _DrainingServer(uvicorn.Server):

@@ -66,6 +66,7 @@ def lower_cpu_priority(nice: int) -> list[str]:
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             current = os.getpriority(os.PRIO_PROCESS, tid)
             os.setpriority(os.PRIO_PROCESS, tid, min(MAX_NICE, current + nice))
+    _state.nice = nice
     changed = [f"nice {os.getpriority(os.PRIO_PROCESS, 0)}"]
     if os.getsid(0) == os.getpid():
         try:
@@ -79,11 +80,18 @@ def lower_cpu_priority(nice: int) -> list[str]:
 
 
 class _State:
+    nice: int = 0  # what ``lower_cpu_priority`` lowered the threads by (Register.cpu_nice)
     lowered: int | None = None  # the autogroup nice ``lower_cpu_priority`` set, if it set one
     raised = False  # the autogroup is at nice 0 for a prompt (``follow_prompts``)
 
 
 _state = _State()
+
+
+def lowered_by() -> int:
+    """How far ``lower_cpu_priority`` lowered this process (0: it did not): the worker tells
+    its routers (``Register.cpu_nice``), which wait longer for its heartbeats."""
+    return _state.nice
 
 
 def follow_prompts(has_prompt: Callable[[], bool]) -> bool:

@@ -317,6 +317,7 @@ class Worker:
             self.info, self.served_model_name(), self.engine.max_model_len, os.getpid(),
             lora_adapters=self.lora_identities(),
             embedding_size=self.engine.config.model_config.hidden_size,
+            cpu_nice=cpu_priority.lowered_by(),
         )  # fmt: skip
         self.routers.send(msg, links)
         cached = [bytes(h) for h in self.engine.block_manager.cached_hashes()]
