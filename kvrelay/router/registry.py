@@ -72,7 +72,6 @@ from kvrelay.protocol.sampling_params import FIELDS as SAMPLING_FIELDS
 from kvrelay.router.instance import Instance, PairKey, Placement, pair_key
 from kvrelay.router.load_order import LoadOrder
 from kvrelay.router.prefix_index import PrefixMatch
-from kvrelay.worker.cpu_priority import MAX_NICE
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +88,7 @@ def _free_key(inst: Instance) -> tuple[int, int]:
 
 DEFAULT_PREFILL_QUEUE_LIMIT = math.inf  # prompt tokens (DispatcherSettings.prefill_queue_limit)
 LOWERED_SILENCE_FACTOR = 4  # x dead_after: the silence a worker with cpu_nice > 0 may keep
+MAX_NICE = 19  # the lowest priority Linux has (a Register.cpu_nice above it is held to it)
 
 
 class Registry:
