@@ -189,7 +189,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "autogroup's when it leads its session), so that other workers on its cores go first "
          "(`kvrelay up` and the local autoscaling hook give decode workers 19 where they "
          "share cores with prefill workers); its autogroup is back at 0 while it computes a "
-         "prompt of its own",
+         "prompt of its own; its routers wait 4x `--dead-after` for its heartbeats (they "
+         "yield too)",
          "--cpu-nice", per_process=True),
     _var("KVRELAY_LAUNCHER_PID", int, None,
          "exit (as on SIGTERM: a drain) once the process with this pid, the launcher that "
