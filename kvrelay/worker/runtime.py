@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-import torch
 import zmq
 
 from kvrelay import envs
@@ -80,6 +79,7 @@ from kvrelay.worker.config import (
     pool_weights,
     resolve_identity,
 )
+from kvrelay.worker.kv_export import KvExport
 from kvrelay.worker.metrics import WorkerMetrics
 from kvrelay.worker.peer_links import PeerLinks
 from kvrelay.worker.router_links import RouterLinks, token_event
@@ -106,14 +106,13 @@ class Worker:
         self.security = SocketSecurity(config.credential)
         logger.info("%s: %s", config.instance_id, describe(self.security))
         self.metrics = WorkerMetrics(config.instance_id, config.role.value)
-        self._kv_segment: str | None = None
-        self._shared_pool: Any = None
+        self.kv_export = KvExport(config.cluster_id, config.instance_id, config.transport)
         self.tiers = create_tiers(config, engine_config)
         self.param_pool = self._open_param_pool(engine_config.dtype)
         self.engine = LLMEngine(
             engine_config,
             tokenizer=None,
-            kv_allocator=self._allocate_kv,
+            kv_allocator=self.kv_export.allocate,
             tiers=self.tiers,
             weights=None if self.param_pool is None else pool_weights(self.param_pool, self.device),
         )
@@ -170,7 +169,7 @@ class Worker:
             host_id=config.host_id or default_host_id(),
             peer_addr=f"tcp://{public}:{peer_port}",
             status_url=f"http://{public}:{self.status.port}",
-            kv_segment=self._kv_segment,
+            kv_segment=self.kv_export.segment,
             layout=self.layout,
             fingerprint=self.engine.fingerprint,
             transport=self._asked_transport(),
@@ -179,36 +178,13 @@ class Worker:
 
     def _asked_transport(self) -> str:
         """What this instance asks peers for: a GPU pool exported over IPC asks for cuda_ipc."""
-        if self.config.transport == "auto" and self.device.type == "cuda" and self._kv_segment:
+        if (
+            self.config.transport == "auto"
+            and self.device.type == "cuda"
+            and self.kv_export.segment
+        ):
             return "cuda_ipc"
         return self.config.transport
-
-    def _allocate_kv(
-        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """Shares the KV pool so same-host peers pull with one copy: a shared-memory segment
-        on CPU, the allocation's CUDA IPC handle on a GPU (``kv_segment`` carries either)."""
-        if self.config.transport == "tcp":
-            return torch.zeros(shape, dtype=dtype, device=device)
-        if device.type == "cuda":
-            from kvrelay.transport.cuda_ipc import export_cuda_pool
-
-            pool = torch.zeros(shape, dtype=dtype, device=device)
-            self._kv_segment = export_cuda_pool(pool)
-            return pool
-        from kvrelay.transport.shm_pool import SharedKvPool, cleanup_segments, segment_name
-
-        name = segment_name(self.config.cluster_id, self.config.instance_id, "kv")
-        layout = layout_from_shape(shape, dtype)
-        try:
-            self._shared_pool = SharedKvPool.create(name, layout)
-        except FileExistsError:
-            # our own name: left by an earlier run of this instance that was killed
-            logger.warning("%s: reclaiming stale KV segment %s", self.instance_id, name)
-            cleanup_segments(name)  # the name ends in "-kv": matches only itself
-            self._shared_pool = SharedKvPool.create(name, layout)
-        self._kv_segment = name
-        return self._shared_pool.tensor
 
     def _layout(self) -> KvLayout:
         return layout_from_shape(
@@ -255,7 +231,7 @@ class Worker:
             self.instance_id,
             self.info.peer_addr,
             self.info.status_url,
-            "cuda-ipc" if self.device.type == "cuda" else self._kv_segment or "private",
+            "cuda-ipc" if self.device.type == "cuda" else self.kv_export.segment or "private",
         )
         # the grammar compiler's tables (about 1 s) build while the worker already serves;
         # after the log line, which its import (holding the GIL) would otherwise delay
@@ -585,8 +561,7 @@ class Worker:
         self.routers.close(Leaving(self.instance_id))
         self.peers.close()
         self.close_role()
-        if self._shared_pool is not None:
-            self._shared_pool.close(unlink=True)
+        self.kv_export.close()
         if self.tiers is not None:
             self.tiers.close()
         if self.param_pool is not None:
