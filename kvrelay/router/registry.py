@@ -71,6 +71,7 @@ from kvrelay.protocol.messages import LoadReport, Register, Role
 from kvrelay.protocol.sampling_params import FIELDS as SAMPLING_FIELDS
 from kvrelay.router.instance import Instance, PairKey, Placement, pair_key
 from kvrelay.router.load_order import LoadOrder
+from kvrelay.router.lora_catalog import LoraCatalog
 from kvrelay.router.prefix_index import PrefixMatch
 
 logger = logging.getLogger(__name__)
@@ -109,8 +110,7 @@ class Registry:
         self._num_registered = 0
         self._by_work = {role: LoadOrder(_work_key) for role in Role}
         self._by_free: dict[PairKey, LoadOrder] = {}  # decodes, per pair key
-        # LoRA adapter name -> (identity, live instances that hold it)
-        self._loras: dict[str, tuple[bytes, int]] = {}
+        self.loras = LoraCatalog()  # the adapters live workers hold (lora_catalog.py)
 
     def register(
         self, msg: Register, connection: bytes = b"", now: float | None = None
@@ -130,8 +130,7 @@ class Registry:
         inst.cpu_nice = min(MAX_NICE, max(0, int(msg.cpu_nice)))
         if live is not None:
             self._forget(live)
-        self._file_lora_adapters(inst, msg.lora_adapters or {})
-        self._count_loras(inst, 1)
+        self.loras.admit(inst, msg.lora_adapters or {})
         self._instances[info.instance_id] = inst
         if info.instance_id not in self._order:
             self._order[info.instance_id] = self._num_registered
@@ -148,48 +147,18 @@ class Registry:
         inst = self.get_from(instance_id, connection)
         if inst is None:
             return False
-        self._count_loras(inst, -1)
+        self.loras.release(inst)
         inst.lora_adapters = {}
-        self._file_lora_adapters(inst, adapters)
-        self._count_loras(inst, 1)
+        self.loras.admit(inst, adapters)
         return True
-
-    def _file_lora_adapters(self, inst: Instance, adapters: Mapping[str, bytes]) -> None:
-        """Keeps the adapters whose identity agrees with every other live worker's adapter of
-        that name; a name whose files differ is never placed on ``inst`` (logged)."""
-        known = {name: fp for name, (fp, _) in self._loras.items()}
-        conflicts = []
-        for name, fp in adapters.items():
-            if known.get(name, fp) == fp:
-                inst.lora_adapters[name] = fp
-            else:
-                conflicts.append(name)
-                logger.error(
-                    "%s %s registered LoRA adapter %r with identity %s, but the cluster serves "
-                    "%r as %s: it gets no request for it (load the same files everywhere, or "
-                    "another name)",
-                    inst.role.value, inst.instance_id, name, fp.hex()[:16], name,
-                    known[name].hex()[:16],
-                )  # fmt: skip
-        inst.conflicting_lora_adapters = tuple(sorted(conflicts))
-
-    def _count_loras(self, inst: Instance, change: int) -> None:
-        """Counts ``inst``'s adapters in (``change`` 1) or out (-1) of ``_loras``."""
-        for name, fp in inst.lora_adapters.items():
-            count = self._loras.get(name, (fp, 0))[1] + change
-            if count:
-                self._loras[name] = (fp, count)
-            else:
-                del self._loras[name]
 
     def lora_adapters(self) -> dict[str, bytes]:
         """The LoRA adapters some live worker holds, name -> identity (sorted by name)."""
-        return {name: fp for name, (fp, _) in sorted(self._loras.items())}
+        return self.loras.adapters()
 
     def lora_adapter(self, name: str) -> bytes | None:
         """The identity of the LoRA adapter ``name`` as live workers hold it; None if none."""
-        entry = self._loras.get(name)
-        return None if entry is None else entry[0]
+        return self.loras.identity(name)
 
     def _log_unpairable(self, inst: Instance) -> None:
         """Logs the other-role instances ``inst`` will never pair with: other weights."""
@@ -253,7 +222,7 @@ class Registry:
             self._by_free.setdefault(key, LoadOrder(_free_key)).update(inst, order)
 
     def _forget(self, inst: Instance) -> None:
-        self._count_loras(inst, -1)
+        self.loras.release(inst)
         self._by_work[inst.role].discard(inst.instance_id)
         if inst.role is Role.DECODE:
             key = pair_key(inst.info)
@@ -459,7 +428,7 @@ class Registry:
         held: collections.Counter[str] = collections.Counter()
         for inst in self._instances.values():
             held.update(inst.lora_adapters.keys())
-        assert {name: n for name, (_, n) in self._loras.items()} == dict(held)
+        assert self.loras.holders() == dict(held)
 
 
 class _Request(NamedTuple):
