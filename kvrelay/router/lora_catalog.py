@@ -22,10 +22,11 @@ class LoraCatalog:
         self._loras: dict[str, tuple[bytes, int]] = {}  # name -> (identity, live holders)
 
     def admit(self, inst: Instance, adapters: Mapping[str, bytes]) -> None:
-        """Gives ``inst`` the adapters whose identity agrees with every other live worker's
-        adapter of that name, and counts them in; the others are its conflicts."""
+        """Gives ``inst`` (whose adapters are counted out) the adapters whose identity agrees
+        with every other live worker's adapter of that name, and counts them in; the others
+        are its conflicts."""
         known = {name: fp for name, (fp, _) in self._loras.items()}
-        conflicts = []
+        inst.lora_adapters, conflicts = {}, []
         for name, fp in adapters.items():
             if known.get(name, fp) == fp:
                 inst.lora_adapters[name] = fp

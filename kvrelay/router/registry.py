@@ -148,7 +148,6 @@ class Registry:
         if inst is None:
             return False
         self.loras.release(inst)
-        inst.lora_adapters = {}
         self.loras.admit(inst, adapters)
         return True
 

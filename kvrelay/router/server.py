@@ -336,9 +336,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     """The router's HTTP socket, bound as uvicorn binds one (SO_REUSEADDR: connections of a
     router stopped a moment ago, in TIME_WAIT, do not refuse its restart)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, port), family=family, backlog=2048)
-    sock.set_inheritable(True)
-    return sock
+    return socket.create_server((host, port), family=family, backlog=2048)
 
 
 class _DrainingServer(uvicorn.Server):
