@@ -223,8 +223,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "suite's setting)", commands=("serve",)),
     _var("KVRELAY_NATIVE_ATTENTION", bool, True,
          "decode tokens attend over the KV pool in kvrelay's own kernel, the native library's "
-         "on CPU (with the tokens of prefill segments up to 512 tokens, 2,048 in bfloat16 on "
-         "AVX512-BF16) and Triton's on CUDA (0: torch's gather + SDPA; for comparisons)",
+         "on CPU (with the tokens of prefill segments up to 512 tokens, 8,192 in bfloat16 on "
+         "AVX512-BF16 and 2,048 on AVX2-only CPUs) and Triton's on CUDA (0: torch's gather + "
+         "SDPA; for comparisons)",
          commands=("serve",)),
     _var("KVRELAY_TRITON_PREFILL", bool, True,
          "on CUDA, a step's prefill segments attend in one Triton launch per layer, reading "

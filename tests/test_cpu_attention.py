@@ -206,9 +206,10 @@ def test_prefill_rows_attend_causally_over_their_sequence(
     across more than a chunk of 512 keys), each token a row over the keys up to its own
     position through its sequence's shared table, beside decode tokens with tables of their
     own; on every vector path this CPU has, equal to the reference."""
-    # (cached tokens, new tokens) per sequence; on AVX512-BF16 a bfloat16 pool's segments go
-    # in blocks of consecutive tokens (attention.c's attend_block_bf16): 150 tokens are
-    # several blocks, each over more than one chunk of keys
+    # (cached tokens, new tokens) per sequence; on the AVX2 path, and on AVX512-BF16 for a
+    # bfloat16 pool, segments go in blocks of consecutive tokens (attention.c's
+    # attend_block_avx2, attend_block_bf16): 150 tokens are several blocks, each over more
+    # than one chunk of keys
     segments = [(0, 23), (37, 20), (500, 30), (90, 150)]
     decode_lens = [1, 70, 600]
     num_blocks = sum(-(-(s + n) // block_size) for s, n in segments)
@@ -235,6 +236,39 @@ def test_prefill_rows_attend_causally_over_their_sequence(
         out = torch.empty_like(q)
         cpu_attention.decode(q, kv, batch, window, scale, out)
         torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol, msg=f"path {isa}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_prefill_token_attends_the_same_however_its_segment_splits(dtype, window, isa_cap):
+    """On the AVX2 path a segment's tokens go in blocks of consecutive rows (attend_block_avx2):
+    a token's output is the same bit for bit whether its segment came whole (blocks from its
+    first token) or in two steps (blocks from where the second starts), a segment's last
+    token alone in its block included, and with a window (chunks of keys at fixed offsets)."""
+    if 1 not in _isas():
+        pytest.skip("no AVX2 on this CPU")
+    isa_cap(1)
+    block_size, kv_heads, q_per_kv, head_dim, length = 16, 3, 3, 64, 150
+    kv = _pool(12, block_size, kv_heads, head_dim, dtype)
+    tables = _batch([length], block_size, 12, seed=11)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(length, kv_heads * q_per_kv, head_dim, generator=gen).to(dtype)
+
+    def attend(first: int, last: int) -> torch.Tensor:
+        """Tokens first..last-1 of the sequence as one segment (its earlier keys cached)."""
+        out = torch.zeros_like(q)
+        rows = list(range(first, last))
+        batch = cpu_attention.make_decode(rows, [r + 1 for r in rows], tables, [0] * len(rows))
+        cpu_attention.decode(q, kv, batch, window, 0.125, out)
+        return out[first:last]
+
+    whole = attend(0, length)
+    for split in (17, 65, 141):  # 17 and 150 - 141 = 9 tokens: a last block of one row
+        assert torch.equal(torch.cat([attend(0, split), attend(split, length)]), whole), split
+    want = _reference(q, kv, list(range(length)), list(range(1, length + 1)), tables,
+                      [0] * length, window, 0.125)  # fmt: skip
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(whole.double(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -288,6 +322,7 @@ def test_long_prefill_segments_stay_on_sdpa(tiny_model_dir, monkeypatch) -> None
     assert runner.native_prefill_tokens in (
         cpu_attention.MAX_PREFILL_TOKENS,
         cpu_attention.MAX_PREFILL_TOKENS_BF16_DOT,
+        cpu_attention.MAX_PREFILL_TOKENS_AVX2,
     )
     calls: list[int] = []
     real = cpu_attention.decode

@@ -103,7 +103,13 @@ def test_wide_decode_steps_run_natively_on_panels(
     monkeypatch.setattr(cpu_packed, "kernel", lambda: "panels")  # whatever this CPU prefers
     monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "1")  # packed before the first step
     steps = _fused_steps(monkeypatch)
-    llm = LLM(model=str(tiny_model_dir), seed=0, num_threads=2, dtype="float32")
+    # no prefix cache: the second generate must prefill its prompts whole, as the first does
+    # (a cached prefix leaves a different tail of each prompt to prefill, whose attention
+    # sums, blocks of rows or a row alone, are not this test's subject)
+    llm = LLM(
+        model=str(tiny_model_dir), seed=0, num_threads=2, dtype="float32",
+        enable_prefix_caching=False,
+    )  # fmt: skip
     model = llm.engine.runner.model
     assert model.wait_packed()
     assert cpu_decode.wide_panels(model.config, model.weights, model.packed) is not None

@@ -792,6 +792,186 @@ __attribute__((target(KV_AVX512_BF16))) static int attend_block_bf16(const AttnJ
 }
 #endif
 
+#if KV_X86
+/* Prefill blocks on AVX2 (float32 or a widened bfloat16 pool): up to BLOCK_QUERIES_AVX2 query
+ * vectors (consecutive rows of one segment x the query heads of a kv head) against their keys
+ * together. The row path scores eight keys of one query in eight accumulators and folds them,
+ * a query load and eight key loads a multiply-add group, and reads each value row once per
+ * query; here the queries are transposed once, eight a vector, and each key's column is
+ * broadcast against them (three query loads and four broadcasts feed twelve multiply-adds),
+ * the softmax runs down the keys lane by lane, and the values go through a 6 x 16 tile of
+ * outputs in registers (six probabilities broadcast, two value loads, twelve multiply-adds).
+ * Results equal the row path's up to the order of float32 sums. */
+#define BLOCK_QUERIES_AVX2 24 /* query vectors a block computes together (3 score vectors) */
+#define BLOCK_GROUPS_AVX2 (BLOCK_QUERIES_AVX2 / 8)
+
+typedef struct {
+    __m256 qt[BLOCK_GROUPS_AVX2][MAX_HEAD_DIM];   /* scaled queries' columns, 8 a vector */
+    __m256 s[BLOCK_KEYS + 3][BLOCK_GROUPS_AVX2];  /* a chunk's scores, then probabilities */
+    float acc[BLOCK_QUERIES_AVX2][MAX_HEAD_DIM];
+    float corr[BLOCK_QUERIES_AVX2], sum[BLOCK_QUERIES_AVX2];
+    float kw[BLOCK_KEYS][MAX_HEAD_DIM], vw[BLOCK_KEYS][MAX_HEAD_DIM]; /* widened bfloat16 rows */
+    __m256 run_max[BLOCK_GROUPS_AVX2], run_sum[BLOCK_GROUPS_AVX2];
+    __m256i lane_pos[BLOCK_GROUPS_AVX2]; /* the position of each lane's query */
+} BlockBufAvx2;
+
+static __thread BlockBufAvx2 *block_buf_avx2;
+
+/* Rows `rows[0..nk-1]` of base as float32 rows: a float32 pool's in place, a bfloat16 one's
+ * widened into buf. */
+__attribute__((target("avx2,fma"))) static void chunk_rows_avx2(const AttnJob *j, const void *base, const size_t *rows, int nk,
+                                                               float (*buf)[MAX_HEAD_DIM], const float **out) {
+    const int hd = j->head_dim;
+    for (int t = 0; t < nk; t++) {
+        if (j->dtype == DT_F32) {
+            out[t] = (const float *)base + rows[t] * (size_t)hd;
+            continue;
+        }
+        const uint16_t *src = (const uint16_t *)base + rows[t] * (size_t)hd;
+        for (int d = 0; d < hd; d += 8) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(src + d));
+            _mm256_storeu_ps(buf[t] + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        }
+        out[t] = buf[t];
+    }
+    for (int t = nk; t < ((nk + 3) & ~3); t++) out[t] = out[0]; /* scored, never used */
+}
+
+/* Scores of keys k[0..3] against G vectors of 8 (scaled) queries: out[u][g]. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void score4_avx2(const BlockBufAvx2 *b, int G, int hd,
+                                                                                 const float *const *k, __m256 out[][BLOCK_GROUPS_AVX2]) {
+    __m256 acc[4][BLOCK_GROUPS_AVX2];
+    for (int u = 0; u < 4; u++)
+        for (int g = 0; g < G; g++) acc[u][g] = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d++) {
+        __m256 q[BLOCK_GROUPS_AVX2];
+        for (int g = 0; g < G; g++) q[g] = b->qt[g][d];
+        for (int u = 0; u < 4; u++) {
+            const __m256 kv = _mm256_broadcast_ss(k[u] + d);
+            for (int g = 0; g < G; g++) acc[u][g] = _mm256_fmadd_ps(q[g], kv, acc[u][g]);
+        }
+    }
+    for (int u = 0; u < 4; u++)
+        for (int g = 0; g < G; g++) out[u][g] = acc[u][g];
+}
+
+/* A chunk's scores b->s[0..nk-1] (keys c0..) become probabilities, as block_softmax's. */
+__attribute__((target("avx2,fma"))) static void block_softmax_avx2(const AttnJob *j, BlockBufAvx2 *b, int G, int c0, int nk,
+                                                                  int pos0) {
+    const int masked = c0 + nk - 1 > pos0 || j->window > 0;
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+    for (int g = 0; g < G; g++) {
+        __m256 mx = b->run_max[g];
+        const __m256i after_window = _mm256_sub_epi32(b->lane_pos[g], _mm256_set1_epi32(j->window - 1));
+        for (int t = 0; t < nk; t++) {
+            if (masked) {
+                const __m256i kp = _mm256_set1_epi32(c0 + t);
+                __m256i drop = _mm256_cmpgt_epi32(kp, b->lane_pos[g]); /* after the query */
+                if (j->window > 0) drop = _mm256_or_si256(drop, _mm256_cmpgt_epi32(after_window, kp));
+                b->s[t][g] = _mm256_blendv_ps(b->s[t][g], minus_inf, _mm256_castsi256_ps(drop));
+            }
+            mx = _mm256_max_ps(mx, b->s[t][g]);
+        }
+        /* a lane with no key yet keeps 0 as its reference: e^(-inf - 0) = 0 */
+        const __m256 ref = _mm256_blendv_ps(mx, _mm256_setzero_ps(), _mm256_cmp_ps(mx, minus_inf, _CMP_EQ_OQ));
+        __m256 sum = _mm256_setzero_ps();
+        for (int t = 0; t < nk; t++) {
+            const __m256 e = exp_avx2(_mm256_sub_ps(b->s[t][g], ref));
+            b->s[t][g] = e;
+            sum = _mm256_add_ps(sum, e);
+        }
+        const __m256 corr = exp_avx2(_mm256_sub_ps(b->run_max[g], ref)); /* 0 before any key */
+        b->run_sum[g] = _mm256_fmadd_ps(b->run_sum[g], corr, sum);
+        b->run_max[g] = mx;
+        _mm256_storeu_ps(b->corr + 8 * g, corr);
+    }
+}
+
+/* Outputs x..x+5, columns c..c+8*W-1: rescaled, then the chunk's values weighted by their
+ * probabilities added (W: 2 vectors, or 1 for a last 8 columns). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void value6_avx2(BlockBufAvx2 *b, int x, int c, int W, int nk,
+                                                                                 const float *const *v) {
+    __m256 acc[6][2];
+    for (int u = 0; u < 6; u++) {
+        const __m256 cu = _mm256_broadcast_ss(b->corr + x + u);
+        for (int w = 0; w < W; w++) acc[u][w] = _mm256_mul_ps(cu, _mm256_loadu_ps(b->acc[x + u] + c + 8 * w));
+    }
+    for (int t = 0; t < nk; t++) {
+        const float *p = (const float *)b->s[t] + x;
+        __m256 vv[2];
+        for (int w = 0; w < W; w++) vv[w] = _mm256_loadu_ps(v[t] + c + 8 * w);
+        for (int u = 0; u < 6; u++) {
+            const __m256 pu = _mm256_broadcast_ss(p + u);
+            for (int w = 0; w < W; w++) acc[u][w] = _mm256_fmadd_ps(pu, vv[w], acc[u][w]);
+        }
+    }
+    for (int u = 0; u < 6; u++)
+        for (int w = 0; w < W; w++) _mm256_storeu_ps(b->acc[x + u] + c + 8 * w, acc[u][w]);
+}
+
+/* An AVX2 block: the query rows i0..i0+count-1 (one segment's consecutive tokens) for every kv
+ * head. Returns 0, or -1 when out of memory (nothing written). */
+__attribute__((target("avx2,fma"))) static int attend_block_avx2(const AttnJob *j, int i0, int count) {
+    const int qpk = j->q_heads / j->kv_heads, hd = j->head_dim;
+    const int nq = count * qpk, G = (nq + 7) / 8, nq6 = (nq + 5) / 6 * 6;
+    const int pos0 = j->ctx_lens[i0] - 1, end = j->ctx_lens[i0 + count - 1];
+    const int kstart = j->window > 0 && pos0 + 1 > j->window ? pos0 + 1 - j->window : 0;
+    if (block_buf_avx2 == NULL && posix_memalign((void **)&block_buf_avx2, 64, sizeof(BlockBufAvx2)) != 0)
+        block_buf_avx2 = NULL;
+    BlockBufAvx2 *b = block_buf_avx2;
+    if (b == NULL) return -1;
+    size_t rows[BLOCK_KEYS];
+    const float *kr[BLOCK_KEYS + 3], *vr[BLOCK_KEYS];
+    float qrow[MAX_HEAD_DIM];
+    for (int h = 0; h < j->kv_heads; h++) {
+        for (int g = 0; g < G; g++) {
+            int32_t pos[8]; /* lanes past the block's queries act as its last one */
+            for (int x = 0; x < 8; x++) pos[x] = pos0 + min_int(8 * g + x, nq - 1) / qpk;
+            b->lane_pos[g] = _mm256_loadu_si256((const __m256i *)pos);
+            b->run_max[g] = _mm256_set1_ps(-INFINITY);
+            b->run_sum[g] = _mm256_setzero_ps();
+            for (int d = 0; d < hd; d++) b->qt[g][d] = _mm256_setzero_ps();
+        }
+        for (int x = 0; x < nq; x++) {
+            const float *q = row_f32(j, j->q, block_row(j, i0, h, x), qrow);
+            float *dst = (float *)b->qt[x / 8] + x % 8;
+            for (int d = 0; d < hd; d++) dst[8 * d] = q[d] * j->scale;
+        }
+        for (int x = 0; x < nq6; x++) memset(b->acc[x], 0, sizeof(float) * hd);
+        /* chunks at multiples of BLOCK_KEYS (a window's first keys masked), so that a query's
+         * sums are the same whichever block it is in */
+        for (int c0 = kstart - kstart % BLOCK_KEYS; c0 < end; c0 += BLOCK_KEYS) {
+            const int nk = min_int(BLOCK_KEYS, end - c0);
+            key_rows(j, i0, c0, nk, h, rows);
+            chunk_rows_avx2(j, j->k, rows, nk, b->kw, kr);
+            for (int t = 0; t < nk; t += 4) {
+                if (G == 1) score4_avx2(b, 1, hd, kr + t, b->s + t);
+                else if (G == 2) score4_avx2(b, 2, hd, kr + t, b->s + t);
+                else score4_avx2(b, 3, hd, kr + t, b->s + t);
+            }
+            block_softmax_avx2(j, b, G, c0, nk, pos0);
+            chunk_rows_avx2(j, j->v, rows, nk, b->vw, vr);
+            for (int x = 0; x < nq6; x += 6) {
+                int c = 0;
+                for (; c + 16 <= hd; c += 16) value6_avx2(b, x, c, 2, nk, vr);
+                if (c < hd) value6_avx2(b, x, c, 1, nk, vr);
+            }
+        }
+        for (int g = 0; g < G; g++) _mm256_storeu_ps(b->sum + 8 * g, b->run_sum[g]);
+        for (int x = 0; x < nq; x++) {
+            const float inv = b->sum[x] > 0.0f ? 1.0f / b->sum[x] : 0.0f;
+            const size_t off = block_row(j, i0, h, x) * (size_t)hd;
+            for (int d = 0; d < hd; d++) {
+                const float o = b->acc[x][d] * inv;
+                if (j->dtype == DT_F32) ((float *)j->out)[off + d] = o;
+                else ((uint16_t *)j->out)[off + d] = f32_to_bf16(o);
+            }
+        }
+    }
+    return 0;
+}
+#endif
+
 /* The widest path the kernel may take (tests lower it to check the narrower ones). */
 static int isa_cap = ISA_AVX512;
 
@@ -901,18 +1081,22 @@ static void attend_rows_of(const AttnJob *j, int i) {
 /* A step's work as blocks of a prefill segment's tokens and single rows. */
 typedef struct {
     int first, count; /* query rows first..first+count-1 */
+    int block;        /* 1: rows of a segment of more than one token (a block, even of one row) */
 } Item;
 
 typedef struct {
     const AttnJob *job;
     const Item *items;
+    int avx2; /* blocks by attend_block_avx2, else attend_block_bf16 */
 } ItemsJob;
 
 #if KV_X86
 static void attend_item(void *ctx, int index) {
     const ItemsJob *w = (const ItemsJob *)ctx;
     const Item it = w->items[index];
-    const int done = it.count < 2 ? -1 : attend_block_bf16(w->job, it.first, it.count);
+    const int done = !it.block ? -1
+                     : w->avx2    ? attend_block_avx2(w->job, it.first, it.count)
+                                  : attend_block_bf16(w->job, it.first, it.count);
     if (done != 0) /* a single row, or out of memory: a row at a time */
         for (int i = it.first; i < it.first + it.count; i++) attend_rows_of(w->job, i);
 }
@@ -934,22 +1118,27 @@ int paged_attention_rows(int dtype, int n, int q_heads, int kv_heads, int head_d
     AttnJob job = {dtype, q_heads, kv_heads, head_dim, block_size, max_blocks, window, per_piece,
                    scale, q, k, v, rows, tables, ctx_lens, row_table, out};
 #if KV_X86
-    if (row_table != NULL && dtype == DT_BF16 && job_isa(dtype, head_dim) == ISA_AVX512 && n >= 4) {
-        /* prefill segments' consecutive tokens in blocks (attend_block_bf16), the rest a row
-         * each: one item of work per block or row */
-        const int per_block = BLOCK_QUERIES / (q_heads / kv_heads);
+    const int isa = job_isa(dtype, head_dim), bf16_dot = dtype == DT_BF16 && isa == ISA_AVX512;
+    if (row_table != NULL && n >= 4 && (bf16_dot || isa == ISA_AVX2)) {
+        /* prefill segments' consecutive tokens in blocks (attend_block_bf16 with BF16 dot
+         * products, else attend_block_avx2; a float32 pool on AVX-512 keeps the row path), the
+         * rest a row each: one item of work per block or row */
+        const int per_block = (bf16_dot ? BLOCK_QUERIES : BLOCK_QUERIES_AVX2) / (q_heads / kv_heads);
         Item *items = per_block > 1 ? (Item *)malloc(sizeof(Item) * n) : NULL;
         if (items != NULL) {
             int count = 0;
             for (int i = 0; i < n;) {
-                int e = i + 1;
-                while (e < n && e - i < per_block && row_table[e] == row_table[i] && rows[e] == rows[e - 1] + 1 &&
+                int e = i + 1; /* the segment's consecutive tokens from row i */
+                while (e < n && row_table[e] == row_table[i] && rows[e] == rows[e - 1] + 1 &&
                        ctx_lens[e] == ctx_lens[e - 1] + 1)
                     e++;
-                items[count++] = (Item){i, e - i};
+                /* every token of a segment in a block, a last one alone too, so that a token's
+                 * sums do not depend on how its segment splits; a lone row (a decode token, a
+                 * one-token segment) takes the row path, as in a step of decode tokens only */
+                for (int f = i; f < e; f += per_block) items[count++] = (Item){f, min_int(per_block, e - f), e - i > 1};
                 i = e;
             }
-            ItemsJob items_job = {&job, items};
+            ItemsJob items_job = {&job, items, !bf16_dot};
             pool_run(attend_item, &items_job, count);
             free(items);
             return 0;

@@ -9,7 +9,7 @@ an online softmax in float32. Decode tokens are a row each; so are the tokens of
 segment of up to ``prefill_limit`` tokens, each attending over the keys up to its own position
 through its sequence's table (``NativeDecode.row_table``); with a bfloat16 pool on AVX512-BF16
 the library takes a segment's consecutive rows in blocks (up to 48 query vectors against each
-key at once). The runner builds a
+key at once), and on the AVX2 path likewise (24). The runner builds a
 ``NativeDecode`` instead of decode groups when ``supports`` is true; results equal the torch
 path's up to float32 summation order (bfloat16 scores: BF16 dot products, exact products
 summed in float32, on CPUs with AVX512-BF16).
@@ -27,6 +27,7 @@ from kvrelay.kernels import gemv
 MAX_HEAD_DIM = 256  # csrc/attention.c
 MAX_Q_PER_KV = 16
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+ISA_AVX2 = 1  # csrc/attention.c: the 8-lane path (prefill segments in blocks)
 ISA_AVX512 = 2  # csrc/attention.c: the 16-lane path (bfloat16: BF16 dot products)
 TABLE_COLUMNS = 16  # block tables are padded to a multiple of this many columns
 # CPU prefill segments of up to this many tokens attend in the kernel (a row per token, each
@@ -34,9 +35,12 @@ TABLE_COLUMNS = 16  # block tables are padded to a multiple of this many columns
 # SDPA (~0.3 ms of overhead) per segment. Measured against SDPA (BENCHMARKS.md, "CPU
 # attention"): float32 0.3-0.8x its time at 16-512 tokens, 1.07x at 1,024; a bfloat16 pool
 # on AVX512-BF16, whose segments go in blocks of consecutive tokens (csrc/attention.c,
-# attend_block_bf16), 0.13-0.31x at 16-2,048 tokens, 0.38x at 4,096 and 0.53x at 8,192.
+# attend_block_bf16), 0.13-0.31x at 16-2,048 tokens, 0.38x at 4,096 and 0.53x at 8,192; the
+# AVX2 path's blocks (attend_block_avx2, float32 or a widened bfloat16 pool) 0.17-0.5x at
+# 16-512 tokens, 0.6-0.77x at 1,024, 0.72-0.88x at 2,048, 0.9-1.1x at 4,096.
 MAX_PREFILL_TOKENS = 512
 MAX_PREFILL_TOKENS_BF16_DOT = 8192
+MAX_PREFILL_TOKENS_AVX2 = 2048
 
 
 def prefill_limit(kv: torch.Tensor) -> int:
@@ -44,10 +48,10 @@ def prefill_limit(kv: torch.Tensor) -> int:
     library = gemv.load_library()
     if library is None:
         return 0
-    dot_products = library.attention_isa(_DTYPES[kv.dtype], kv.shape[-1]) == ISA_AVX512
-    if kv.dtype == torch.bfloat16 and dot_products:
+    isa = library.attention_isa(_DTYPES[kv.dtype], kv.shape[-1])
+    if kv.dtype == torch.bfloat16 and isa == ISA_AVX512:
         return MAX_PREFILL_TOKENS_BF16_DOT
-    return MAX_PREFILL_TOKENS
+    return MAX_PREFILL_TOKENS_AVX2 if isa == ISA_AVX2 else MAX_PREFILL_TOKENS
 
 
 @dataclass(slots=True)
