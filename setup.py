@@ -21,11 +21,13 @@ setup(
             sources=[
                 "kvrelay/csrc/gemv.c",
                 "kvrelay/csrc/attention.c",
+                "kvrelay/csrc/attention_blocks.c",
                 "kvrelay/csrc/decode.c",
                 "kvrelay/csrc/rows.c",
                 "kvrelay/csrc/panels.c",
             ],
             depends=[
+                "kvrelay/csrc/attention.h",
                 "kvrelay/csrc/bf16.h",
                 "kvrelay/csrc/pool.h",
                 "kvrelay/csrc/rowops.h",
