@@ -77,27 +77,6 @@ static void attend_tile_c(const AttnJob *j, Piece *p, int i, int h, int t0, int 
 }
 
 #if KV_X86
-/* The tile's rows (K or V) as float32 rows: a float32 pool's in place, a bfloat16 pool's
- * widened into buf [TILE][head_dim]; rows past nt repeat row 0 (scored, never used). */
-__attribute__((target("avx2,fma"))) static void tile_rows_avx2(const AttnJob *j, const void *base, const size_t *rows, int nt,
-                                                              float *buf, const float **out) {
-    const int hd = j->head_dim;
-    for (int t = 0; t < nt; t++) {
-        const size_t off = rows[t] * (size_t)hd;
-        if (j->dtype == DT_F32) {
-            out[t] = (const float *)base + off;
-            continue;
-        }
-        const uint16_t *src = (const uint16_t *)base + off;
-        float *dst = buf + (size_t)t * hd;
-        for (int d = 0; d < hd; d += 8) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)(src + d));
-            _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-        }
-        out[t] = dst;
-    }
-    for (int t = nt; t < ((nt + 7) & ~7); t++) out[t] = out[0];
-}
 
 /* The sums of a[0..7]'s lanes, as one vector (lane i = the sum of a[i]). */
 __attribute__((target("avx2,fma"))) static inline __m256 hsum8_avx2(const __m256 *a) {

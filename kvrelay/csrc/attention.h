@@ -78,6 +78,31 @@ static inline void key_rows(const AttnJob *j, int i, int t0, int nt, int h, size
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 
 #if KV_X86
+/* Pool rows rows[0..nt-1] of base (K or V) as float32 rows: a float32 pool's in place, a
+ * bfloat16 pool's widened into buf [nt][head_dim]; out[nt..] up to a multiple of 8 repeat
+ * row 0 (scored, never used). */
+__attribute__((target("avx2,fma"))) static inline void tile_rows_avx2(const AttnJob *j, const void *base, const size_t *rows, int nt,
+                                                              float *buf, const float **out) {
+    const int hd = j->head_dim;
+    for (int t = 0; t < nt; t++) {
+        const size_t off = rows[t] * (size_t)hd;
+        if (j->dtype == DT_F32) {
+            out[t] = (const float *)base + off;
+            continue;
+        }
+        const uint16_t *src = (const uint16_t *)base + off;
+        float *dst = buf + (size_t)t * hd;
+        for (int d = 0; d < hd; d += 8) {
+            const __m128i h = _mm_loadu_si128((const __m128i *)(src + d));
+            _mm256_storeu_ps(dst + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+        }
+        out[t] = dst;
+    }
+    for (int t = nt; t < ((nt + 7) & ~7); t++) out[t] = out[0];
+}
+#endif
+
+#if KV_X86
 /* o[0..n-1] = bfloat16(x * inv), n a multiple of 16: VCVTNEPS2BF16 rounds to nearest even and
  * keeps a NaN a NaN, as f32_to_bf16. */
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) static inline void scale_to_bf16_avx512(const float *x, float inv, int n, uint16_t *o) {

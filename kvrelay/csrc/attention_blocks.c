@@ -224,32 +224,12 @@ typedef struct {
     __m256 s[BLOCK_KEYS + 3][BLOCK_GROUPS_AVX2];  /* a chunk's scores, then probabilities */
     float acc[BLOCK_QUERIES_AVX2][MAX_HEAD_DIM];
     float corr[BLOCK_QUERIES_AVX2], sum[BLOCK_QUERIES_AVX2];
-    float kw[BLOCK_KEYS][MAX_HEAD_DIM], vw[BLOCK_KEYS][MAX_HEAD_DIM]; /* widened bfloat16 rows */
+    float kw[BLOCK_KEYS * MAX_HEAD_DIM], vw[BLOCK_KEYS * MAX_HEAD_DIM]; /* widened bfloat16 rows */
     __m256 run_max[BLOCK_GROUPS_AVX2], run_sum[BLOCK_GROUPS_AVX2];
     __m256i lane_pos[BLOCK_GROUPS_AVX2]; /* the position of each lane's query */
 } BlockBufAvx2;
 
 static __thread BlockBufAvx2 *block_buf_avx2;
-
-/* Rows `rows[0..nk-1]` of base as float32 rows: a float32 pool's in place, a bfloat16 one's
- * widened into buf. */
-__attribute__((target("avx2,fma"))) static void chunk_rows_avx2(const AttnJob *j, const void *base, const size_t *rows, int nk,
-                                                               float (*buf)[MAX_HEAD_DIM], const float **out) {
-    const int hd = j->head_dim;
-    for (int t = 0; t < nk; t++) {
-        if (j->dtype == DT_F32) {
-            out[t] = (const float *)base + rows[t] * (size_t)hd;
-            continue;
-        }
-        const uint16_t *src = (const uint16_t *)base + rows[t] * (size_t)hd;
-        for (int d = 0; d < hd; d += 8) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)(src + d));
-            _mm256_storeu_ps(buf[t] + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-        }
-        out[t] = buf[t];
-    }
-    for (int t = nk; t < ((nk + 3) & ~3); t++) out[t] = out[0]; /* scored, never used */
-}
 
 /* Scores of keys k[0..3] against G vectors of 8 (scaled) queries: out[u][g]. */
 __attribute__((target("avx2,fma"), always_inline)) static inline void score4_avx2(const BlockBufAvx2 *b, int G, int hd,
@@ -335,7 +315,7 @@ __attribute__((target("avx2,fma"))) int attend_block_avx2(const AttnJob *j, int 
     BlockBufAvx2 *b = block_buf_avx2;
     if (b == NULL) return -1;
     size_t rows[BLOCK_KEYS];
-    const float *kr[BLOCK_KEYS + 3], *vr[BLOCK_KEYS];
+    const float *kr[BLOCK_KEYS + 7], *vr[BLOCK_KEYS + 7]; /* tile_rows_avx2 pads to 8 */
     float qrow[MAX_HEAD_DIM];
     for (int h = 0; h < j->kv_heads; h++) {
         for (int g = 0; g < G; g++) {
@@ -357,14 +337,14 @@ __attribute__((target("avx2,fma"))) int attend_block_avx2(const AttnJob *j, int 
         for (int c0 = kstart - kstart % BLOCK_KEYS; c0 < end; c0 += BLOCK_KEYS) {
             const int nk = min_int(BLOCK_KEYS, end - c0);
             key_rows(j, i0, c0, nk, h, rows);
-            chunk_rows_avx2(j, j->k, rows, nk, b->kw, kr);
+            tile_rows_avx2(j, j->k, rows, nk, b->kw, kr);
             for (int t = 0; t < nk; t += 4) {
                 if (G == 1) score4_avx2(b, 1, hd, kr + t, b->s + t);
                 else if (G == 2) score4_avx2(b, 2, hd, kr + t, b->s + t);
                 else score4_avx2(b, 3, hd, kr + t, b->s + t);
             }
             block_softmax_avx2(j, b, G, c0, nk, pos0);
-            chunk_rows_avx2(j, j->v, rows, nk, b->vw, vr);
+            tile_rows_avx2(j, j->v, rows, nk, b->vw, vr);
             for (int x = 0; x < nq6; x += 6) {
                 int c = 0;
                 for (; c + 16 <= hd; c += 16) value6_avx2(b, x, c, 2, nk, vr);
