@@ -135,30 +135,41 @@ static void finish_head(const AttnJob *j, const Piece *p, int i, int h) {
     }
 }
 
-/* Asks for the cache lines of keys t0..t0+nt-1 of sequence i in `base` (the pool's K or V,
- * every kv head's row), a few tiles before they are computed. A sequence's blocks lie
+/* Asks for the cache lines of keys t0..t0+nt-1 of sequence i in `base` (the pool's K or V),
+ * kv heads h0..h0+nh-1 of each, a few tiles before they are computed. A sequence's blocks lie
  * anywhere in the pool, so the hardware prefetchers lose the stream at every block and each
  * tile would otherwise start with a wait on memory: a 64-sequence step over 1,000-token
  * contexts ran at 6 GB/s. The lines go to L2 (prefetcht2), not L1: a tile's rows for every
  * head, K and V, are 24 KB in float32, and fetching the next ones into a 32 KB L1 evicted the
  * rows in use (one tile of 32 keys fetched into L1 ran slower than two of 16 into L2,
- * BENCHMARKS.md). */
-static void prefetch_span(const AttnJob *j, const void *base, int i, int t0, int nt) {
+ * BENCHMARKS.md). Only the piece's own heads: a lone row's step splits its kv heads between
+ * threads, and each fetching every head's row had read the keys three times over (SmolLM2,
+ * bfloat16, 2,000 keys: BENCHMARKS.md "CPU attention: a lone row's prefetch"). */
+static void prefetch_span(const AttnJob *j, const void *base, int i, int t0, int nt, int h0, int nh) {
     const size_t esize = j->dtype == DT_F32 ? 4 : 2;
     const size_t token_bytes = (size_t)j->kv_heads * j->head_dim * esize; /* a token's heads */
+    const size_t head_bytes = (size_t)j->head_dim * esize, from = h0 * head_bytes, to = (h0 + nh) * head_bytes;
     const int32_t *table = table_of(j, i);
     for (int t = t0; t < t0 + nt;) {
         const int b = t / j->block_size, off = t % j->block_size;
         const int run = j->block_size - off < t0 + nt - t ? j->block_size - off : t0 + nt - t;
-        const size_t first = ((size_t)table[b] * j->block_size + off) * token_bytes, bytes = run * token_bytes;
-        for (size_t x = 0; x < bytes; x += 64) __builtin_prefetch((const char *)base + first + x, 0, 1);
+        const char *first = (const char *)base + ((size_t)table[b] * j->block_size + off) * token_bytes;
+        if (nh == j->kv_heads) { /* the run's rows are contiguous */
+            for (size_t x = 0; x < run * token_bytes; x += 64) __builtin_prefetch(first + x, 0, 1);
+        } else {
+            for (int r = 0; r < run; r++) {
+                const char *row = first + r * token_bytes;
+                const uintptr_t a = ((uintptr_t)(row + from)) & ~(uintptr_t)63, end = (uintptr_t)(row + to);
+                for (uintptr_t x = a; x < end; x += 64) __builtin_prefetch((const char *)x, 0, 1);
+            }
+        }
         t += run;
     }
 }
 
-static void prefetch_tile(const AttnJob *j, int i, int t0, int nt) {
-    prefetch_span(j, j->k, i, t0, nt);
-    prefetch_span(j, j->v, i, t0, nt);
+static void prefetch_tile(const AttnJob *j, int i, int t0, int nt, int h0, int nh) {
+    prefetch_span(j, j->k, i, t0, nt, h0, nh);
+    prefetch_span(j, j->v, i, t0, nt, h0, nh);
 }
 
 #if KV_X86
@@ -434,14 +445,14 @@ typedef struct {
     int t, n;
 } Fetch;
 
-/* Part `part` of `parts` of f's keys: a tile's fetch is spread over its heads' products
- * instead of issued at once before them. A burst of ~100 prefetches (a tile's K for every
+/* Part `part` of `heads` of f's keys (kv heads hs..hs+heads-1 of each): a tile's fetch is
+ * spread over its heads' products instead of issued at once before them. A burst of ~100 prefetches (a tile's K for every
  * head) filled the core's miss buffers and stalled it until they drained, whether the lines
  * came from memory or from L3: 30 layers of 32 bfloat16 sequences over 290 keys took 18.1
  * ms with the burst, 11.7 ms spread over the three heads (BENCHMARKS.md "CPU attention"). */
-static void fetch_part(const AttnJob *j, const Fetch *f, int i, int part, int parts) {
-    const int a = f->t + f->n * part / parts, b = f->t + f->n * (part + 1) / parts;
-    if (f->base != NULL && b > a) prefetch_span(j, f->base, i, a, b - a);
+static void fetch_part(const AttnJob *j, const Fetch *f, int i, int hs, int heads, int part) {
+    const int a = f->t + f->n * part / heads, b = f->t + f->n * (part + 1) / heads;
+    if (f->base != NULL && b > a) prefetch_span(j, f->base, i, a, b - a, hs, heads);
 }
 
 /* Query i's keys start..len-1 for the heads hs..hs+heads-1 (p[0..heads-1]), a chunk of
@@ -457,7 +468,7 @@ static void attend_chunks(const AttnJob *j, Piece *p, int heads, int i, int hs, 
     const size_t head_scores = (size_t)qpk * CHUNK_STRIDE;
     size_t rows0[CHUNK], rows[TILE]; /* the chunk's head-0 pool rows, for both passes */
     for (int t = start; fetch && t < min_int(len, start + ahead_keys); t += TILE) /* later chunks' */
-        prefetch_span(j, j->k, i, t, min_int(TILE, len - t)); /* first tiles: the pass before */
+        prefetch_span(j, j->k, i, t, min_int(TILE, len - t), hs, heads); /* first tiles: the pass before */
     for (int c0 = start; c0 < len; c0 += CHUNK) {
         const int end = min_int(len, c0 + CHUNK);
         key_rows(j, i, c0, end - c0, 0, rows0);
@@ -468,7 +479,7 @@ static void attend_chunks(const AttnJob *j, Piece *p, int heads, int i, int hs, 
             } else if (ahead < end) f = (Fetch){j->k, ahead, min_int(TILE, end - ahead)};
             else if (c0 + ahead - end < end) f = (Fetch){j->v, c0 + ahead - end, min_int(TILE, end - (c0 + ahead - end))};
             for (int h = 0; h < heads; h++) {
-                fetch_part(j, &f, i, h, heads);
+                fetch_part(j, &f, i, hs, heads, h);
                 for (int t = 0; t < nt; t++) rows[t] = rows0[t0 - c0 + t] + hs + h;
                 ops->score(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
             }
@@ -481,7 +492,7 @@ static void attend_chunks(const AttnJob *j, Piece *p, int heads, int i, int hs, 
             } else if (ahead < end) f = (Fetch){j->v, ahead, min_int(TILE, end - ahead)};
             else if (ahead < len) f = (Fetch){j->k, ahead, min_int(TILE, len - ahead)}; /* the next chunk's */
             for (int h = 0; h < heads; h++) {
-                fetch_part(j, &f, i, h, heads);
+                fetch_part(j, &f, i, hs, heads, h);
                 for (int t = 0; t < nt; t++) rows[t] = rows0[t0 - c0 + t] + hs + h;
                 ops->value(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
             }
@@ -579,10 +590,10 @@ static void attend(void *ctx, int piece) {
         }
 #endif
         for (int t = start; t < start + PREFETCH_TILES * TILE && t < len; t += TILE)
-            prefetch_tile(j, i, t, min_int(TILE, len - t)); /* the first tiles, now */
+            prefetch_tile(j, i, t, min_int(TILE, len - t), hs, heads); /* the first tiles, now */
         for (int t0 = start; t0 < len; t0 += TILE) {
             const int ahead = t0 + PREFETCH_TILES * TILE;
-            if (ahead < len) prefetch_tile(j, i, ahead, min_int(TILE, len - ahead));
+            if (ahead < len) prefetch_tile(j, i, ahead, min_int(TILE, len - ahead), hs, heads);
             for (int h = 0; h < heads; h++) attend_tile_c(j, &p[h], i, hs + h, t0, min_int(TILE, len - t0), qpk);
         }
         for (int h = 0; h < heads; h++) finish_head(j, &p[h], i, hs + h);
