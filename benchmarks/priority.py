@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -75,6 +77,7 @@ def one_run(args: argparse.Namespace, policy: str) -> dict[str, float]:
     )  # fmt: skip
     launcher = Launcher(spec)
     launcher.start(timeout=300)
+    done = False
     try:
         client = openai.OpenAI(base_url=launcher.url + "/v1", api_key="x", max_retries=0)
         client.completions.create(model="m", prompt="Warm up", max_tokens=2)
@@ -115,8 +118,13 @@ def one_run(args: argparse.Namespace, policy: str) -> dict[str, float]:
         for t in threads:
             t.join()
         wall = time.perf_counter() - start
+        done = True
     finally:
         launcher.stop()
+        if done:  # the cluster's logs are kept only when the run failed
+            shutil.rmtree(log_dir, ignore_errors=True)
+        else:
+            print(f"priority: the cluster's logs are in {log_dir}", file=sys.stderr)
     return {
         "urgent_ttft": statistics.median(f for f, _ in times["urgent"]),
         "urgent_e2e": statistics.median(e for _, e in times["urgent"]),

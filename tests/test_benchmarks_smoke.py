@@ -717,3 +717,19 @@ def test_peers_pairs_each_repeats_offline_runs() -> None:
     assert module.paired_ratios(ours, theirs) == [1.0, 1.25, 2.0]
     with pytest.raises(ValueError):  # a repeat without its pair is not a pair
         module.paired_ratios(ours, theirs[:2])
+
+
+@pytest.mark.timeout(300)
+def test_huge_pages_benchmark_times_both_pools(tiny_model_dir, tmp_path: Path) -> None:
+    """benchmarks/huge_pages.py on the tiny model (a smoke test, not a timing): a row a context,
+    both engines' medians and their paired ratio."""
+    cmd = [
+        sys.executable, str(REPO_ROOT / "benchmarks" / "huge_pages.py"), "--model",
+        str(tiny_model_dir), "--dtype", "float32", "--threads", "1", "--contexts", "8", "40",
+        "--steps", "4", "--rounds", "2", "--churn", "6",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|", proc.stdout, re.M)
+    assert [r[0] for r in rows] == ["8", "40"], proc.stdout
+    assert all(float(v) > 0 for r in rows for v in r[1:]), proc.stdout

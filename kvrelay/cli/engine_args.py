@@ -60,7 +60,13 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
         "not on a thread at start]",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks (default: from memory) [env KVRELAY_HUGE_PAGES=0: a CPU pool on "
+        "4 KiB pages, not 2 MiB]",
+    )
     if from_env:
         envs.add_option(p, "KVRELAY_KV_CACHE_GIB")
     else:

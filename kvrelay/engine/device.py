@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from kvrelay.engine.config import ConfigError
+from kvrelay.kernels import hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +22,10 @@ KvAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tenso
 def allocate_local(
     shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """The ``KvAllocator`` of an engine that shares its pool with no other process."""
+    """The ``KvAllocator`` of an engine that shares its pool with no other process (on the CPU,
+    on huge pages where the host allows: ``kernels.hugepages``)."""
+    if device.type == "cpu":
+        return hugepages.zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -30,6 +30,7 @@ from multiprocessing import resource_tracker
 from typing import TYPE_CHECKING, Any
 
 from kvrelay.cachetier.segments import SHM_DIR, shm_room
+from kvrelay.kernels import hugepages
 from kvrelay.protocol.errors import LayoutMismatch
 from kvrelay.transport.blocks import pool_bytes, pool_shape, torch_dtype
 
@@ -123,6 +124,7 @@ class SharedKvPool:
         try:
             os.ftruncate(fd, size)
             mapping = mmap.mmap(fd, size)
+            hugepages.advise_mapping(mapping)  # before the zero pages are touched
         except OSError:
             _shm().shm_unlink("/" + name)
             raise

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvrelay.engine.device import allocate_local
 from kvrelay.worker.config import layout_from_shape
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ class KvExport:
     ) -> torch.Tensor:
         """The engine's ``kv_allocator``: the pool, shared as the transport allows."""
         if self.transport == "tcp":
-            return torch.zeros(shape, dtype=dtype, device=device)
+            return allocate_local(shape, dtype, device)
         if device.type == "cuda":
             from kvrelay.transport.cuda_ipc import export_cuda_pool
 
