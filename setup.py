@@ -6,9 +6,29 @@ Everything else is in pyproject.toml. ``optional``: without a C compiler the ins
 succeeds; the KV checksum runs in numpy + xxhash and the matmuls in torch (same results,
 slower; logged once)."""
 
+import os
+
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildExt(build_ext):
+    """``build_ext --inplace`` that puts each library in place by renaming a fresh copy over
+    it: the default copy rewrites the file in place, and a process that has it loaded (a
+    benchmark, a worker) then runs the new bytes under the old symbols and crashes or computes
+    nonsense. A rename leaves such a process its own, unchanged file."""
+
+    def copy_file(self, infile, outfile, *args, **kwargs):
+        if os.path.isdir(outfile):
+            outfile = os.path.join(outfile, os.path.basename(infile))
+        staged = f"{outfile}.{os.getpid()}.tmp"
+        _, copied = super().copy_file(infile, staged, *args, **kwargs)
+        os.replace(staged, outfile)
+        return outfile, copied
+
 
 setup(
+    cmdclass={"build_ext": BuildExt},
     ext_modules=[
         Extension(
             "kvrelay.transport._kvcopy",
@@ -40,5 +60,5 @@ setup(
             extra_link_args=["-pthread", "-fopenmp"],
             optional=True,
         ),
-    ]
+    ],
 )
