@@ -446,10 +446,11 @@ typedef struct {
 } Fetch;
 
 /* Part `part` of `heads` of f's keys (kv heads hs..hs+heads-1 of each): a tile's fetch is
- * spread over its heads' products instead of issued at once before them. A burst of ~100 prefetches (a tile's K for every
- * head) filled the core's miss buffers and stalled it until they drained, whether the lines
- * came from memory or from L3: 30 layers of 32 bfloat16 sequences over 290 keys took 18.1
- * ms with the burst, 11.7 ms spread over the three heads (BENCHMARKS.md "CPU attention"). */
+ * spread over its heads' products instead of issued at once before them. A burst of ~100
+ * prefetches (a tile's K for every head) filled the core's miss buffers and stalled it until
+ * they drained, whether the lines came from memory or from L3: 30 layers of 32 bfloat16
+ * sequences over 290 keys took 18.1 ms with the burst, 11.7 ms spread over the three heads
+ * (BENCHMARKS.md "CPU attention"). */
 static void fetch_part(const AttnJob *j, const Fetch *f, int i, int hs, int heads, int part) {
     const int a = f->t + f->n * part / heads, b = f->t + f->n * (part + 1) / heads;
     if (f->base != NULL && b > a) prefetch_span(j, f->base, i, a, b - a, hs, heads);

@@ -69,7 +69,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     import torch
 
     shape = tuple(shape)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < 2 * HUGE_PAGE or not enabled():
         return torch.empty(shape, dtype=dtype)
     # private: an anonymous mmap is shared (shmem) by default, which follows shmem_enabled
