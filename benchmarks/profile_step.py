@@ -66,7 +66,8 @@ def main() -> int:
         enable_prefix_caching=False,
     )
     rng = random.Random(0)
-    prompt = [rng.randrange(3, 49000) for _ in range(args.prefill_len)]
+    vocab = llm.engine.config.model_config.vocab_size  # type: ignore[attr-defined]
+    prompt = [rng.randrange(3, vocab) for _ in range(args.prefill_len)]
     short = prompt[:16]
     for _ in range(2):  # warm-up
         generate(llm, short, 4)

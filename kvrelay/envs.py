@@ -206,6 +206,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "faster on an AVX2 VM (a pool shared with peers only where the host's "
          "shmem_enabled allows; 0: 4 KiB pages; for comparisons)",
          commands=("serve",)),
+    _var("KVRELAY_CPU_MALLOC_REUSE", bool, True,
+         "a CPU engine has glibc's malloc keep the memory a step frees (blocks up to 32 MiB "
+         "from its heap, up to 1 GiB of it kept) instead of mapping fresh, zeroed pages for "
+         "the next step's activations (0: glibc's defaults; for comparisons)",
+         commands=("serve",)),
     _var("KVRELAY_CPU_PACKED_WEIGHTS", bool, None,
          "a float32 or bfloat16 CPU engine keeps a copy of every projection and the LM head in "
          "oneDNN's blocked layout for steps of more than 8 rows (4 in bfloat16 where oneDNN "

@@ -52,6 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
         help="CPU threads of torch and of the native decode-step kernels "
         "[env KVRELAY_NATIVE_MATMUL=0: torch's matmuls instead; "
         "env KVRELAY_NATIVE_ATTENTION=0: torch's decode attention, on CPU and CUDA; "
+        "env KVRELAY_CPU_MALLOC_REUSE=0: glibc's malloc policy, fresh pages for each step; "
         "env KVRELAY_CUDA_GRAPHS=0: a CUDA engine runs every step without CUDA graphs; "
         "env KVRELAY_MIXED_GRAPHS=0: its prompt and mixed steps without them; "
         "env KVRELAY_TRITON_PREFILL=0: a CUDA engine's prefill through torch's SDPA; "

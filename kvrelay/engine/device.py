@@ -3,12 +3,15 @@ natively (bfloat16 or not)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from kvrelay import envs
 from kvrelay.engine.config import ConfigError
 from kvrelay.kernels import hugepages
 
@@ -27,6 +30,40 @@ def allocate_local(
     if device.type == "cpu":
         return hugepages.zeros(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+# glibc's mallopt parameters (malloc.h) and the largest mmap threshold it accepts on 64-bit
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 1 << 30  # freed heap memory kept for the next step, at most
+
+
+def keep_step_memory() -> bool:
+    """Has glibc's malloc keep the memory a CPU step frees for the next step (the process's
+    allocator; ``KVRELAY_CPU_MALLOC_REUSE``); whether it did.
+
+    A step of many rows allocates its activations afresh: a prompt chunk of 2,048 tokens makes
+    tensors of 6-38 MB a layer. glibc serves a block of more than its mmap threshold (128 KiB,
+    raised to the largest block freed so far) from a fresh mapping, and returns freed memory at
+    the top of its heaps once there is more than twice that threshold: so the next step's
+    tensors fault in new pages, which the kernel zeroes first (perf, make-tiny ``medium``'s
+    offline run: ~4% of the samples in page faults under the panels' stores). A fixed mmap
+    threshold at glibc's limit (32 MiB) and a trim threshold of 1 GiB keep blocks up to 32 MiB
+    in the heap, and reused: 0.93x the offline run's time (BENCHMARKS.md "A step's memory
+    reused"). vLLM's CPU build preloads tcmalloc where it ships one, for the same reason.
+    Nothing happens off glibc (another libc, macOS) or with the variable at 0."""
+    if not sys.platform.startswith("linux") or not envs.get("KVRELAY_CPU_MALLOC_REUSE"):
+        return False
+    try:
+        libc = ctypes.CDLL(None)
+        if not hasattr(libc, "gnu_get_libc_version"):  # not glibc: its own policy
+            return False
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    mapped = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    return bool(mapped and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:

@@ -31,7 +31,13 @@ from kvrelay.engine.config import (
     ModelConfig,
     SchedulerConfig,
 )
-from kvrelay.engine.device import KvAllocator, allocate_local, note_cpu_dtype, resolve_device
+from kvrelay.engine.device import (
+    KvAllocator,
+    allocate_local,
+    keep_step_memory,
+    note_cpu_dtype,
+    resolve_device,
+)
 from kvrelay.engine.identity import model_identity
 from kvrelay.engine.loader import TORCH_DTYPES, check_model_dir, load_weights
 from kvrelay.engine.lora import LoRAAdapter, LoRAError, load_adapter
@@ -124,6 +130,8 @@ class LLMEngine:
         mc = config.model_config
         self.device = device = resolve_device(config.device)
         note_cpu_dtype(device, config.dtype)
+        if device.type == "cpu":
+            keep_step_memory()
         self.tokenizer = tokenizer
         self.fingerprint = model_identity(config.model, config.dtype)
         if weights is None:
