@@ -49,7 +49,7 @@ def keep_step_memory() -> bool:
     tensors fault in new pages, which the kernel zeroes first (perf, make-tiny ``medium``'s
     offline run: ~4% of the samples in page faults under the panels' stores). A fixed mmap
     threshold at glibc's limit (32 MiB) and a trim threshold of 1 GiB keep blocks up to 32 MiB
-    in the heap, and reused: 0.93x the offline run's time (BENCHMARKS.md "A step's memory
+    in the heap, and reused: 0.93-0.94x the offline run's time (BENCHMARKS.md "A step's memory
     reused"). vLLM's CPU build preloads tcmalloc where it ships one, for the same reason.
     Nothing happens off glibc (another libc, macOS) or with the variable at 0."""
     if not sys.platform.startswith("linux") or not envs.get("KVRELAY_CPU_MALLOC_REUSE"):
