@@ -93,6 +93,50 @@ def test_few_long_sequences_split_by_head_equal_the_torch_path(dtype, window) ->
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 1300])
+def test_a_long_row_gets_the_same_bits_alone_and_in_a_batch(dtype, window, isa_cap) -> None:
+    """A step of fewer than two pieces a thread shares a long row's chunks of 512 keys between
+    the threads (split_rows: one and two rows on a pool of 4) and folds their partials in
+    order; a batch walks each row in one piece. Both fold the same partials the same way: a
+    row's output does not depend on its batch (3, 2 and 5 chunks here, the last of 1,537 keys a
+    single one), on every vector path."""
+    block_size, kv_heads, q_per_kv, head_dim = 16, 3, 3, 64
+    lens = [1537, 600, 2100, 40, 90]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    kv = _pool(num_blocks, block_size, kv_heads, head_dim, dtype)
+    tables = _batch(lens, block_size, num_blocks, seed=9)
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(len(lens), kv_heads * q_per_kv, head_dim, generator=gen).to(dtype)
+
+    def attend(rows: list[int]) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        batch = cpu_attention.make_decode(rows, [lens[r] for r in rows], [tables[r] for r in rows])
+        cpu_attention.decode(q, kv, batch, window, 0.125, out)
+        return out
+
+    threads = gemv.set_threads(4)
+    try:
+        for isa in [i for i in _isas() if i > 0]:
+            isa_cap(isa)
+            _check_alone_and_batched(attend, lens, isa)
+    finally:
+        gemv.set_threads(torch.get_num_threads())
+    want = _reference(q, kv, list(range(len(lens))), lens, tables, None, window, 0.125)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(attend(list(range(len(lens)))).double(), want, rtol=tol, atol=tol)
+    assert threads == 4
+
+
+def _check_alone_and_batched(attend, lens: list[int], isa: int) -> None:
+    """Rows computed alone or two and three together equal the same rows of the whole batch."""
+    batched = attend(list(range(len(lens))))  # five rows: a piece per row
+    for alone in ([0], [2], [1, 2], [0, 1, 3]):
+        got = attend(alone)
+        for r in alone:
+            assert torch.equal(got[r], batched[r]), (isa, alone, r)
+
+
 def test_rows_elsewhere_in_the_batch_are_left_to_the_other_paths() -> None:
     """Only the decode rows are written: a prefill segment's rows come from SDPA as before."""
     kv = _pool(8, 4, 1, 8, torch.float32)

@@ -135,6 +135,58 @@ static void finish_head(const AttnJob *j, const Piece *p, int i, int h) {
     }
 }
 
+/* A head group's state as a flat partial: qpk * hd floats of output, then qpk running maxima,
+ * then qpk sums. */
+static size_t partial_floats(const AttnJob *j) {
+    const int qpk = j->q_heads / j->kv_heads;
+    return (size_t)qpk * j->head_dim + 2 * (size_t)qpk;
+}
+
+static void save_state(const AttnJob *j, const Piece *p, float *to) {
+    const int qpk = j->q_heads / j->kv_heads, hd = j->head_dim;
+    for (int g = 0; g < qpk; g++) memcpy(to + (size_t)g * hd, p->acc[g], sizeof(float) * hd);
+    memcpy(to + (size_t)qpk * hd, p->run_max, sizeof(float) * qpk);
+    memcpy(to + (size_t)qpk * hd + qpk, p->run_sum, sizeof(float) * qpk);
+}
+
+static void load_state(const AttnJob *j, Piece *p, const float *from) {
+    const int qpk = j->q_heads / j->kv_heads, hd = j->head_dim;
+    for (int g = 0; g < qpk; g++) memcpy(p->acc[g], from + (size_t)g * hd, sizeof(float) * hd);
+    memcpy(p->run_max, from + (size_t)qpk * hd, sizeof(float) * qpk);
+    memcpy(p->run_sum, from + (size_t)qpk * hd + qpk, sizeof(float) * qpk);
+}
+
+/* The state start_head leaves (the queries kept): a chunk computed after it is a partial of
+ * its own, as if no key came before it. */
+static void clear_state(const AttnJob *j, Piece *p) {
+    const int qpk = j->q_heads / j->kv_heads;
+    for (int g = 0; g < qpk; g++) {
+        memset(p->acc[g], 0, sizeof(float) * j->head_dim);
+        p->run_max[g] = -INFINITY;
+        p->run_sum[g] = 0.0f;
+    }
+}
+
+/* later = earlier + later, two partials of consecutive keys (flat, partial_floats; `later` in
+ * place): both rescaled to their common maximum and added, the earlier first. Every path folds
+ * a row's chunks this way, one after another from its first: a row walked in one piece and a
+ * lone row whose chunks ran on different threads (split_rows) get the same bits. */
+static void fold_partial(const AttnJob *j, const float *earlier, float *later) {
+    const int qpk = j->q_heads / j->kv_heads, hd = j->head_dim;
+    const float *e_max = earlier + (size_t)qpk * hd, *e_sum = e_max + qpk;
+    float *l_max = later + (size_t)qpk * hd, *l_sum = l_max + qpk;
+    for (int g = 0; g < qpk; g++) {
+        const float m = e_max[g] > l_max[g] ? e_max[g] : l_max[g];
+        const float ce = e_max[g] == -INFINITY ? 0.0f : expf(e_max[g] - m);
+        const float cl = l_max[g] == -INFINITY ? 0.0f : expf(l_max[g] - m);
+        const float *ea = earlier + (size_t)g * hd;
+        float *la = later + (size_t)g * hd;
+        for (int d = 0; d < hd; d++) la[d] = ea[d] * ce + la[d] * cl;
+        l_sum[g] = e_sum[g] * ce + l_sum[g] * cl;
+        l_max[g] = m;
+    }
+}
+
 /* Asks for the cache lines of keys t0..t0+nt-1 of sequence i in `base` (the pool's K or V),
  * kv heads h0..h0+nh-1 of each, a few tiles before they are computed. A sequence's blocks lie
  * anywhere in the pool, so the hardware prefetchers lose the stream at every block and each
@@ -462,16 +514,24 @@ static void fetch_part(const AttnJob *j, const Fetch *f, int i, int hs, int head
  * rescaling and sum than on the tile's products; per chunk it is once per 512 keys. Each
  * pass fetches its array PREFETCH_TILES tiles ahead, and at its end the other pass's first
  * tiles (`fetch` 0: none, the keys are in cache). `scores` holds heads * q_per_kv rows of
- * CHUNK_STRIDE. */
+ * CHUNK_STRIDE; `stash`, 2 * heads partials (partial_floats), the keys before a chunk and the
+ * chunk's own, folded (fold_partial) once the chunk is done. */
 static void attend_chunks(const AttnJob *j, Piece *p, int heads, int i, int hs, int start, int len, float *scores,
-                          const TileOps *ops, int fetch) {
+                          float *stash, const TileOps *ops, int fetch) {
     const int qpk = j->q_heads / j->kv_heads, ahead_keys = PREFETCH_TILES * TILE;
     const size_t head_scores = (size_t)qpk * CHUNK_STRIDE;
     size_t rows0[CHUNK], rows[TILE]; /* the chunk's head-0 pool rows, for both passes */
     for (int t = start; fetch && t < min_int(len, start + ahead_keys); t += TILE) /* later chunks' */
         prefetch_span(j, j->k, i, t, min_int(TILE, len - t), hs, heads); /* first tiles: the pass before */
+    const size_t pf = partial_floats(j);
     for (int c0 = start; c0 < len; c0 += CHUNK) {
         const int end = min_int(len, c0 + CHUNK);
+        if (c0 > start) { /* the keys so far set aside: this chunk is a partial of its own */
+            for (int h = 0; h < heads; h++) {
+                save_state(j, &p[h], stash + h * pf);
+                clear_state(j, &p[h]);
+            }
+        }
         key_rows(j, i, c0, end - c0, 0, rows0);
         for (int t0 = c0; t0 < end; t0 += TILE) {
             const int nt = min_int(TILE, end - t0), ahead = t0 + ahead_keys;
@@ -496,6 +556,14 @@ static void attend_chunks(const AttnJob *j, Piece *p, int heads, int i, int hs, 
                 fetch_part(j, &f, i, hs, heads, h);
                 for (int t = 0; t < nt; t++) rows[t] = rows0[t0 - c0 + t] + hs + h;
                 ops->value(j, &p[h], rows, nt, scores + h * head_scores + (t0 - c0));
+            }
+        }
+        if (c0 > start) {
+            for (int h = 0; h < heads; h++) {
+                float *later = stash + (heads + h) * pf;
+                save_state(j, &p[h], later);
+                fold_partial(j, stash + h * pf, later);
+                load_state(j, &p[h], later);
             }
         }
     }
@@ -523,6 +591,15 @@ int attention_set_isa(int cap) {
 
 /* The path a job of this dtype and head size would take now. */
 int attention_isa(int dtype, int head_dim) { return job_isa(dtype, head_dim); }
+
+#if KV_X86
+/* The vector path's steps for a job, NULL for portable C. */
+static const TileOps *job_ops(int dtype, int head_dim) {
+    const int isa = job_isa(dtype, head_dim);
+    if (isa == ISA_AVX512) return dtype == DT_BF16 ? &OPS_AVX512_BF16 : &OPS_AVX512_F32;
+    return isa == ISA_AVX2 ? &OPS_AVX2 : NULL;
+}
+#endif
 
 /* A thread's working memory, kept between calls: Piece is ~34 KB a kv head, and a malloc per
  * piece of work cost as much as a short sequence's keys. */
@@ -569,11 +646,9 @@ static void attend(void *ctx, int piece) {
     for (int h = 0; h < heads; h++) p[h].tile = tile;
     float *scores = NULL;
 #if KV_X86
-    const TileOps *ops = NULL;
-    const int isa = job_isa(j->dtype, j->head_dim);
-    if (isa == ISA_AVX512) ops = j->dtype == DT_BF16 ? &OPS_AVX512_BF16 : &OPS_AVX512_F32;
-    else if (isa == ISA_AVX2) ops = &OPS_AVX2;
-    if (ops != NULL) scores = score_rows((size_t)heads * qpk * CHUNK_STRIDE);
+    const TileOps *ops = job_ops(j->dtype, j->head_dim);
+    const size_t score_floats = (size_t)heads * qpk * CHUNK_STRIDE;
+    if (ops != NULL) scores = score_rows(score_floats + 2 * (size_t)heads * partial_floats(j));
     const int raw_q = ops == &OPS_AVX512_BF16;
     /* a prefill token's keys are its segment's, which the token before it just read: they
      * are in cache, and prefetching them again cost more than it saved */
@@ -585,7 +660,7 @@ static void attend(void *ctx, int piece) {
         for (int h = 0; h < heads; h++) start_head(j, &p[h], i, hs + h, raw_q);
 #if KV_X86
         if (scores != NULL) {
-            attend_chunks(j, p, heads, i, hs, start, len, scores, ops, fetch);
+            attend_chunks(j, p, heads, i, hs, start, len, scores, scores + score_floats, ops, fetch);
             for (int h = 0; h < heads; h++) finish_head(j, &p[h], i, hs + h);
             continue;
         }
@@ -607,6 +682,98 @@ static void attend_rows_of(const AttnJob *j, int i) {
     row.heads_per_piece = j->kv_heads;
     attend(&row, i);
 }
+
+#if KV_X86
+/* A unit of a split row: kv head h over keys c0..c1-1 (one chunk), its partial in `part`. */
+typedef struct {
+    int i, h, c0, c1, pairs;
+    float *part;
+} Unit;
+
+typedef struct {
+    const AttnJob *job;
+    Unit *units;
+    const TileOps *ops;
+    int failed; /* a thread had no memory for its scores */
+} UnitsJob;
+
+static void attend_unit(void *ctx, int u) {
+    UnitsJob *w = (UnitsJob *)ctx;
+    const AttnJob *j = w->job;
+    Unit *un = &w->units[u];
+    float *scores = score_rows((size_t)(j->q_heads / j->kv_heads) * CHUNK_STRIDE);
+    if (scores == NULL) {
+        __atomic_store_n(&w->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    Piece one;
+    float tile[TILE * MAX_HEAD_DIM];
+    one.tile = tile;
+    start_head(j, &one, un->i, un->h, w->ops == &OPS_AVX512_BF16);
+    attend_chunks(j, &one, 1, un->i, un->h, un->c0, un->c1, scores, NULL, w->ops, 1); /* one chunk: no fold */
+    save_state(j, &one, un->part);
+    un->pairs = one.acc_pairs;
+}
+
+/* A step of fewer than four rows where a row's keys span more than one chunk: a unit of work
+ * per (chunk, kv head) instead of a piece per kv head, so that the threads share a long row's
+ * keys, not only its heads (SmolLM2's 3 kv heads on 2 threads ran 2:1, the row at 4-5 GB/s).
+ * Taken where the step has fewer than two pieces a thread (two rows of SmolLM2's already split
+ * 3:3, and units only added work there: 1.10x the time).
+ * The units' partials are folded in chunk order (fold_partial), as one piece walking the row
+ * folds them: the same bits. Returns 0, or -1 where every row fits one chunk or memory runs
+ * out (the caller's pieces then compute the rows). */
+#define SPLIT_ROWS 16 /* the most rows a split step takes */
+
+static int split_rows(const AttnJob *j, int n, const TileOps *ops) {
+    int chunks[SPLIT_ROWS], starts[SPLIT_ROWS], most = 1, count = 0;
+    if (n > SPLIT_ROWS) return -1;
+    for (int i = 0; i < n; i++) {
+        const int len = j->ctx_lens[i];
+        starts[i] = j->window > 0 && len > j->window ? len - j->window : 0;
+        chunks[i] = len - starts[i] > CHUNK ? (len - starts[i] + CHUNK - 1) / CHUNK : 1;
+        most = chunks[i] > most ? chunks[i] : most;
+        count += chunks[i] * j->kv_heads;
+    }
+    if (most < 2) return -1;
+    const size_t pf = partial_floats(j);
+    Unit *units = (Unit *)malloc(sizeof(Unit) * count);
+    float *parts = (float *)malloc(sizeof(float) * pf * count);
+    int *index = (int *)malloc(sizeof(int) * n * most * j->kv_heads);
+    UnitsJob w = {j, units, ops, 0};
+    if (units != NULL && parts != NULL && index != NULL) {
+        int u = 0; /* chunk by chunk: the rows' first chunks, then their second ones... */
+        for (int c = 0; c < most; c++)
+            for (int i = 0; i < n; i++)
+                for (int h = 0; c < chunks[i] && h < j->kv_heads; h++, u++) {
+                    const int c0 = starts[i] + c * CHUNK;
+                    units[u] = (Unit){i, h, c0, min_int(j->ctx_lens[i], c0 + CHUNK), 0, parts + (size_t)u * pf};
+                    index[(i * most + c) * j->kv_heads + h] = u;
+                }
+        pool_run(attend_unit, &w, count);
+    }
+    const int done = units != NULL && parts != NULL && index != NULL && !w.failed;
+    for (int i = 0; done && i < n; i++) {
+        for (int h = 0; h < j->kv_heads; h++) {
+            const Unit *first = &units[index[i * most * j->kv_heads + h]];
+            float *state = first->part;
+            for (int c = 1; c < chunks[i]; c++) {
+                float *later = units[index[(i * most + c) * j->kv_heads + h]].part;
+                fold_partial(j, state, later);
+                state = later;
+            }
+            Piece whole;
+            load_state(j, &whole, state);
+            whole.acc_pairs = first->pairs;
+            finish_head(j, &whole, i, h);
+        }
+    }
+    free(units);
+    free(parts);
+    free(index);
+    return done ? 0 : -1;
+}
+#endif
 
 /* A step's work as blocks of a prefill segment's tokens and single rows. */
 typedef struct {
@@ -673,6 +840,10 @@ int paged_attention_rows(int dtype, int n, int q_heads, int kv_heads, int head_d
             free(items);
             return 0;
         }
+    }
+    if (n * kv_heads < 2 * pool_size()) { /* under two pieces a thread: a long row's chunks shared */
+        const TileOps *ops = job_ops(dtype, head_dim);
+        if (ops != NULL && split_rows(&job, n, ops) == 0) return 0;
     }
 #endif
     pool_run(attend, &job, n * (kv_heads / per_piece));

@@ -9,6 +9,9 @@ typedef void (*pool_fn)(void *ctx, int chunk);
  * gemv_set_threads), and returns when all are done. Calls are serialized. */
 void pool_run(pool_fn fn, void *ctx, int num_chunks);
 
+/* The pool's threads, the caller included. */
+int pool_size(void);
+
 /* True when the CPU has AVX2 and FMA (checked once), the kernels' fast paths. */
 int kv_use_avx2(void);
 
