@@ -715,14 +715,14 @@ static void attend_unit(void *ctx, int u) {
     un->pairs = one.acc_pairs;
 }
 
-/* A step of fewer than four rows where a row's keys span more than one chunk: a unit of work
+/* A step of up to SPLIT_ROWS rows, one of whose keys span more than one chunk: a unit of work
  * per (chunk, kv head) instead of a piece per kv head, so that the threads share a long row's
  * keys, not only its heads (SmolLM2's 3 kv heads on 2 threads ran 2:1, the row at 4-5 GB/s).
- * Taken where the step has fewer than two pieces a thread (two rows of SmolLM2's already split
- * 3:3, and units only added work there: 1.10x the time).
- * The units' partials are folded in chunk order (fold_partial), as one piece walking the row
- * folds them: the same bits. Returns 0, or -1 where every row fits one chunk or memory runs
- * out (the caller's pieces then compute the rows). */
+ * The caller takes it where the step has fewer than two pieces a thread (two rows of
+ * SmolLM2's already split 3:3, and units only added work there). The units' partials are
+ * folded in chunk order (fold_partial), as one piece walking the row folds them: the same
+ * bits. Returns 0, or -1 where every row fits one chunk or memory runs out (the caller's
+ * pieces then compute the rows). */
 #define SPLIT_ROWS 16 /* the most rows a split step takes */
 
 static int split_rows(const AttnJob *j, int n, const TileOps *ops) {
