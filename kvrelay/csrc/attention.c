@@ -686,7 +686,7 @@ static void attend_rows_of(const AttnJob *j, int i) {
 #if KV_X86
 /* A unit of a split row: kv head h over keys c0..c1-1 (one chunk), its partial in `part`. */
 typedef struct {
-    int i, h, c0, c1, pairs;
+    int i, h, c0, c1;
     float *part;
 } Unit;
 
@@ -712,7 +712,6 @@ static void attend_unit(void *ctx, int u) {
     start_head(j, &one, un->i, un->h, w->ops == &OPS_AVX512_BF16);
     attend_chunks(j, &one, 1, un->i, un->h, un->c0, un->c1, scores, NULL, w->ops, 1); /* one chunk: no fold */
     save_state(j, &one, un->part);
-    un->pairs = one.acc_pairs;
 }
 
 /* A step of up to SPLIT_ROWS rows, one of whose keys span more than one chunk: a unit of work
@@ -726,51 +725,49 @@ static void attend_unit(void *ctx, int u) {
 #define SPLIT_ROWS 16 /* the most rows a split step takes */
 
 static int split_rows(const AttnJob *j, int n, const TileOps *ops) {
-    int chunks[SPLIT_ROWS], starts[SPLIT_ROWS], most = 1, count = 0;
+    int chunks[SPLIT_ROWS], starts[SPLIT_ROWS], first[SPLIT_ROWS], most = 1, count = 0;
     if (n > SPLIT_ROWS) return -1;
     for (int i = 0; i < n; i++) {
         const int len = j->ctx_lens[i];
         starts[i] = j->window > 0 && len > j->window ? len - j->window : 0;
         chunks[i] = len - starts[i] > CHUNK ? (len - starts[i] + CHUNK - 1) / CHUNK : 1;
         most = chunks[i] > most ? chunks[i] : most;
+        first[i] = count; /* row i's partials: parts[first[i] + c * kv_heads + h] */
         count += chunks[i] * j->kv_heads;
     }
     if (most < 2) return -1;
     const size_t pf = partial_floats(j);
     Unit *units = (Unit *)malloc(sizeof(Unit) * count);
     float *parts = (float *)malloc(sizeof(float) * pf * count);
-    int *index = (int *)malloc(sizeof(int) * n * most * j->kv_heads);
     UnitsJob w = {j, units, ops, 0};
-    if (units != NULL && parts != NULL && index != NULL) {
-        int u = 0; /* chunk by chunk: the rows' first chunks, then their second ones... */
+    if (units != NULL && parts != NULL) {
+        int u = 0; /* run chunk by chunk: the rows' first chunks, then their second ones... */
         for (int c = 0; c < most; c++)
             for (int i = 0; i < n; i++)
-                for (int h = 0; c < chunks[i] && h < j->kv_heads; h++, u++) {
+                for (int h = 0; c < chunks[i] && h < j->kv_heads; h++) {
                     const int c0 = starts[i] + c * CHUNK;
-                    units[u] = (Unit){i, h, c0, min_int(j->ctx_lens[i], c0 + CHUNK), 0, parts + (size_t)u * pf};
-                    index[(i * most + c) * j->kv_heads + h] = u;
+                    float *part = parts + (size_t)(first[i] + c * j->kv_heads + h) * pf;
+                    units[u++] = (Unit){i, h, c0, min_int(j->ctx_lens[i], c0 + CHUNK), part};
                 }
         pool_run(attend_unit, &w, count);
     }
-    const int done = units != NULL && parts != NULL && index != NULL && !w.failed;
+    const int done = units != NULL && parts != NULL && !w.failed;
     for (int i = 0; done && i < n; i++) {
         for (int h = 0; h < j->kv_heads; h++) {
-            const Unit *first = &units[index[i * most * j->kv_heads + h]];
-            float *state = first->part;
+            float *state = parts + (size_t)(first[i] + h) * pf;
             for (int c = 1; c < chunks[i]; c++) {
-                float *later = units[index[(i * most + c) * j->kv_heads + h]].part;
+                float *later = parts + (size_t)(first[i] + c * j->kv_heads + h) * pf;
                 fold_partial(j, state, later);
                 state = later;
             }
             Piece whole;
             load_state(j, &whole, state);
-            whole.acc_pairs = first->pairs;
+            whole.acc_pairs = ops == &OPS_AVX512_BF16; /* the layout its value tiles leave */
             finish_head(j, &whole, i, h);
         }
     }
     free(units);
     free(parts);
-    free(index);
     return done ? 0 : -1;
 }
 #endif
