@@ -19,6 +19,11 @@ from typing import Any
 from kvrelay.cli.launcher import ClusterSpec, Launcher
 from kvrelay.transport.shm_pool import list_segments
 
+# A long greedy stream that a fault or an exit interrupts midway (test_faults,
+# test_graceful_exit): the prompt and its length; conftest's ``stream_reference`` is its text.
+STREAM_PROMPT = "The cache moves to the decode worker"
+STREAM_TOKENS = 400
+
 
 def worker_stats(launcher: Launcher) -> dict[str, dict[str, Any]]:
     """``/stats`` of every worker the router knows, by instance id."""

@@ -74,6 +74,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def stream_reference(tiny_model_dir: Path) -> str:
+    """The tiny model's greedy text for ``cluster_harness.STREAM_PROMPT`` (STREAM_TOKENS
+    tokens, offline): what a cluster's interrupted and resumed stream must still read."""
+    from kvrelay import LLM, SamplingParams
+    from tests.cluster_harness import STREAM_PROMPT, STREAM_TOKENS
+
+    llm = LLM(str(tiny_model_dir), num_blocks=512)
+    params = SamplingParams(temperature=0.0, max_tokens=STREAM_TOKENS, ignore_eos=True)
+    return llm.generate(STREAM_PROMPT, params)[0].outputs[0].text
+
+
+@pytest.fixture(scope="session")
 def real_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF, downloaded once per machine (``tests/real_model.py``)."""
     from tests.real_model import real_gguf

@@ -12,8 +12,10 @@ import signal
 import openai
 import pytest
 
-from kvrelay import LLM, SamplingParams
+from kvrelay import LLM
 from tests.cluster_harness import (
+    STREAM_PROMPT,
+    STREAM_TOKENS,
     decode_running,
     metric_value,
     read_text,
@@ -21,25 +23,15 @@ from tests.cluster_harness import (
     worker_stats,
 )
 
-PROMPT = "The cache moves to the decode worker"
-LONG = 400
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    llm = LLM(tiny_model_dir, num_blocks=512)
-    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
-    return llm.generate(PROMPT, params)[0].outputs[0].text
-
 
 def _client(launcher) -> openai.OpenAI:
     return openai.OpenAI(base_url=launcher.url + "/v1", api_key="unused", max_retries=0)
 
 
-def _request(c: openai.OpenAI, max_tokens: int = LONG, **kw):
+def _request(c: openai.OpenAI, max_tokens: int = STREAM_TOKENS, **kw):
     return c.completions.create(
         model="tiny",
-        prompt=PROMPT,
+        prompt=STREAM_PROMPT,
         max_tokens=max_tokens,
         temperature=0,
         extra_body={"ignore_eos": True},
@@ -47,7 +39,7 @@ def _request(c: openai.OpenAI, max_tokens: int = LONG, **kw):
     )
 
 
-def test_decode_killed_mid_stream_finishes_on_the_other(tiny_model_dir, tmp_path, reference):
+def test_decode_killed_mid_stream_finishes_on_the_other(tiny_model_dir, tmp_path, stream_reference):
     with running_cluster(tiny_model_dir, tmp_path, num_prefill=1, num_decode=2) as launcher:
         stream = _request(_client(launcher), stream=True)
         parts, victim = [], None
@@ -57,19 +49,19 @@ def test_decode_killed_mid_stream_finishes_on_the_other(tiny_model_dir, tmp_path
                 victim = decode_running(launcher)
                 launcher.kill(victim, signal.SIGKILL)
         assert victim is not None
-        assert "".join(parts) == reference
+        assert "".join(parts) == stream_reference
         metrics = read_text(launcher.url + "/metrics")
         assert metric_value(metrics, "kvrelay_request_retries_total") >= 1
 
 
-def test_prefill_killed_requests_are_retried(tiny_model_dir, tmp_path, reference):
+def test_prefill_killed_requests_are_retried(tiny_model_dir, tmp_path, stream_reference):
     with running_cluster(tiny_model_dir, tmp_path, num_prefill=2, num_decode=1) as launcher:
         launcher.kill("prefill-0", signal.SIGKILL)  # the router has not noticed yet
         c = _client(launcher)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             results = list(pool.map(lambda _: _request(c, max_tokens=32), range(4)))
         assert [r.choices[0].text for r in results] == [
-            reference[: len(results[0].choices[0].text)]
+            stream_reference[: len(results[0].choices[0].text)]
         ] * 4
         assert all(r.usage.completion_tokens == 32 for r in results)
         metrics = read_text(launcher.url + "/metrics")
@@ -78,14 +70,14 @@ def test_prefill_killed_requests_are_retried(tiny_model_dir, tmp_path, reference
         assert "prefill-0" not in joined
 
 
-def test_corrupted_transfer_is_detected_and_recomputed(tiny_model_dir, tmp_path, reference):
+def test_corrupted_transfer_is_detected_and_recomputed(tiny_model_dir, tmp_path, stream_reference):
     args = ("--num-blocks", "512", "--threads", "1", "--corrupt-transfers", "1")
     with running_cluster(tiny_model_dir, tmp_path, worker_args=args) as launcher:
         c = _client(launcher)
         first = _request(c, max_tokens=48)
         second = _request(c, max_tokens=48)
         assert first.choices[0].text == second.choices[0].text
-        assert reference.startswith(first.choices[0].text)
+        assert stream_reference.startswith(first.choices[0].text)
         decode = worker_stats(launcher)["decode-0"]
         assert decode["num_recomputed"] == 1
         inst = {d["instance_id"]: d for d in launcher.get_json("/admin/instances")["data"]}
@@ -96,11 +88,11 @@ def test_corrupted_transfer_is_detected_and_recomputed(tiny_model_dir, tmp_path,
         assert failures == 1
 
 
-def test_expired_lease_frees_both_sides(tiny_model_dir, tmp_path, reference):
+def test_expired_lease_frees_both_sides(tiny_model_dir, tmp_path, stream_reference):
     args = ("--num-blocks", "512", "--threads", "1", "--lease-ttl", "0")
     with running_cluster(tiny_model_dir, tmp_path, worker_args=args) as launcher:
         res = _request(_client(launcher), max_tokens=40)
-        assert reference.startswith(res.choices[0].text)
+        assert stream_reference.startswith(res.choices[0].text)
         assert res.usage.completion_tokens == 40
         assert worker_stats(launcher)["decode-0"]["num_recomputed"] == 1
 
@@ -119,13 +111,13 @@ def test_no_survivor_ends_the_stream_with_an_error_event(tiny_model_dir, tmp_pat
         assert launcher.get_json("/admin/instances")["num_inflight"] == 0
 
 
-def test_restarted_router_gets_the_workers_back(tiny_model_dir, tmp_path, reference):
+def test_restarted_router_gets_the_workers_back(tiny_model_dir, tmp_path, stream_reference):
     with running_cluster(tiny_model_dir, tmp_path) as launcher:
         launcher.kill("router", signal.SIGKILL)
         launcher.start_router()
         launcher.wait_ready(timeout=60)  # workers re-register when their heartbeats go unknown
         res = _request(_client(launcher), max_tokens=16)
-        assert reference.startswith(res.choices[0].text)
+        assert stream_reference.startswith(res.choices[0].text)
         assert res.usage.completion_tokens == 16
 
 

@@ -16,11 +16,11 @@ import time
 
 import httpx
 import openai
-import pytest
 
-from kvrelay import LLM, SamplingParams
 from kvrelay.cli.launcher import Launcher
 from tests.cluster_harness import (
+    STREAM_PROMPT,
+    STREAM_TOKENS,
     decode_running,
     metric_value,
     read_text,
@@ -28,25 +28,15 @@ from tests.cluster_harness import (
     worker_stats,
 )
 
-PROMPT = "The cache moves to the decode worker"
-LONG = 400
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    llm = LLM(tiny_model_dir, num_blocks=512)
-    params = SamplingParams(temperature=0.0, max_tokens=LONG, ignore_eos=True)
-    return llm.generate(PROMPT, params)[0].outputs[0].text
-
 
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
-def _stream(c: openai.OpenAI, max_tokens: int = LONG):
+def _stream(c: openai.OpenAI, max_tokens: int = STREAM_TOKENS):
     return c.completions.create(
         model="tiny",
-        prompt=PROMPT,
+        prompt=STREAM_PROMPT,
         max_tokens=max_tokens,
         temperature=0,
         extra_body={"ignore_eos": True},
@@ -76,7 +66,7 @@ def _wait_gone(launcher: Launcher, instance_id: str, timeout: float = 30.0) -> N
         time.sleep(0.1)
 
 
-def test_sigterm_drains_a_decode_worker_mid_stream(tiny_model_dir, tmp_path, reference):
+def test_sigterm_drains_a_decode_worker_mid_stream(tiny_model_dir, tmp_path, stream_reference):
     with running_cluster(tiny_model_dir, tmp_path, num_prefill=1, num_decode=2) as launcher:
         parts, victim, proc = [], None, None
         for chunk in _stream(_client(launcher.url)):
@@ -85,7 +75,7 @@ def test_sigterm_drains_a_decode_worker_mid_stream(tiny_model_dir, tmp_path, ref
                 victim = decode_running(launcher)
                 proc = _terminate(launcher, victim)
         assert victim is not None
-        assert "".join(parts) == reference
+        assert "".join(parts) == stream_reference
         assert _wait_exit(proc) == 0
         log = (tmp_path / f"{victim}.log").read_text()
         assert "drained; exiting" in log
@@ -100,10 +90,10 @@ def test_sigterm_drains_a_decode_worker_mid_stream(tiny_model_dir, tmp_path, ref
         assert f"instances left: {victim}" in since_join
         assert "gone silent" not in since_join
         again = "".join(c.choices[0].text for c in _stream(_client(launcher.url), 16))
-        assert again == reference[: len(again)] and again
+        assert again == stream_reference[: len(again)] and again
 
 
-def test_sigterm_lets_a_router_finish_its_stream(tiny_model_dir, tmp_path, reference):
+def test_sigterm_lets_a_router_finish_its_stream(tiny_model_dir, tmp_path, stream_reference):
     with running_cluster(tiny_model_dir, tmp_path, num_routers=2) as launcher:
         second = launcher.router_urls[1]
         parts, proc, refused = [], None, None
@@ -112,20 +102,20 @@ def test_sigterm_lets_a_router_finish_its_stream(tiny_model_dir, tmp_path, refer
             if proc is None and len(parts) == 5:
                 proc = _terminate(launcher, "router-1")
                 refused = _new_request_on(second)
-        assert "".join(parts) == reference
+        assert "".join(parts) == stream_reference
         assert _wait_exit(proc) == 0
         assert refused in ("503 shutting down", "refused"), refused
         log = (tmp_path / "router-1.log").read_text()
         assert "finishing 1 request(s) in flight" in log
         again = "".join(c.choices[0].text for c in _stream(_client(launcher.url), 16))
-        assert again == reference[: len(again)] and again
+        assert again == stream_reference[: len(again)] and again
 
 
 def _new_request_on(url: str) -> str:
     """What a new request to a terminated router meets: 503 while it drains, a refused
     connection once it has gone (the stream may finish first on a fast machine)."""
     try:
-        _client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+        _client(url).completions.create(model="tiny", prompt=STREAM_PROMPT, max_tokens=4)
     except openai.APIStatusError as e:
         if e.status_code == 503 and "shutting down" in str(e.message):
             return "503 shutting down"
@@ -135,7 +125,7 @@ def _new_request_on(url: str) -> str:
     return "served"
 
 
-def test_a_router_that_exits_tells_its_workers(tiny_model_dir, tmp_path, reference):
+def test_a_router_that_exits_tells_its_workers(tiny_model_dir, tmp_path, stream_reference):
     """A router that exits with a stream still running (``--drain-timeout 0``) aborts it and
     says it leaves: every worker logs it at once (its silence alone would take the workers'
     ``router_timeout``, ``--dead-after``: 30 s here), and the stream's request is gone from
@@ -165,7 +155,7 @@ def test_a_router_that_exits_tells_its_workers(tiny_model_dir, tmp_path, referen
         assert len({router for router, _ in left}) == 1, left  # the same router, once each
         assert all(s["num_running"] == 0 for s in worker_stats(launcher).values())
         again = "".join(c.choices[0].text for c in _stream(_client(launcher.url), 16))
-        assert again == reference[: len(again)] and again
+        assert again == stream_reference[: len(again)] and again
 
 
 LEFT = re.compile(r"router (router-\w+) left; aborted (\d+) request")
