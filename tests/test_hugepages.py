@@ -46,6 +46,17 @@ def smaps_field(t: torch.Tensor, field: str) -> str:
     raise AssertionError("no mapping holds the tensor")
 
 
+def advised_kib() -> int:
+    """The size (KiB) of this process's mappings that carry MADV_HUGEPAGE's flag (``hg``)."""
+    total = size = 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line.startswith("Size:"):
+            size = int(line.split()[1])
+        elif line.startswith("VmFlags:") and "hg" in line.split()[1:]:
+            total += size
+    return total
+
+
 def huge_kib(t: torch.Tensor) -> int:
     """AnonHugePages (KiB) of the mapping that holds ``t``'s first byte."""
     return int(smaps_field(t, "AnonHugePages").split()[0])
@@ -64,12 +75,19 @@ def test_a_fresh_tensor_is_backed_by_huge_pages_once_touched() -> None:
 def test_the_switch_turns_the_advice_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVRELAY_HUGE_PAGES", "0")
     assert not hugepages.enabled()
+    before = advised_kib()
     t = hugepages.zeros(((16 << 20) // 4,), torch.float32)
-    # no advice on the memory that holds it ("hg" is MADV_HUGEPAGE's flag). Its mapping's huge
-    # pages are not the test: with a CPU engine started earlier in this process (its malloc
-    # thresholds raised, engine.device.keep_step_memory), 16 MiB comes from malloc's heap,
-    # a mapping shared with everything else (one CI run saw 106 MiB of huge pages there)
-    assert "hg" not in smaps_field(t, "VmFlags").split()
+    # nothing advised for it ("hg" is MADV_HUGEPAGE's flag). The huge pages of the mapping
+    # that holds it are not the test: with a CPU engine started earlier in this process (its
+    # malloc thresholds raised, engine.device.keep_step_memory), 16 MiB comes from malloc's
+    # heap, a mapping shared with everything else (one CI run saw 106 MiB of huge pages there)
+    assert advised_kib() <= before
+    assert t.shape == ((16 << 20) // 4,) and float(t.abs().sum()) == 0.0
+    monkeypatch.setenv("KVRELAY_HUGE_PAGES", "1")  # the contrast: on, 16 MiB more advised
+    before = advised_kib()
+    on = hugepages.zeros(((16 << 20) // 4,), torch.float32)
+    assert advised_kib() - before >= 16 << 10 and "hg" in smaps_field(on, "VmFlags").split()
+    monkeypatch.setenv("KVRELAY_HUGE_PAGES", "0")  # and a mapping is not advised either
     assert hugepages.advise_mapping(mmap.mmap(-1, 4 << 20)) is False
 
 
