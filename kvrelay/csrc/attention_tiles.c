@@ -38,14 +38,16 @@ __attribute__((target("avx2,fma"))) static void score_tile_avx2(const AttnJob *j
     }
 }
 
-/* A chunk's scores s[g][0..cn-1] become e^(score - new maximum); the running maximum, sum and
- * output of each query head are rescaled to the new maximum once per chunk. */
+/* A chunk's scores s[g][0..cn-1] become e^(score - the chunk's maximum); each query head's
+ * maximum and sum are the chunk's. Every chunk is a partial of its own (attention.c's
+ * attend_chunks clears the piece before it and folds it into the keys before it afterwards),
+ * so there is no running state to rescale: the output is still zero here. */
 __attribute__((target("avx2,fma"))) static void softmax_chunk_avx2(const AttnJob *j, Piece *p, float *s, int cn) {
     const int qpk = j->q_heads / j->kv_heads, padded = (cn + 7) & ~7;
     for (int g = 0; g < qpk; g++) {
         float *sg = s + (size_t)g * CHUNK_STRIDE;
         for (int t = cn; t < padded; t++) sg[t] = -INFINITY; /* e^-inf = 0: no lane is skipped */
-        __m256 mv = _mm256_set1_ps(p->run_max[g]);
+        __m256 mv = _mm256_set1_ps(-INFINITY);
         for (int t = 0; t < padded; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(sg + t));
         float lanes[8], max = -INFINITY, sum = 0.0f;
         _mm256_storeu_ps(lanes, mv);
@@ -59,11 +61,7 @@ __attribute__((target("avx2,fma"))) static void softmax_chunk_avx2(const AttnJob
         }
         _mm256_storeu_ps(lanes, sv);
         for (int u = 0; u < 8; u++) sum += lanes[u];
-        const float correction = expf(p->run_max[g] - max); /* 0 on the first chunk */
-        const __m256 c = _mm256_set1_ps(correction);
-        for (int d = 0; d < j->head_dim; d += 8)
-            _mm256_storeu_ps(p->acc[g] + d, _mm256_mul_ps(c, _mm256_loadu_ps(p->acc[g] + d)));
-        p->run_sum[g] = p->run_sum[g] * correction + sum;
+        p->run_sum[g] = sum;
         p->run_max[g] = max;
     }
 }
@@ -157,7 +155,7 @@ __attribute__((target(KV_AVX512))) static void softmax_chunk_avx512(const AttnJo
     for (int g = 0; g < qpk; g++) {
         float *sg = s + (size_t)g * CHUNK_STRIDE;
         for (int t = cn; t < padded; t++) sg[t] = -INFINITY;
-        __m512 mv = _mm512_set1_ps(p->run_max[g]);
+        __m512 mv = _mm512_set1_ps(-INFINITY);
         for (int t = 0; t < padded; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sg + t));
         const float max = _mm512_reduce_max_ps(mv);
         const __m512 m = _mm512_set1_ps(max);
@@ -167,11 +165,7 @@ __attribute__((target(KV_AVX512))) static void softmax_chunk_avx512(const AttnJo
             _mm512_storeu_ps(sg + t, e);
             sv = _mm512_add_ps(sv, e);
         }
-        const float correction = expf(p->run_max[g] - max); /* 0 on the first chunk */
-        const __m512 c = _mm512_set1_ps(correction);
-        for (int d = 0; d < j->head_dim; d += 16)
-            _mm512_storeu_ps(p->acc[g] + d, _mm512_mul_ps(c, _mm512_loadu_ps(p->acc[g] + d)));
-        p->run_sum[g] = p->run_sum[g] * correction + _mm512_reduce_add_ps(sv);
+        p->run_sum[g] = _mm512_reduce_add_ps(sv);
         p->run_max[g] = max;
     }
 }

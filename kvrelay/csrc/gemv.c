@@ -593,9 +593,10 @@ int gemv(int kind, int dtype, int m, int k, int n, const void *x, const void *w,
     return 0;
 }
 
-/* Runs fn(ctx, 0..num_chunks-1) on the pool (pool.h), the caller included. */
+/* The pool's threads, the caller included (pool.h). */
 int pool_size(void) { return __atomic_load_n(&pool_threads, __ATOMIC_RELAXED); }
 
+/* Runs fn(ctx, 0..num_chunks-1) on the pool (pool.h), the caller included. */
 void pool_run(pool_fn fn, void *ctx, int num_chunks) {
     if (num_chunks < 1) return;
     pthread_mutex_lock(&gemv_lock);

@@ -124,8 +124,9 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2_
         acc[i][0] = _mm256_setzero_ps(), acc[i][1] = _mm256_setzero_ps();
     }
     /* k unrolled by four: the loop's own instructions (index, compare, branch, prefetch
-     * addresses) were a sixth of the ~24 a step, against Zen 3's dispatch width; 1.04-1.14x
-     * at 32-2,048 rows (BENCHMARKS "Panels: the tile's k loop unrolled") */
+     * addresses) were a sixth of the 24-28 a step, against Zen 3's dispatch width; 0.90-0.98x
+     * the time at 32-2,048 rows in an ad hoc harness, inside the noise of panels_ab.py and
+     * engine_ab.py (BENCHMARKS "Panels: the tile's k loop unrolled") */
 #pragma GCC unroll 4
     for (int kk = 0; kk < k; kk++) {
         const float *row = panel + (size_t)kk * NR;
