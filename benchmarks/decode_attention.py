@@ -4,7 +4,9 @@ scattered, as in a server after some churn, and its tied-LM-head product (``gemv
 
 Each case is a batch of sequences of one context length attending over 30 layers' pools (a
 pool per layer, so that a layer's keys come from memory, not from the cache the layer before
-left warm), every sequence's blocks drawn at random from the pool. Reported: the median time
+left warm), every sequence's blocks drawn at random from the pool. The pools are allocated as the
+engine's KV pool is (``kernels.hugepages``: on huge pages where the host allows;
+``KVRELAY_HUGE_PAGES=0`` for 4 KiB pages). Reported: the median time
 of the 30 layers and the K/V bytes read per second. An ``lm:dtype:rows`` case multiplies
 ``rows`` rows by SmolLM2's tied embedding (49,152 x 576, stored [vocab, hidden]) on the
 library's own pool, as a decode step of that many sequences does; GB/s = the table's bytes.
@@ -84,7 +86,7 @@ def measure(
     each layer's pool has ``pool_blocks`` blocks."""
     import torch
 
-    from kvrelay.kernels import cpu_attention, gemv
+    from kvrelay.kernels import cpu_attention, gemv, hugepages
 
     lib = ctypes.CDLL(library)
     lib.decode_attention.argtypes = [ctypes.c_int] * 8 + [ctypes.c_float] + [ctypes.c_void_p] * 7
@@ -103,7 +105,10 @@ def measure(
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[name]
     gen = torch.Generator().manual_seed(0)
     shape = (2, pool_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-    pools = [torch.randn(shape, generator=gen).to(dtype) for _ in range(LAYERS)]
+    pools = [
+        hugepages.empty(shape, dtype).copy_(torch.randn(shape, generator=gen))
+        for _ in range(LAYERS)
+    ]
     blocks = list(range(1, pool_blocks))
     random.Random(0).shuffle(blocks)
     per_seq = -(-ctx_len // BLOCK_SIZE)
