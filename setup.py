@@ -11,6 +11,12 @@ import os
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+# The kernels' flags, after Python's own CFLAGS. No fused multiply-adds the source did not
+# write (-ffp-contract=off): decode.c rounds as torch does. -fopenmp: the kernels' thread pool
+# is OpenMP's (libgomp), the one torch's CPU build loads, so native kernels and torch ops share
+# one team of threads. benchmarks/panels_ab.py builds with these too, after Python's CFLAGS.
+KERNEL_FLAGS = ["-O3", "-std=gnu99", "-pthread", "-fopenmp", "-ffp-contract=off"]
+
 
 class BuildExt(build_ext):
     """``build_ext --inplace`` that puts each library in place by renaming a fresh copy over
@@ -55,10 +61,7 @@ setup(
                 "kvrelay/csrc/rowops.h",
                 "kvrelay/csrc/vexp.h",
             ],
-            # no fused multiply-adds the source did not write: decode.c rounds as torch does.
-            # -fopenmp: the kernels' thread pool is OpenMP's (libgomp), the one torch's CPU
-            # build loads, so native kernels and torch ops share one team of threads.
-            extra_compile_args=["-O3", "-std=gnu99", "-pthread", "-fopenmp", "-ffp-contract=off"],
+            extra_compile_args=KERNEL_FLAGS,
             extra_link_args=["-pthread", "-fopenmp"],
             optional=True,
         ),

@@ -2,14 +2,17 @@
 
 A kernel change is measured against the kernel before it in the same process: the native
 sources of ``--base`` (a commit) and of the working tree are each compiled into a library
-of their own (the flags of setup.py's ``_gemv``; ``-D`` defines for the tree's build try a
-constant), both are loaded, and the products alternate between them (A, B, B, A...) over
-SmolLM2-135M's four projection shapes in 30 layers of distinct float32 weights packed once
-(425 MB: every call reads its weight from memory, as a batched engine step does). Per row
-count: the median time of each build, its GFLOP/s, the ratio to the base, the median and
-range of the ratios within each repeat (its two runs are adjacent in time: the machine's drift
-between repeats cancels), and whether the two builds' outputs are equal bit for bit (each
-row's sums are meant not to change).
+of their own (as setup.py compiles ``_gemv``: Python's CFLAGS, then its ``KERNEL_FLAGS``;
+``-D`` defines for the tree's build try a constant), both are loaded, and the products
+alternate between them (A, B, B, A...) over SmolLM2-135M's four projection shapes in 30
+layers of distinct float32 weights packed once (425 MB: every call reads its weight from
+memory, as a batched engine step does). Per row count: the median time of each build, its
+GFLOP/s, the ratio to the base, the median and range of the ratios within each repeat (its
+two runs are adjacent in time: the machine's drift between repeats cancels), and whether the
+two builds' outputs are equal bit for bit (each row's sums are meant not to change). This
+VM's host has slower spells (the same build 20-25% slower for minutes): a change that helps
+in one may hurt in the other, so repeat an A/B at another time before keeping it (BENCHMARKS
+"Panels: the next panel's lines spread over the tiles").
 
     python benchmarks/panels_ab.py --base REV [--rows 8 16 64 256 2048] [--repeats 5]
         [-D KC=256 ...]
@@ -18,10 +21,13 @@ row's sums are meant not to change).
 from __future__ import annotations
 
 import argparse
+import ast
 import ctypes
+import shlex
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +49,26 @@ SOURCES = (
     "rows.c",
     "panels.c",
 )
-FLAGS = ("-O3", "-std=gnu99", "-pthread", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC")
+
+
+def build_flags() -> list[str]:
+    """The flags the installed library is compiled with: Python's CFLAGS (setuptools passes
+    them first; they include -fwrapv, which changes the tile's code) and setup.py's
+    ``KERNEL_FLAGS``, read from its source."""
+    tree = ast.parse((REPO_ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "KERNEL_FLAGS" for t in node.targets
+        ):
+            kernel = list(ast.literal_eval(node.value))
+            break
+    else:
+        raise RuntimeError("setup.py has no KERNEL_FLAGS")
+    python = shlex.split(sysconfig.get_config_var("CFLAGS") or "")
+    return [*python, *kernel, "-shared", "-fPIC"]
+
+
+FLAGS = build_flags()
 
 
 def compile_library(csrc: Path, out: Path, defines: list[str]) -> subprocess.Popen:

@@ -16,8 +16,8 @@
  *   panels_pack   W (float32 or bfloat16, stored [K, N] or [N, K]) -> float32 panels; columns
  *                 past N in the last panel are zeros
  *   panels_gemm   y = x @ W (+ bias), x and y float32; up to MC_FROM rows a panel is read once
- *                 for all rows (one stream from memory, the next panel fetched while its
- *                 tiles run, a share of its lines each); more rows go in blocks of MC, each
+ *                 for all rows (one stream from memory, the next panel fetched while the
+ *                 first tile runs); more rows go in blocks of MC, each
  *                 block reading the panels again (from cache: a prefill chunk's x block stays
  *                 in L2 while the panels stream)
  *   panels_gemm_plain  the same on the plain weight, a panel packed as it is reached: the
@@ -113,12 +113,9 @@ static void tile_portable(const Gemm *g, const float *panel, int r, int mr, int 
 
 #if KV_X86
 /* The tile of ROWS rows (1..MR, a constant where it is inlined): 2 * ROWS accumulators, so a
- * tile of fewer rows does fewer multiply-adds, not MR rows' worth. prefetch: ask for the
- * panel's own rows PREFETCH_ROWS ahead (a block's first tile); next (or NULL): `lines` cache
- * lines to ask for into L2, evenly over the tile's k steps. */
-__attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2_rows(const Gemm *g, const float *panel, int r, int p, int ncols, int prefetch, const char *next, int lines, const int ROWS) {
+ * tile of fewer rows does fewer multiply-adds, not MR rows' worth. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2_rows(const Gemm *g, const float *panel, int r, int p, int ncols, int prefetch, const char *next, const int ROWS) {
     const int k = g->k;
-    int due = 0, line = 0;
     const float *xs[MR];
     __m256 acc[MR][2];
 #pragma GCC unroll 8
@@ -134,13 +131,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2_
     for (int kk = 0; kk < k; kk++) {
         const float *row = panel + (size_t)kk * NR;
         if (prefetch) _mm_prefetch((const char *)(row + PREFETCH_ROWS * NR), _MM_HINT_T0);
-        if (next != NULL) {
-            due += lines;
-            if (due >= k) {
-                due -= k;
-                _mm_prefetch(next + (size_t)line++ * 64, _MM_HINT_T1);
-            }
-        }
+        if (next != NULL) _mm_prefetch(next + (size_t)kk * 64, _MM_HINT_T1);
         const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
 #pragma GCC unroll 8
         for (int i = 0; i < ROWS; i++) {
@@ -168,14 +159,14 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2_
     }
 }
 
-__attribute__((target("avx2,fma"))) static void tile_avx2(const Gemm *g, const float *panel, int r, int mr, int p, int ncols, int prefetch, const char *next, int lines) {
+__attribute__((target("avx2,fma"))) static void tile_avx2(const Gemm *g, const float *panel, int r, int mr, int p, int ncols, int prefetch, const char *next) {
     switch (mr) {
-    case 1: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, lines, 1); break;
-    case 2: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, lines, 2); break;
-    case 3: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, lines, 3); break;
-    case 4: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, lines, 4); break;
-    case 5: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, lines, 5); break;
-    default: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, lines, 6); break;
+    case 1: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 1); break;
+    case 2: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 2); break;
+    case 3: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 3); break;
+    case 4: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 4); break;
+    case 5: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 5); break;
+    default: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 6); break;
     }
 }
 #endif
@@ -198,22 +189,18 @@ static void run_chunk(void *ctx, int c) {
             const int ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
             if (buf != NULL) pack_panel(g->k, g->n, g->w, g->dtype, g->transposed, p, buf);
             const float *panel = buf != NULL ? buf : g->wp + (size_t)p * g->k * NR;
-            /* while a panel's tiles compute, the chunk's next panel is asked for into L2 (from
-             * memory, or from L3 in a later block), its k lines (a panel row is 64 bytes)
-             * shared out evenly between the block's tiles. The block's first tile asking for
-             * all of them, a line a step, put a burst on memory that stalled that tile while
-             * the others asked for nothing: spread, 1.04-1.27x at 8-129 rows, 1.01-1.03x at
-             * 256-2,048 (BENCHMARKS "Panels: the next panel's lines spread over the tiles") */
-            const char *next = g->wp != NULL && p + 1 < p1 ? (const char *)(g->wp + (size_t)(p + 1) * g->k * NR) : NULL;
+            /* a step of up to MC_FROM rows reads each panel once, from memory: the block's
+             * first tile also asks for the chunk's next panel into L2, a line (of its k) a
+             * step, so the memory stream goes on while the other tiles compute from cache
+             * (paired A/B 1.01-1.05x at 16-128 rows; BENCHMARKS "Panels") */
+            const char *next = g->wp != NULL && g->m <= MC_FROM && p + 1 < p1 ? (const char *)(g->wp + (size_t)(p + 1) * g->k * NR) : NULL;
             /* the block's rows in tiles as even as MR allows (8 rows: 4 + 4, not 6 + 2) */
             const int tiles = (m1 - m0 + MR - 1) / MR;
             for (int t = 0, r = m0, mr = 0; t < tiles; t++, r += mr) {
                 mr = (m1 - r + (tiles - t) - 1) / (tiles - t);
 #if KV_X86
                 if (kv_use_avx2()) {
-                    const int l0 = (int)((long)t * g->k / tiles), l1 = (int)((long)(t + 1) * g->k / tiles);
-                    const char *share = next != NULL ? next + (size_t)l0 * 64 : NULL; /* its lines */
-                    tile_avx2(g, panel, r, mr, p, ncols, g->wp != NULL && r == m0, share, l1 - l0);
+                    tile_avx2(g, panel, r, mr, p, ncols, g->wp != NULL && r == m0, r == m0 ? next : NULL);
                     continue;
                 }
 #endif
