@@ -53,6 +53,9 @@
 #define PREFETCH_ROWS 16 /* panel rows (1 KB) the first tile of a block prefetches ahead */
 #endif
 #define CHUNKS_PER_THREAD 4
+#ifndef SPREAD_TILES
+#define SPREAD_TILES 4 /* up to this many tiles a block, each asks for a share of the next panel */
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -113,9 +116,13 @@ static void tile_portable(const Gemm *g, const float *panel, int r, int mr, int 
 
 #if KV_X86
 /* The tile of ROWS rows (1..MR, a constant where it is inlined): 2 * ROWS accumulators, so a
- * tile of fewer rows does fewer multiply-adds, not MR rows' worth. */
-__attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2_rows(const Gemm *g, const float *panel, int r, int p, int ncols, int prefetch, const char *next, const int ROWS) {
+ * tile of fewer rows does fewer multiply-adds, not MR rows' worth. prefetch: ask for the
+ * panel's own rows PREFETCH_ROWS ahead (a block's first tile). next (or NULL): lines to ask
+ * for into L2, all k of them one a step, or with SPREAD `lines` of them evenly over the k
+ * steps (a constant too: the loop of the tiles that do not spread is the one it was). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2_rows(const Gemm *g, const float *panel, int r, int p, int ncols, int prefetch, const char *next, int lines, const int ROWS, const int SPREAD) {
     const int k = g->k;
+    int due = 0;
     const float *xs[MR];
     __m256 acc[MR][2];
 #pragma GCC unroll 8
@@ -131,7 +138,13 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2_
     for (int kk = 0; kk < k; kk++) {
         const float *row = panel + (size_t)kk * NR;
         if (prefetch) _mm_prefetch((const char *)(row + PREFETCH_ROWS * NR), _MM_HINT_T0);
-        if (next != NULL) _mm_prefetch(next + (size_t)kk * 64, _MM_HINT_T1);
+        if (!SPREAD) {
+            if (next != NULL) _mm_prefetch(next + (size_t)kk * 64, _MM_HINT_T1);
+        } else if (next != NULL && (due += lines) >= k) { /* `lines` of them over the k steps */
+            due -= k;
+            _mm_prefetch(next, _MM_HINT_T1);
+            next += 64;
+        }
         const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
 #pragma GCC unroll 8
         for (int i = 0; i < ROWS; i++) {
@@ -159,16 +172,25 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void tile_avx2_
     }
 }
 
-__attribute__((target("avx2,fma"))) static void tile_avx2(const Gemm *g, const float *panel, int r, int mr, int p, int ncols, int prefetch, const char *next) {
+/* A tile of mr rows; lines < k: `next` is its share of the next panel, asked for a line at a
+ * time over its k steps (SPREAD), else the whole of it, a line a step. */
+#define TILE_CASE(ROWS)                                                                                \
+    case ROWS:                                                                                         \
+        if (lines < g->k) tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, lines, ROWS, 1);       \
+        else tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, lines, ROWS, 0);                    \
+        break;
+__attribute__((target("avx2,fma"))) static void tile_avx2(const Gemm *g, const float *panel, int r, int mr, int p, int ncols, int prefetch, const char *next, int lines) {
     switch (mr) {
-    case 1: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 1); break;
-    case 2: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 2); break;
-    case 3: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 3); break;
-    case 4: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 4); break;
-    case 5: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 5); break;
-    default: tile_avx2_rows(g, panel, r, p, ncols, prefetch, next, 6); break;
+        TILE_CASE(1)
+        TILE_CASE(2)
+        TILE_CASE(3)
+        TILE_CASE(4)
+        TILE_CASE(5)
+    default:
+        TILE_CASE(6)
     }
 }
+#undef TILE_CASE
 #endif
 
 /* Chunk c of g->chunks: its share of the panels (the first np % chunks chunks one panel more,
@@ -192,7 +214,13 @@ static void run_chunk(void *ctx, int c) {
             /* a step of up to MC_FROM rows reads each panel once, from memory: the block's
              * first tile also asks for the chunk's next panel into L2, a line (of its k) a
              * step, so the memory stream goes on while the other tiles compute from cache
-             * (paired A/B 1.01-1.05x at 16-128 rows; BENCHMARKS "Panels") */
+             * (paired A/B 1.01-1.05x at 16-128 rows; BENCHMARKS "Panels"). In a block of
+             * up to SPREAD_TILES tiles (24 rows) each tile asks for its share of the lines
+             * instead: the first one's burst of k prefetches stalled it while the others,
+             * few, asked for nothing (1.09-1.29x at 9-18 rows when the host is busy,
+             * 1.18-1.27x when it is quiet). Spread over more tiles it hurt in the host's busy
+             * spells (0.72-0.89x at 64-2,048 rows; BENCHMARKS "Panels: the next panel's
+             * lines spread over the tiles") */
             const char *next = g->wp != NULL && g->m <= MC_FROM && p + 1 < p1 ? (const char *)(g->wp + (size_t)(p + 1) * g->k * NR) : NULL;
             /* the block's rows in tiles as even as MR allows (8 rows: 4 + 4, not 6 + 2) */
             const int tiles = (m1 - m0 + MR - 1) / MR;
@@ -200,7 +228,13 @@ static void run_chunk(void *ctx, int c) {
                 mr = (m1 - r + (tiles - t) - 1) / (tiles - t);
 #if KV_X86
                 if (kv_use_avx2()) {
-                    tile_avx2(g, panel, r, mr, p, ncols, g->wp != NULL && r == m0, r == m0 ? next : NULL);
+                    if (tiles > SPREAD_TILES) { /* the first tile asks for all of the next panel */
+                        tile_avx2(g, panel, r, mr, p, ncols, g->wp != NULL && r == m0, r == m0 ? next : NULL, g->k);
+                        continue;
+                    }
+                    /* each tile asks for its share: lines l0..l1-1 (a panel row is a line) */
+                    const int l0 = (int)((long)t * g->k / tiles), l1 = (int)((long)(t + 1) * g->k / tiles);
+                    tile_avx2(g, panel, r, mr, p, ncols, g->wp != NULL && r == m0, next != NULL ? next + (size_t)l0 * 64 : NULL, l1 - l0);
                     continue;
                 }
 #endif
