@@ -124,6 +124,14 @@ def read_text(url: str) -> str:
         return str(resp.read().decode())
 
 
+# The two topologies a serving test runs on (a fixture's ``params``): one colocated worker, or
+# one prefill and one decode worker.
+TOPOLOGIES: dict[str, dict[str, int]] = {
+    "colocated": {"num_prefill": 0, "num_decode": 0, "num_colocated": 1},
+    "1P+1D": {"num_prefill": 1, "num_decode": 1, "num_colocated": 0},
+}
+
+
 @contextlib.contextmanager
 def running_cluster(
     model_dir: Path,

@@ -20,7 +20,7 @@ import pytest
 
 from kvrelay import LLM, PoolingParams
 from kvrelay.cli.launcher import Launcher
-from tests.cluster_harness import metric_value, read_text, running_cluster
+from tests.cluster_harness import TOPOLOGIES, metric_value, read_text, running_cluster
 
 TEXTS = ["the quick brown fox", "jumps over the lazy dog " * 6, "a"]
 TOKENS = [[5, 6, 7, 8, 9, 10] * 6, [300 + i % 7 for i in range(50)]]
@@ -31,9 +31,7 @@ TOL = 1e-5
 def cluster(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Launcher]:
-    counts = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1}
-    if request.param == "1P+1D":
-        counts = {"num_prefill": 1, "num_decode": 1, "num_colocated": 0}
+    counts = TOPOLOGIES[request.param]
     with running_cluster(tiny_model_dir, tmp_path_factory.mktemp("embed"), **counts) as launcher:
         yield launcher
 

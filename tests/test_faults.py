@@ -16,6 +16,7 @@ from kvrelay import LLM
 from tests.cluster_harness import (
     STREAM_PROMPT,
     STREAM_TOKENS,
+    TOPOLOGIES,
     decode_running,
     metric_value,
     read_text,
@@ -98,7 +99,7 @@ def test_expired_lease_frees_both_sides(tiny_model_dir, tmp_path, stream_referen
 
 
 def test_no_survivor_ends_the_stream_with_an_error_event(tiny_model_dir, tmp_path):
-    spec = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1}
+    spec = TOPOLOGIES["colocated"]
     with running_cluster(tiny_model_dir, tmp_path, check_leaks=False, **spec) as launcher:
         stream = _request(_client(launcher), stream=True)
         received = 0

@@ -17,7 +17,7 @@ from kvrelay.cli.launcher import Launcher
 from kvrelay.protocol.messages import KvLayout, PeerInfo, Register, Role, decode, encode
 from kvrelay.protocol.sampling_params import SamplingParams as Params
 from kvrelay.router.registry import Registry
-from tests.cluster_harness import metric_value, read_text, running_cluster
+from tests.cluster_harness import TOPOLOGIES, metric_value, read_text, running_cluster
 from tests.lora_adapters import make_adapter
 
 PROMPT = "Once upon a time, in a land far away, there lived a"
@@ -36,9 +36,7 @@ def cluster(
     adapter_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Launcher]:
-    counts = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1}
-    if request.param == "1P+1D":
-        counts = {"num_prefill": 1, "num_decode": 1, "num_colocated": 0}
+    counts = TOPOLOGIES[request.param]
     worker_args = ("--num-blocks", "512", "--threads", "1", "--lora-modules", f"sql={adapter_dir}")
     with running_cluster(
         tiny_model_dir, tmp_path_factory.mktemp("lora-cluster"), worker_args=worker_args,

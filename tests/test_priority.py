@@ -14,7 +14,7 @@ import pytest
 from kvrelay import LLM, SamplingParams
 from kvrelay.cli.launcher import Launcher
 from kvrelay.engine.admission import RequestError
-from tests.cluster_harness import metric_value, read_text, running_cluster
+from tests.cluster_harness import TOPOLOGIES, metric_value, read_text, running_cluster
 
 PROMPT = "The quick brown fox"
 
@@ -39,9 +39,7 @@ def by_priority(
 ) -> Iterator[Any]:
     """One seat a worker; 1P+1D: the decode worker preempts for a more urgent hand-off."""
     args = ("--num-blocks", "512", "--threads", "1", "--max-num-seqs", "1")
-    counts = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1}
-    if request.param == "1P+1D":
-        counts = {"num_prefill": 1, "num_decode": 1, "num_colocated": 0}
+    counts = TOPOLOGIES[request.param]
     with running_cluster(
         tiny_model_dir, tmp_path_factory.mktemp("priority"), **counts,
         worker_args=(*args, "--scheduling-policy", "priority"),

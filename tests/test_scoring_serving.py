@@ -20,7 +20,7 @@ import pytest
 from kvrelay import LLM, PoolingParams
 from kvrelay.cli.launcher import Launcher
 from kvrelay.engine.make_tiny import make_classifier
-from tests.cluster_harness import metric_value, read_text, running_cluster
+from tests.cluster_harness import TOPOLOGIES, metric_value, read_text, running_cluster
 
 QUERY = "which animal purrs when it is happy?"
 DOCUMENTS = ["A cat purrs.", "Stock markets fell on Monday.", "Dogs bark.", "Cats nap a lot."]
@@ -42,9 +42,7 @@ def three_labels(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
 def cluster(
     request: pytest.FixtureRequest, cross_encoder: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Launcher]:
-    counts = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1}
-    if request.param == "1P+1D":
-        counts = {"num_prefill": 1, "num_decode": 1, "num_colocated": 0}
+    counts = TOPOLOGIES[request.param]
     with running_cluster(cross_encoder, tmp_path_factory.mktemp("score"), **counts) as launcher:
         yield launcher
 

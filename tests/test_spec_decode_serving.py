@@ -18,7 +18,13 @@ import pytest
 
 from kvrelay import LLM, SamplingParams
 from kvrelay.cli.launcher import Launcher
-from tests.cluster_harness import assert_no_leaks, metric_value, read_text, running_cluster
+from tests.cluster_harness import (
+    TOPOLOGIES,
+    assert_no_leaks,
+    metric_value,
+    read_text,
+    running_cluster,
+)
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 6, [300 + i % 7 for i in range(50)]]
@@ -29,9 +35,7 @@ MAX_TOKENS = 32
 def cluster(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Launcher]:
-    counts = {"num_prefill": 0, "num_decode": 0, "num_colocated": 1}
-    if request.param == "1P+1D":
-        counts = {"num_prefill": 1, "num_decode": 1, "num_colocated": 0}
+    counts = TOPOLOGIES[request.param]
     worker_args = (
         "--num-blocks", "512", "--threads", "1", "--speculative-config", json.dumps(SPEC),
     )  # fmt: skip
