@@ -410,33 +410,21 @@ static void attend_unit(void *ctx, int u) {
     UnitsJob *w = (UnitsJob *)ctx;
     const AttnJob *j = w->job;
     Unit *un = &w->units[u];
-    float *scores = score_rows((size_t)(j->q_heads / j->kv_heads) * CHUNK_STRIDE);
-    if (scores == NULL) {
+    /* every kv head of the chunk (h < 0): a token's heads are one contiguous row */
+    const int heads = un->h < 0 ? j->kv_heads : 1, h0 = un->h < 0 ? 0 : un->h;
+    Piece one, *p = heads == 1 ? &one : pieces(heads);
+    float *scores = score_rows((size_t)heads * (j->q_heads / j->kv_heads) * CHUNK_STRIDE);
+    if (p == NULL || scores == NULL) {
         __atomic_store_n(&w->failed, 1, __ATOMIC_RELAXED);
         return;
     }
     float tile[TILE * MAX_HEAD_DIM];
-    if (un->h < 0) { /* every kv head of the chunk: a token's heads are one contiguous row */
-        const int heads = j->kv_heads;
-        Piece *p = pieces(heads);
-        float *all = score_rows((size_t)heads * (j->q_heads / j->kv_heads) * CHUNK_STRIDE);
-        if (p == NULL || all == NULL) {
-            __atomic_store_n(&w->failed, 1, __ATOMIC_RELAXED);
-            return;
-        }
-        for (int h = 0; h < heads; h++) {
-            p[h].tile = tile;
-            start_head(j, &p[h], un->i, h, w->ops == &OPS_AVX512_BF16);
-        }
-        attend_chunks(j, p, heads, un->i, 0, un->c0, un->c1, all, NULL, w->ops, 1);
-        for (int h = 0; h < heads; h++) save_state(j, &p[h], un->part + h * partial_floats(j));
-        return;
+    for (int h = 0; h < heads; h++) {
+        p[h].tile = tile;
+        start_head(j, &p[h], un->i, h0 + h, w->ops == &OPS_AVX512_BF16);
     }
-    Piece one;
-    one.tile = tile;
-    start_head(j, &one, un->i, un->h, w->ops == &OPS_AVX512_BF16);
-    attend_chunks(j, &one, 1, un->i, un->h, un->c0, un->c1, scores, NULL, w->ops, 1); /* one chunk: no fold */
-    save_state(j, &one, un->part);
+    attend_chunks(j, p, heads, un->i, h0, un->c0, un->c1, scores, NULL, w->ops, 1); /* one chunk: no fold */
+    for (int h = 0; h < heads; h++) save_state(j, &p[h], un->part + h * partial_floats(j));
 }
 
 /* A step of up to SPLIT_ROWS rows, one of whose keys span more than one chunk: a unit of work
@@ -452,7 +440,7 @@ static void attend_unit(void *ctx, int u) {
 /* Whether a split step's units take every kv head of a chunk (True) or one each. A chunk's
  * keys for every head are whole token rows, contiguous in the pool (12 KB runs in a block of
  * SmolLM2's float32 keys), which memory serves faster than one head's 256 bytes of every 768:
- * 0.69-0.78x the time for a lone row of 1,000-2,000 keys (BENCHMARKS "CPU attention: a lone
+ * 0.58-0.81x the time for a lone row of 1,000-4,000 keys (BENCHMARKS "CPU attention: a lone
  * row's chunks with all their heads"). But there are kv_heads times fewer units to share out:
  * a row of 600 keys is a chunk of 512 and one of 88, 1.21x the time on two threads. So every
  * head where the threads' busiest share of whole chunks (units taken in order, each by the
@@ -460,17 +448,20 @@ static void attend_unit(void *ctx, int u) {
  * share of all the keys. */
 #define ALL_HEADS_GAIN 1.4f
 #define MAX_THREADS_SPLIT 64 /* threads the share is reckoned for (more: as 64) */
-static int split_all_heads(const int *chunk_keys, int count) {
+static int split_all_heads(const AttnJob *j, int n, const int *starts, const int *chunks, int most) {
     const int threads = pool_size() < 1 ? 1 : pool_size();
-    long load[MAX_THREADS_SPLIT] = {0}, total = 0, busiest = 0;
     const int t = threads < MAX_THREADS_SPLIT ? threads : MAX_THREADS_SPLIT;
-    for (int u = 0; u < count; u++) {
-        int least = 0;
-        for (int x = 1; x < t; x++) least = load[x] < load[least] ? x : least;
-        load[least] += chunk_keys[u];
-        total += chunk_keys[u];
-        busiest = load[least] > busiest ? load[least] : busiest;
-    }
+    long load[MAX_THREADS_SPLIT] = {0}, total = 0, busiest = 0;
+    for (int c = 0; c < most; c++) /* in split_rows' order: the rows' first chunks, then... */
+        for (int i = 0; i < n; i++) {
+            if (c >= chunks[i]) continue;
+            const int keys = min_int(j->ctx_lens[i] - starts[i] - c * CHUNK, CHUNK);
+            int least = 0;
+            for (int x = 1; x < t; x++) least = load[x] < load[least] ? x : least;
+            load[least] += keys;
+            total += keys;
+            busiest = load[least] > busiest ? load[least] : busiest;
+        }
     return (float)busiest <= ALL_HEADS_GAIN * (float)total / (float)t;
 }
 
@@ -490,13 +481,8 @@ static int split_rows(const AttnJob *j, int n, const TileOps *ops) {
     Unit *units = (Unit *)malloc(sizeof(Unit) * count);
     float *parts = (float *)malloc(sizeof(float) * pf * count);
     UnitsJob w = {j, units, ops, 0};
-    int *keys = (int *)malloc(sizeof(int) * count);
-    if (units != NULL && parts != NULL && keys != NULL) {
-        int whole = 0; /* the chunks, in the order the units run: row by row within a chunk */
-        for (int c = 0; c < most; c++)
-            for (int i = 0; i < n; i++)
-                if (c < chunks[i]) keys[whole++] = min_int(j->ctx_lens[i] - starts[i] - c * CHUNK, CHUNK);
-        const int all = split_all_heads(keys, whole);
+    if (units != NULL && parts != NULL) {
+        const int all = split_all_heads(j, n, starts, chunks, most);
         int u = 0; /* run chunk by chunk: the rows' first chunks, then their second ones... */
         for (int c = 0; c < most; c++)
             for (int i = 0; i < n; i++)
@@ -507,7 +493,7 @@ static int split_rows(const AttnJob *j, int n, const TileOps *ops) {
                 }
         pool_run(attend_unit, &w, u);
     }
-    const int done = units != NULL && parts != NULL && keys != NULL && !w.failed;
+    const int done = units != NULL && parts != NULL && !w.failed;
     for (int i = 0; done && i < n; i++) {
         for (int h = 0; h < j->kv_heads; h++) {
             float *state = parts + (size_t)(first[i] + h) * pf;
@@ -524,7 +510,6 @@ static int split_rows(const AttnJob *j, int n, const TileOps *ops) {
     }
     free(units);
     free(parts);
-    free(keys);
     return done ? 0 : -1;
 }
 #endif
