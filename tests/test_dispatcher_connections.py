@@ -20,7 +20,7 @@ LAYOUT = KvLayout(
 
 def _register(backend: Dispatcher, instance_id: str, role: Role) -> None:
     info = PeerInfo(instance_id, role, "host", "tcp://127.0.0.1:1", "", None, LAYOUT, b"fp")
-    backend._on_register(f"conn-{instance_id}".encode(), Register(info, "tiny", 128, 1))
+    backend.membership.register(f"conn-{instance_id}".encode(), Register(info, "tiny", 128, 1))
 
 
 def _watching(*instance_ids: str, done: bool = False) -> Tracked:
@@ -40,18 +40,18 @@ def test_dead_instances_connections_go_once_no_request_watches_them(tiny_model_d
             for n in range(4):
                 _register(backend, f"p{n}", Role.PREFILL)
             _register(backend, "d0", Role.DECODE)
-            assert set(backend._connections) == {"p0", "p1", "p2", "p3", "d0"}
-            assert backend._prune_connections() == 0  # all live
+            assert set(backend.membership.connections) == {"p0", "p1", "p2", "p3", "d0"}
+            assert backend.membership.prune(backend._watched) == 0  # all live
             for gone in ("p0", "p1", "p2"):
                 backend.registry.remove(gone)  # as reap() does for the silent
             backend._tracked["r1"] = _watching("p1", "d0")  # in flight: p1's Aborts still matter
             backend._tracked["r2"] = _watching("p2", done=True)  # finished: p2's do not
-            assert backend._prune_connections() == 2
-            assert set(backend._connections) == {"p1", "p3", "d0"}
-            assert backend._connections["p1"] == b"conn-p1"
+            assert backend.membership.prune(backend._watched) == 2
+            assert set(backend.membership.connections) == {"p1", "p3", "d0"}
+            assert backend.membership.connections["p1"] == b"conn-p1"
             del backend._tracked["r1"]  # the request that watched p1 finished
-            assert backend._prune_connections() == 1
-            assert set(backend._connections) == {"p3", "d0"}  # the live fleet
+            assert backend.membership.prune(backend._watched) == 1
+            assert set(backend.membership.connections) == {"p3", "d0"}  # the live fleet
         finally:
             await backend.close()  # its socket, the CURVE authenticator's thread, the context
 

@@ -147,11 +147,11 @@ def test_routers_announce_batches_and_workers_follow_each_ack(tiny_model_dir) ->
             tokenizer, "tiny", 128, DispatcherSettings("tcp://127.0.0.1:1"), security
         )
         sent: list[RegisterAck] = []
-        backend._reply = lambda identity, msg: sent.append(msg)  # type: ignore[method-assign]
+        backend.membership._send_to = lambda identity, msg: sent.append(msg)
         try:
             layout = KvLayout(2, 100, 16, 2, 8, "float32")
             info = PeerInfo("d0", Role.DECODE, "host", "tcp://127.0.0.1:1", "", None, layout, b"f")
-            backend._on_register(b"conn-d0", Register(info, "tiny", 128, 1))
+            backend.membership.register(b"conn-d0", Register(info, "tiny", 128, 1))
         finally:
             await backend.close()
         return sent[0]

@@ -17,10 +17,8 @@ hears nothing from a router for its ``router_timeout`` aborts that router's requ
 router's ``close`` sends ``RouterLeaving`` to every instance it knows, which aborts them at once.
 
 Liveness: an instance is dead after ``dead_after`` seconds without a message, or at once when
-it sends ``Leaving`` as it exits (on its own connection: another's is refused). The reaper
-judges on the router's own clock of responsiveness: when the event loop itself was stalled
-(its tick came late), the stall is not counted against the instances, whose heartbeats
-were waiting in the socket meanwhile.
+it sends ``Leaving`` as it exits; ``membership.Membership`` handles the instances' control
+messages and the reaper, and calls back ``_on_gone``, which re-runs their requests.
 
 Only the request's current placement speaks for it: an event from another instance, or from
 a connection other than the one its instance registered from, is dropped (``not_assigned``);
@@ -48,18 +46,10 @@ from kvrelay.protocol.errors import ProtocolError
 from kvrelay.protocol.messages import (
     LEAVING_LINGER_MS,
     Abort,
-    CacheEvent,
-    Drain,
     GenerateRequest,
-    Leaving,
-    LoadReport,
-    LoRAState,
-    Register,
-    RegisterAck,
     RouterLeaving,
     TokenEvent,
     TokenEvents,
-    Undrain,
     decode,
     encode,
 )
@@ -76,6 +66,7 @@ from kvrelay.router.backend import (
 )
 from kvrelay.router.instance import Instance, Placement
 from kvrelay.router.lora_admin import LoRAAdmin
+from kvrelay.router.membership import Membership
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.prefix_index import CacheIndex, PrefixMatch, reusable_block_keys
 from kvrelay.router.registry import DEFAULT_PREFILL_QUEUE_LIMIT, Registry
@@ -87,7 +78,6 @@ from kvrelay.transport.curve import SocketSecurity
 logger = logging.getLogger(__name__)
 
 _NUM_LATENCY_SAMPLES = 4096  # finished requests kept for windowed SLO attainment
-_PRUNE_INTERVAL_S = 1.0  # how often the connections of instances gone are looked at
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -144,15 +134,19 @@ class Dispatcher(Backend):
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._bound = False
         self._tracked: dict[str, Tracked] = {}
-        # instance id -> the connection it last registered from (its Aborts reach it even
-        # after the router declared it dead: a paused process finds them when it resumes);
-        # a dead one's is dropped once no request in flight watches it (_prune_connections)
-        self._connections: dict[str, bytes] = {}
-        self._last_prune = 0.0
         self.admission = Admission(
             settings.max_inflight, settings.max_queue_time, settings.retry_after
         )
         self.lora_admin = LoRAAdmin(self.registry, self._send, (model_name,))  # runtime loads
+        self.membership = Membership(
+            self.registry,
+            self.cache_index,
+            self.lora_admin,
+            self.metrics,
+            self.router_id,
+            self._send_to,
+            self._on_gone,
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._latencies: collections.deque[LatencySample] = collections.deque(
             maxlen=_NUM_LATENCY_SAMPLES
@@ -173,7 +167,10 @@ class Dispatcher(Backend):
         self.bind()
         self._tasks = [
             asyncio.create_task(self._recv_loop(), name="router-recv"),
-            asyncio.create_task(self._reap_loop(), name="router-reap"),
+            asyncio.create_task(
+                self.membership.reap_loop(self.settings.dead_after, self._watched),
+                name="router-reap",
+            ),
         ]
 
     async def close(self) -> None:
@@ -354,9 +351,6 @@ class Dispatcher(Backend):
             if inst is not None:
                 self._send(inst, Abort(tr.request.request_id, tr.attempt))
 
-    def _reply(self, identity: bytes, msg: Any) -> None:
-        self._send_to(identity, msg)
-
     def _send(self, inst: Instance, msg: Any) -> None:
         self._send_to(inst.connection, msg)
 
@@ -378,19 +372,11 @@ class Dispatcher(Backend):
 
     def drain(self, instance_id: str) -> bool:
         """Stops placing requests on an instance and tells it to drain; False if unknown."""
-        return self._set_draining(instance_id, True)
+        return self.membership.set_draining(instance_id, True)
 
     def undrain(self, instance_id: str) -> bool:
         """Places requests on a drained instance again and tells it so; False if unknown."""
-        return self._set_draining(instance_id, False)
-
-    def _set_draining(self, instance_id: str, draining: bool) -> bool:
-        inst = self.registry.get(instance_id)
-        if inst is None:
-            return False
-        inst.draining = draining
-        self._send(inst, Drain(instance_id) if draining else Undrain(instance_id))
-        return True
+        return self.membership.set_draining(instance_id, False)
 
     # ------------------------------------------------------------------ events
     async def _recv_loop(self) -> None:
@@ -411,54 +397,8 @@ class Dispatcher(Backend):
         elif isinstance(msg, TokenEvents):
             for event in msg.events:
                 self._on_tokens(identity, event)
-        elif isinstance(msg, Register):
-            self._on_register(identity, msg)
-        elif isinstance(msg, LoRAState):
-            self.lora_admin.on_state(identity, msg)
-        elif isinstance(msg, Leaving):
-            if self.registry.get_from(msg.instance_id, identity) is None:
-                self.metrics.refused_control.labels("foreign_connection").inc()
-            else:
-                self.registry.remove(msg.instance_id)
-                self._on_gone({msg.instance_id}, "left")
-        elif isinstance(msg, LoadReport | CacheEvent):
-            if self.registry.get(msg.instance_id) is None:
-                if isinstance(msg, LoadReport):
-                    logger.info(
-                        "heartbeat from unregistered %s; asking it to register", msg.instance_id
-                    )
-                    ack = self._ack(msg.instance_id, known=False)
-                    self._reply(identity, ack)
-            elif self.registry.get_from(msg.instance_id, identity) is None:
-                self.metrics.refused_control.labels("foreign_connection").inc()
-            elif isinstance(msg, LoadReport):
-                self.registry.report(msg)
-                # the answer also tells the worker this router is alive (router_timeout)
-                self._reply(identity, self._ack(msg.instance_id, known=True))
-            else:
-                self.cache_index.apply(msg)
         else:
-            logger.warning("unexpected %s from %r", type(msg).__name__, identity)
-
-    def _ack(self, instance_id: str, known: bool) -> RegisterAck:
-        return RegisterAck(instance_id, known, self.router_id, token_batches=True)
-
-    def _on_register(self, identity: bytes, msg: Register) -> None:
-        inst = self.registry.register(msg, identity)
-        if inst is None:
-            self.metrics.refused_control.labels("id_taken").inc()
-            logger.warning(
-                "refused a Register of %s from %r: the id is live on another connection",
-                msg.info.instance_id,
-                identity,
-            )
-            return
-        self.cache_index.add_instance(inst.instance_id, inst.info.host_id)
-        self._connections[inst.instance_id] = identity  # kept after death: late Aborts
-        ack = self._ack(inst.instance_id, known=True)
-        self._reply(identity, ack)
-        self.lora_admin.on_register(inst)
-        logger.info("instance %s (%s) joined", inst.instance_id, inst.role.value)
+            self.membership.on_message(identity, msg)
 
     def _on_tokens(self, identity: bytes, event: TokenEvent) -> None:
         tr = self._tracked.get(event.request_id)
@@ -468,7 +408,7 @@ class Dispatcher(Backend):
             return
         if event.attempt != tr.attempt:  # an instance that missed the re-run (it was paused)
             self.metrics.dropped_events.labels("superseded_attempt").inc()
-            is_its_own = self._connections.get(event.instance_id) == identity
+            is_its_own = self.membership.connection(event.instance_id) == identity
             if event.attempt < tr.attempt and not event.finished and is_its_own:
                 abort = Abort(event.request_id, event.attempt, superseded=True)
                 self._send_to(identity, abort)
@@ -509,55 +449,25 @@ class Dispatcher(Backend):
         return self.registry.get_from(event.instance_id, identity) is not None
 
     # ------------------------------------------------------------------ failures
-    async def _reap_loop(self) -> None:
-        interval = min(0.2, self.settings.dead_after / 4)
-        last_tick = time.monotonic()
-        while True:
-            await asyncio.sleep(interval)
-            now = time.monotonic()
-            overshoot = now - last_tick - interval
-            last_tick = now
-            if overshoot > interval:  # more than a late wake-up: the loop itself was held
-                self.registry.excuse(overshoot)  # heartbeats waited in the socket meanwhile
-                self.metrics.loop_stalls.inc()
-                continue  # let the receive loop catch up before judging
-            dead = {inst.instance_id for inst in self.registry.reap()}
-            if now - self._last_prune >= _PRUNE_INTERVAL_S:
-                self._last_prune = now
-                self._prune_connections()
-            if dead:
-                self._on_gone(dead, "gone silent")
+    def _watched(self) -> set[str]:
+        """The instances that requests in flight still depend on."""
+        return set().union(*(tr.watch for tr in self._tracked.values() if not tr.done))
 
     def _on_gone(self, gone: set[str], how: str) -> None:
         """Instances out of the registry (silent past ``dead_after``, or ``Leaving``): their
         cached prefixes and adapters are forgotten, and requests they had are re-run."""
-        for instance_id in gone:
-            self.cache_index.remove_instance(instance_id)
-            self.lora_admin.on_leave(instance_id)
+        self.membership.forget(gone)
         retried = [tr for tr in self._tracked.values() if not tr.done and tr.watch & gone]
         log = logger.warning if how != "left" or retried else logger.info
         log("instances %s: %s", how, ", ".join(sorted(gone)))
         for tr in retried:
             self._retry(tr, gone)
 
-    def _prune_connections(self) -> int:
-        """Forgets the connections of instances that left the registry and that no request
-        in flight watches (a late Abort has nothing left to stop there); returns how many.
-        Without this an autoscaled fleet's router kept one entry per instance ever seen."""
-        gone = [i for i in self._connections if self.registry.get(i) is None]
-        if not gone:
-            return 0
-        watched = set().union(*(tr.watch for tr in self._tracked.values() if not tr.done))
-        dropped = [i for i in gone if i not in watched]
-        for instance_id in dropped:
-            del self._connections[instance_id]
-        return len(dropped)
-
     def _retry(self, tr: Tracked, dead: set[str]) -> None:
         # the dead too: one that was only paused finds the Abort when it resumes
         abort = Abort(tr.request.request_id, tr.attempt, superseded=True)
         for instance_id in tr.watch:
-            connection = self._connections.get(instance_id)
+            connection = self.membership.connection(instance_id)
             if connection is not None:
                 self._send_to(connection, abort)
         tr.early.clear()
