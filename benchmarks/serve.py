@@ -53,7 +53,7 @@ from kvrelay.bench import LoadConfig, Slo
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from kvrelay.bench import length_range
+    from kvrelay.cli.bench import length_range
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_args(p)

@@ -20,12 +20,12 @@ from kvrelay.bench import (
     RequestRecord,
     Slo,
     check_server,
-    length_range,
     make_requests,
     percentile,
     summarize,
     warm_up_config,
 )
+from kvrelay.cli.bench import length_range
 from tests.cluster_harness import running_cluster
 
 SERVED = "tiny"  # running_cluster's served model name

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_parser(sub: Any) -> None:
-    from kvrelay.bench import add_bench_args
+    from kvrelay.cli.bench import add_bench_args
 
     bench = sub.add_parser(
         "bench", help="Poisson load against a server: TTFT, TPOT, throughput and goodput"
@@ -84,7 +84,7 @@ def _add_bench_parser(sub: Any) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from kvrelay.bench import run_cli
+    from kvrelay.cli.bench import run_cli
 
     return run_cli(args)
 
