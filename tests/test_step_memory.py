@@ -69,3 +69,51 @@ def test_the_switch_leaves_glibc_as_it_was() -> None:
     # glibc's own policy (a threshold of 128 KiB in a fresh process) maps such a block on its
     # own, and unmaps it when it is freed: the next step's block faults in fresh pages
     assert found["mapped"] == 1, found
+
+
+# in a thread (its own malloc arena, as a worker's step threads have), allocates and touches a
+# step's buffers (2-13 MiB, above glibc's default mmap threshold), then frees them, 20 times
+# after a first round; prints the minor page faults those 20 rounds took
+_ROUNDS = """
+import ctypes, resource, sys, threading
+from kvrelay.engine.device import keep_step_memory
+if sys.argv[1] == "keep":
+    assert keep_step_memory()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+sizes = [n << 20 for n in (2, 13, 6, 3)]  # a step's buffers
+def round_():
+    ptrs = []
+    for size in sizes:
+        ptrs.append(libc.malloc(size))
+        ctypes.memset(ptrs[-1], 1, size)
+    for ptr in ptrs:
+        libc.free(ptr)
+def rounds():
+    round_()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):
+        round_()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+t = threading.Thread(target=rounds)  # a thread's arena, as a worker's step threads have
+t.start()
+t.join()
+"""
+
+
+def _faults(mode: str) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", _ROUNDS, mode], capture_output=True, text=True, check=True
+    )
+    return int(done.stdout)
+
+
+@needs_glibc
+def test_freed_buffers_are_reused_without_page_faults() -> None:
+    step_pages = (24 << 20) // 4096  # one round's buffers
+    # glibc by default gives some of it back after the first round (the first frees raise its
+    # mmap threshold; the arena's top is trimmed) and faults it in again
+    assert _faults("default") >= step_pages // 2
+    assert _faults("keep") < step_pages // 50  # the first round's pages, reused

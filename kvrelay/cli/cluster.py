@@ -338,10 +338,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--cpu-nice is a worker's (a router does not step the model)")
     if args.role != "router":
         from kvrelay.worker.cpu_priority import lower_cpu_priority
-        from kvrelay.worker.host_malloc import keep_freed_memory
 
         lower_cpu_priority(args.cpu_nice)  # before any thread starts: they inherit it
-        keep_freed_memory()  # steps reuse freed activations instead of faulting pages in
+        from kvrelay.engine.device import keep_step_memory
+
+        keep_step_memory()  # before the weights: steps reuse freed activations
     if args.launcher_pid:
         follow_launcher(args.launcher_pid)  # a process `kvrelay up` started ends with it
     exposed = (
