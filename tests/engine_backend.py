@@ -292,7 +292,8 @@ def start_api_server(model_dir: str | Path) -> ApiServer:
     token-guarded admin routes (``/admin/ping``, and ``/admin/scale`` with a FastAPI body)."""
     from fastapi import APIRouter, Depends
 
-    from kvrelay.router.api import ApiSettings, create_app
+    from kvrelay.router.api import create_app
+    from kvrelay.router.api_settings import ApiSettings
     from kvrelay.router.errors import require_admin_token
 
     backend = EngineBackend(

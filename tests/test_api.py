@@ -24,7 +24,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from pydantic import BaseModel
 
 from kvrelay import LLM, SamplingParams
-from kvrelay.router.api import ApiSettings, create_app
+from kvrelay.router.api import create_app
+from kvrelay.router.api_settings import ApiSettings
 from kvrelay.router.backend import (
     Backend,
     Delta,

@@ -199,7 +199,7 @@ class PooledRoutes:
                 add_special_tokens=bool(req.add_special_tokens),
                 truncate_prompt_tokens=req.truncate_prompt_tokens,
             )
-            self.api.check_chat_options(chat)
+            self.api.settings.check_chat_options(chat)
             return [(await self.api.prompts.chat(chat)).token_ids]
         limit = self.api.settings.max_embedding_inputs
         if not req.input:

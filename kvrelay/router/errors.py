@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from pydantic import ValidationError
     from pydantic_core import ErrorDetails
 
-    from kvrelay.router.api import ApiSettings
+    from kvrelay.router.api_settings import ApiSettings
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,8 @@ from kvrelay.autoscale.policy import Policy, PolicyConfig
 from kvrelay.protocol.credential import ClusterCredential
 from kvrelay.protocol.pooling import ClassifierConfig
 from kvrelay.router import EXIT_ADDRESS_IN_USE
-from kvrelay.router.api import ApiSettings, create_app
+from kvrelay.router.api import create_app
+from kvrelay.router.api_settings import ApiSettings
 from kvrelay.router.cache_stats import build_report, fetch_worker_stats
 from kvrelay.router.dispatcher import Dispatcher, DispatcherSettings
 from kvrelay.router.errors import ApiError, require_admin_token

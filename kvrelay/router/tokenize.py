@@ -94,7 +94,7 @@ class TokenizeRoutes:
             tools=req.tools,
             tool_choice="none" if req.tools else None,  # rendered alike; no parser needed
         )
-        self.api.check_chat_options(chat)
+        self.api.settings.check_chat_options(chat)
         prompt = await self.api.prompts.chat(chat)
         if req.add_special_tokens:  # the chat endpoint encodes the rendered text without them
             return await self.api.prompts.encode(prompt.text, True, "messages")
