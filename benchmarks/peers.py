@@ -38,6 +38,7 @@ from common import (
     median,
     signal_tree,
     update_benchmarks_md,
+    vllm_env,
     wait_for_quiet_cpu,
 )
 
@@ -197,9 +198,7 @@ def start_engines(
     )
     if vllm_python is None:
         return [kvrelay]
-    venv_env = dict(env, VLLM_TARGET_DEVICE="cpu", VLLM_CACHE_ROOT=args.vllm_cache)
-    venv_env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
-    venv_env.pop("PYTHONPATH")
+    venv_env = vllm_env(env, args.vllm_cache, args.threads)
     vllm = Engine(
         "vllm", [str(vllm_python), str(ENGINE_SCRIPT), "--system", "vllm", *common], venv_env
     )

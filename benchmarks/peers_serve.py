@@ -44,6 +44,7 @@ from common import (
     median,
     signal_tree,
     update_benchmarks_md,
+    vllm_env,
     wait_for_quiet_cpu,
 )
 from peers import ensure_vllm_venv
@@ -281,13 +282,6 @@ def steps_brief(steps: dict[str, tuple[float, float]]) -> dict[str, str]:
     }
 
 
-def vllm_env(args: argparse.Namespace) -> dict[str, str]:
-    env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", VLLM_CACHE_ROOT=args.vllm_cache)
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
-    env.pop("PYTHONPATH", None)
-    return env
-
-
 def p1d_threads(args: argparse.Namespace) -> int:
     """Threads per worker of the 1P+1D cluster."""
     return args.p1d_threads or args.threads
@@ -306,7 +300,7 @@ def start_servers(args: argparse.Namespace, vllm_python: Path, log_dir: Path) ->
                 argv += VLLM_EMBED_ARGS
             if args.dataset == "rerank":
                 argv += VLLM_RERANK_ARGS
-            env = vllm_env(args)
+            env = vllm_env(os.environ, args.vllm_cache, args.threads)
         else:
             argv = [sys.executable, "-m", "kvrelay", "up", "--model", args.model]
             argv += ["--dtype", args.dtype, "--port", str(port), "--seed", "0"]
@@ -376,7 +370,8 @@ def bench(
     load_before = os.getloadavg()[0]
     cached_before = server.cached_prompt_tokens()
     steps_before = server.engine_steps()
-    done = subprocess.run(argv, env=vllm_env(args), capture_output=True, text=True)
+    env = vllm_env(os.environ, args.vllm_cache, args.threads)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"vllm bench serve against {server.name}: {done.stderr[-2000:]}")
     result = json.loads(out.read_text())

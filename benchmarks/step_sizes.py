@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common import vllm_env
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -137,13 +139,8 @@ def run_system(args: argparse.Namespace, system: str) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(HERE.parent))
     if system == "vllm":
         python = str(Path(args.vllm_venv) / "bin" / "python")
-        env.update(
-            VLLM_TARGET_DEVICE="cpu",
-            VLLM_CACHE_ROOT=args.vllm_cache,
-            VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}",
-            VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        )
+        env = vllm_env(os.environ, args.vllm_cache, args.threads)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in-process, its steps timed
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "runs.json"
         argv = [python, str(Path(__file__).resolve()), "--one", system, "--out", str(out)]
