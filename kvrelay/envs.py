@@ -224,8 +224,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     _var("KVRELAY_CPU_PACKED_KERNEL", str, "auto",
          "the packed copy's layout and kernel: panels (kvrelay's native panels of 16 columns, "
          "1.3-1.6x oneDNN's speed at 8-64 rows on an AVX2 CPU, where oneDNN's kernels wait on "
-         "memory), onednn (oneDNN's blocked layout), or auto: panels on a CPU with AVX2 and no "
-         "AVX-512, else onednn", commands=("serve",), choices=("auto", "panels", "onednn")),
+         "memory; on AVX-512, a tile over two panels), onednn (oneDNN's blocked layout), or "
+         "auto: panels on a CPU with AVX2 and no AMX (where oneDNN's bfloat16 runs on the "
+         "matrix unit), else onednn", commands=("serve",), choices=("auto", "panels", "onednn")),
     _var("KVRELAY_GRAMMAR_WARM_UP", bool, True,
          "a worker builds the grammar compiler's tokenizer tables (xgrammar, which imports "
          "transformers: ~2.5 s of CPU) on a thread as it starts serving, so that the first "

@@ -94,7 +94,9 @@ def test_asked_for_where_it_does_not_apply_it_warns_and_packs_nothing(
 def test_bfloat16_steps_over_four_rows_take_the_packed_copies(tiny_model_dir, monkeypatch) -> None:
     """With packed bfloat16 weights, decode steps of 5-8 rows run on oneDNN's copies (gemv's
     widened float32 products are compute-bound there), steps of up to 4 stay native; the
-    greedy tokens are those of the engine without packed weights."""
+    greedy tokens are those of the engine without packed weights. oneDNN's copies whatever
+    this CPU's default kind (panels' copies are float32 and keep 8: ``native_rows``)."""
+    monkeypatch.setattr(cpu_panels, "chosen", lambda: False)
     prompts = [[(n * 37 + t * 11) % 500 + 4 for t in range(8 + n)] for n in range(6)]
     monkeypatch.setenv("KVRELAY_CPU_PACKED_WEIGHTS", "0")
     plain = LLMEngine.from_args(tiny_model_dir, dtype="bfloat16", num_threads=2, seed=0)

@@ -107,3 +107,45 @@ def test_widened_bfloat16_products_run_the_panels_where_they_are_the_packed_kern
     emb = w.t().contiguous()  # [vocab, hidden]: the tied LM head
     want_nt = cpu_panels.linear(x, cpu_panels.pack(emb, transposed=False)).to(torch.bfloat16)
     assert torch.equal(gemv.matmul_nt(x, emb), want_nt)
+
+
+def _has_avx512() -> bool:
+    from pathlib import Path
+
+    flags = f" {Path('/proc/cpuinfo').read_text()} " if Path("/proc/cpuinfo").exists() else ""
+    return all(f" {f} " in flags.replace("\n", " ") for f in ("avx512f", "avx512bw", "avx512vl"))
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="the AVX-512 tile needs a CPU with AVX-512")
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 64, 130, 300])
+@pytest.mark.parametrize("n", [16, 33, 48, 100])
+def test_the_avx512_tile_gives_the_avx2_tiles_sums_bit_for_bit(rows: int, n: int) -> None:
+    """On AVX-512 a tile spans two panels (an odd last one alone, a partial one masked): the
+    same sums over k in the same order as the AVX2 tile, so a token does not depend on which
+    of the two CPUs computed it; with a bias, in both layouts and on the plain weights."""
+    from kvrelay.kernels import gemv
+
+    library = gemv.load_library()
+    g = torch.Generator().manual_seed(rows * 100 + n)
+    x = torch.randn(rows, 576, generator=g)
+    w_kn = torch.randn(576, n, generator=g)
+    bias = torch.randn(n, generator=g)
+    panels = cpu_panels.pack(w_kn, transposed=True)
+    panels_nk = cpu_panels.pack(w_kn.t().contiguous(), transposed=False)
+    old = library.panels_allow_avx512(-1)
+    try:
+        runs = []
+        for allow in (1, 0):
+            library.panels_allow_avx512(allow)
+            runs.append(
+                (
+                    cpu_panels.linear(x, panels, bias),
+                    cpu_panels.linear(x, panels_nk),
+                    cpu_panels.linear_plain(x, w_kn, True, bias),
+                )
+            )
+    finally:
+        library.panels_allow_avx512(old)
+    for wide, narrow in zip(runs[0], runs[1], strict=True):
+        assert torch.equal(wide, narrow)
+    torch.testing.assert_close(runs[0][0], torch.addmm(bias, x, w_kn), rtol=1e-5, atol=1e-3)

@@ -1,5 +1,5 @@
 /*
- * Products of CPU steps of many rows on an AVX2 CPU: y[M, N] = x[M, K] @ W (+ bias), with W
+ * Products of CPU steps of many rows on an AVX2 or AVX-512 CPU: y[M, N] = x[M, K] @ W (+ bias), with W
  * copied once, when the engine starts, into panels of 16 columns, each stored [K][16] (one
  * contiguous 36 KB stream for K = 576).
  *
@@ -12,6 +12,10 @@
  * rows there, 1.1x at 256 and 0.93x at 2,048 ("Packed panels" in BENCHMARKS.md). A block's
  * rows go in tiles as even as 6 allows, each of exactly its rows (8 rows: two tiles of 4, 16
  * multiply-adds a panel row, not 6 + 2 rows' 24): 1.05-1.15x at 8-256 rows.
+ *
+ * On AVX-512 a tile is 12 rows by two neighbouring panels (32 columns, 24 accumulators):
+ * 1.27x the AVX2 tile at 16 rows, 1.5-1.7x at 64-2,048 on the Xeon of BENCHMARKS.md ("Packed
+ * panels on AVX-512"), with the same sums.
  *
  *   panels_pack   W (float32 or bfloat16, stored [K, N] or [N, K]) -> float32 panels; columns
  *                 past N in the last panel are zeros
@@ -37,6 +41,7 @@
 #include <string.h>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define KV_X86 1
 #else
@@ -44,7 +49,8 @@
 #endif
 
 #define NR 16       /* columns of a panel: two AVX2 vectors */
-#define MR 6        /* rows of a register tile: 6 x 2 accumulators + 2 weights + 1 broadcast */
+#define MR 6        /* rows of an AVX2 register tile: 6 x 2 accumulators + 2 weights + 1 broadcast */
+#define MR512 12    /* rows of an AVX-512 tile over two panels: 12 x 2 accumulators of 32 registers */
 #ifndef MC
 #define MC 48       /* rows of a block when the step has more than MC_FROM */
 #endif
@@ -59,11 +65,16 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
-/* True where the panels are the faster copy: AVX2 and FMA, and no AVX-512 (where oneDNN's
- * kernels run near the CPU's peak and stay the choice). */
+/* True where the panels are the faster copy: AVX2 and FMA (AVX-512 too: its tile spans two
+ * panels), and no AMX, where oneDNN's bfloat16 kernels run on the tiles' matrix unit and stay
+ * the choice. Without AMX, oneDNN's bfloat16 is no faster than float32 multiply-adds on
+ * widened weights (AVX512-BF16's dot product issues at half their rate on the Xeon of
+ * BENCHMARKS.md), and its float32 kernels wait on memory at 8-64 rows. */
 int panels_preferred(void) {
 #if KV_X86
-    return kv_use_avx2() && !kv_use_avx512();
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    const int amx = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1u); /* AMX-BF16 */
+    return kv_use_avx2() && !amx;
 #else
     return 0;
 #endif
@@ -98,6 +109,7 @@ typedef struct {
     const void *w;
     int dtype, transposed;
     int failed; /* a chunk could not allocate its panel buffer (plain weights) */
+    int wide;   /* panels a tile spans: 2 on AVX-512 (a 16-lane vector each), else 1 */
 } Gemm;
 
 /* y rows r..r+mr-1 (mr <= MR), columns of panel p (ncols of them), over the whole k. In the
@@ -191,50 +203,147 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(const Gemm *g, const f
     }
 }
 #undef TILE_CASE
+
+/* The AVX-512 tile: ROWS rows (1..MR512) by the columns of panels p and, where TWO, p + 1 (a
+ * 16-lane vector each; panel p + 1 follows panel p in memory), over the whole k, in the same
+ * order and with the same fused multiply-adds as the AVX2 tile: the same sums, bit for bit.
+ * Two panels a tile, so a k step's two weight vectors feed 2 x ROWS multiply-adds against
+ * ROWS + 2 loads (one panel would make it a load per multiply-add, which the two load ports
+ * cannot keep up with beside the two FMA ports). prefetch: the panels' own rows PREFETCH_ROWS
+ * ahead (a block's first tile); next (or NULL): `lines` lines to ask for into L2, spread over
+ * the k steps (at most two a step). */
+__attribute__((target("avx512f"), always_inline)) static inline void tile_avx512_rows(const Gemm *g, const float *panel, int r, int p, int prefetch, const char *next, int lines, const int ROWS, const int TWO) {
+    const int k = g->k;
+    const float *panel1 = panel + (size_t)k * NR;
+    /* row i of x at xb[i / 3] + (i % 3) * stride: four pointers and the stride in registers
+     * (twelve row pointers were kept in vector registers, and each move to a general one took
+     * a port the multiply-adds need) */
+    const size_t stride = (size_t)k * sizeof(float);
+    const char *xb[MR512 / 3];
+    __m512 acc[MR512][2];
+    int due = 0;
+#pragma GCC unroll 4
+    for (int j = 0; j < (ROWS + 2) / 3; j++) xb[j] = (const char *)(g->x + (size_t)(r + 3 * j) * k);
+#pragma GCC unroll 12
+    for (int i = 0; i < ROWS; i++) acc[i][0] = _mm512_setzero_ps(), acc[i][1] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int kk = 0; kk < k; kk++) {
+        const float *row0 = panel + (size_t)kk * NR, *row1 = panel1 + (size_t)kk * NR;
+        if (prefetch) {
+            _mm_prefetch((const char *)(row0 + PREFETCH_ROWS * NR), _MM_HINT_T0);
+            if (TWO) _mm_prefetch((const char *)(row1 + PREFETCH_ROWS * NR), _MM_HINT_T0);
+        }
+        if (next != NULL && (due += lines) >= k) {
+            due -= k;
+            _mm_prefetch(next, _MM_HINT_T1);
+            next += 64;
+            if (due >= k) {
+                due -= k;
+                _mm_prefetch(next, _MM_HINT_T1);
+                next += 64;
+            }
+        }
+        const __m512 w0 = _mm512_loadu_ps(row0);
+        const __m512 w1 = TWO ? _mm512_loadu_ps(row1) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+        for (int i = 0; i < ROWS; i++) {
+            const __m512 b = _mm512_set1_ps(*(const float *)(xb[i / 3] + (i % 3) * stride));
+            acc[i][0] = _mm512_fmadd_ps(b, w0, acc[i][0]);
+            if (TWO) acc[i][1] = _mm512_fmadd_ps(b, w1, acc[i][1]);
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < (ROWS + 2) / 3; j++) xb[j] += sizeof(float);
+    }
+    for (int h = 0; h < 1 + TWO; h++) {
+        const int col0 = (p + h) * NR, ncols = g->n - col0 < NR ? g->n - col0 : NR;
+        const __mmask16 mask = (__mmask16)((1u << ncols) - 1u);
+        const __m512 bias = g->bias != NULL ? _mm512_maskz_loadu_ps(mask, g->bias + col0) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+        for (int i = 0; i < ROWS; i++) {
+            __m512 v = acc[i][h];
+            if (g->bias != NULL) v = _mm512_add_ps(v, bias);
+            _mm512_mask_storeu_ps(g->y + (size_t)(r + i) * g->n + col0, mask, v);
+        }
+    }
+}
+
+#define TILE_CASE(ROWS)                                                                                \
+    case ROWS:                                                                                         \
+        if (two) tile_avx512_rows(g, panel, r, p, prefetch, next, lines, ROWS, 1);                     \
+        else tile_avx512_rows(g, panel, r, p, prefetch, next, lines, ROWS, 0);                         \
+        break;
+__attribute__((target("avx512f"))) static void tile_avx512(const Gemm *g, const float *panel, int two, int r, int mr, int p, int prefetch, const char *next, int lines) {
+    switch (mr) {
+        TILE_CASE(1)
+        TILE_CASE(2)
+        TILE_CASE(3)
+        TILE_CASE(4)
+        TILE_CASE(5)
+        TILE_CASE(6)
+        TILE_CASE(7)
+        TILE_CASE(8)
+        TILE_CASE(9)
+        TILE_CASE(10)
+        TILE_CASE(11)
+    default:
+        TILE_CASE(12)
+    }
+}
+#undef TILE_CASE
 #endif
 
-/* Chunk c of g->chunks: its share of the panels (the first np % chunks chunks one panel more,
- * so the larger come first), for every block of rows. */
+/* Chunk c of g->chunks: its share of the units (g->wide panels each; the first nu % chunks
+ * chunks one unit more, so the larger come first), for every block of rows. */
 static void run_chunk(void *ctx, int c) {
     const Gemm *g = ctx;
-    const int q = g->np / g->chunks, rem = g->np % g->chunks;
-    const int p0 = c * q + (c < rem ? c : rem), p1 = p0 + q + (c < rem);
+    const int w = g->wide, nu = (g->np + w - 1) / w;
+    const int q = nu / g->chunks, rem = nu % g->chunks;
+    const int u0 = c * q + (c < rem ? c : rem), u1 = u0 + q + (c < rem);
     const int block = g->m > MC_FROM ? MC : g->m;
-    float *buf = NULL; /* plain weights: the panel being used, packed from w */
-    if (g->wp == NULL && (buf = malloc(sizeof(float) * g->k * NR)) == NULL) {
+    const int mr_max = w == 2 ? MR512 : MR;
+    float *buf = NULL; /* plain weights: the panels being used, packed from w */
+    if (g->wp == NULL && (buf = malloc(sizeof(float) * g->k * NR * w)) == NULL) {
         __atomic_store_n((int *)&g->failed, 1, __ATOMIC_RELAXED);
         return;
     }
     for (int m0 = 0; m0 < g->m; m0 += block) {
         const int m1 = m0 + block < g->m ? m0 + block : g->m;
-        for (int p = p0; p < p1; p++) {
+        for (int u = u0; u < u1; u++) {
+            const int p = u * w, two = w == 2 && p + 1 < g->np;
             const int ncols = g->n - p * NR < NR ? g->n - p * NR : NR;
-            if (buf != NULL) pack_panel(g->k, g->n, g->w, g->dtype, g->transposed, p, buf);
+            if (buf != NULL)
+                for (int h = 0; h <= two; h++) pack_panel(g->k, g->n, g->w, g->dtype, g->transposed, p + h, buf + (size_t)h * g->k * NR);
             const float *panel = buf != NULL ? buf : g->wp + (size_t)p * g->k * NR;
             /* a step of up to MC_FROM rows reads each panel once, from memory: the block's
              * first tile also asks for the chunk's next panel into L2, a line (of its k) a
              * step, so the memory stream goes on while the other tiles compute from cache
              * (paired A/B 1.01-1.05x at 16-128 rows; BENCHMARKS "Panels"). In a block of
-             * up to SPREAD_TILES tiles (24 rows) each tile asks for its share of the lines
+             * up to SPREAD_TILES tiles each tile asks for its share of the lines
              * instead: the first one's burst of k prefetches stalled it while the others,
              * few, asked for nothing (1.09-1.29x at 9-18 rows when the host is busy,
              * 1.18-1.27x when it is quiet). Spread over more tiles it hurt in the host's busy
              * spells (0.72-0.89x at 64-2,048 rows; BENCHMARKS "Panels: the next panel's
              * lines spread over the tiles") */
-            const char *next = g->wp != NULL && g->m <= MC_FROM && p + 1 < p1 ? (const char *)(g->wp + (size_t)(p + 1) * g->k * NR) : NULL;
-            /* the block's rows in tiles as even as MR allows (8 rows: 4 + 4, not 6 + 2) */
-            const int tiles = (m1 - m0 + MR - 1) / MR;
+            const int pn = p + w, next_panels = g->np - pn < w ? g->np - pn : w;
+            const char *next = g->wp != NULL && g->m <= MC_FROM && u + 1 < u1 ? (const char *)(g->wp + (size_t)pn * g->k * NR) : NULL;
+            const int next_lines = next != NULL ? g->k * next_panels : 0;
+            /* the block's rows in tiles as even as the tile allows (8 rows: 4 + 4, not 6 + 2) */
+            const int tiles = (m1 - m0 + mr_max - 1) / mr_max;
             for (int t = 0, r = m0, mr = 0; t < tiles; t++, r += mr) {
                 mr = (m1 - r + (tiles - t) - 1) / (tiles - t);
+                const int prefetch = g->wp != NULL && r == m0;
+                /* this tile's share of the next panels' lines: all of them for the first
+                 * tile of a block of more than SPREAD_TILES tiles, else an even share */
+                const int l0 = tiles > SPREAD_TILES ? 0 : (int)((long)t * next_lines / tiles);
+                const int l1 = tiles > SPREAD_TILES ? (t == 0 ? next_lines : 0) : (int)((long)(t + 1) * next_lines / tiles);
+                const char *share = next != NULL && l1 > l0 ? next + (size_t)l0 * 64 : NULL;
 #if KV_X86
+                if (w == 2) {
+                    tile_avx512(g, panel, two, r, mr, p, prefetch, share, l1 - l0);
+                    continue;
+                }
                 if (kv_use_avx2()) {
-                    if (tiles > SPREAD_TILES) { /* the first tile asks for all of the next panel */
-                        tile_avx2(g, panel, r, mr, p, ncols, g->wp != NULL && r == m0, r == m0 ? next : NULL, g->k);
-                        continue;
-                    }
-                    /* each tile asks for its share: lines l0..l1-1 (a panel row is a line) */
-                    const int l0 = (int)((long)t * g->k / tiles), l1 = (int)((long)(t + 1) * g->k / tiles);
-                    tile_avx2(g, panel, r, mr, p, ncols, g->wp != NULL && r == m0, next != NULL ? next + (size_t)l0 * 64 : NULL, l1 - l0);
+                    tile_avx2(g, panel, r, mr, p, ncols, prefetch, share, l1 - l0);
                     continue;
                 }
 #endif
@@ -245,14 +354,30 @@ static void run_chunk(void *ctx, int c) {
     free(buf);
 }
 
+static int allow_wide = 1; /* panels_allow_avx512: tests turn it off to compare the two tiles */
+
+/* Lets (1) or stops (0) the products taking the AVX-512 tile; returns the previous setting
+ * (on < 0: leaves it). */
+int panels_allow_avx512(int on) {
+    const int old = allow_wide;
+    if (on >= 0) allow_wide = on;
+    return old;
+}
+
 static int run(Gemm *g, int threads) {
     const int want = (threads < 1 ? 1 : threads) * CHUNKS_PER_THREAD;
     g->np = (g->n + NR - 1) / NR;
-    /* shares as even as the panels allow, the larger first: the pool's threads take chunks in
-     * turn, so a thread's sum differs from another's by at most a panel. Chunks of a rounded-up
+#if KV_X86
+    g->wide = allow_wide && kv_use_avx512() ? 2 : 1;
+#else
+    g->wide = 1;
+#endif
+    const int nu = (g->np + g->wide - 1) / g->wide;
+    /* shares as even as the units allow, the larger first: the pool's threads take chunks in
+     * turn, so a thread's sum differs from another's by at most a unit. Chunks of a rounded-up
      * size (36 panels: seven of 5 and one of 1) left one thread 20 panels against 16 on
      * SmolLM2's o and down products (BENCHMARKS "Panels: the tile's k loop unrolled") */
-    g->chunks = g->np < want ? g->np : want;
+    g->chunks = nu < want ? nu : want;
     pool_run(run_chunk, g, g->chunks);
     return g->failed ? -2 : 0;
 }
@@ -262,7 +387,7 @@ static int run(Gemm *g, int threads) {
  * a bad shape. */
 int panels_gemm(int m, int k, int n, const float *x, const float *wp, const float *bias, float *y, int threads) {
     if (m < 1 || k < 1 || n < 1 || wp == NULL) return -1;
-    Gemm g = {m, k, n, 0, 0, x, wp, bias, y, NULL, DT_F32, 1, 0};
+    Gemm g = {m, k, n, 0, 0, x, wp, bias, y, NULL, DT_F32, 1, 0, 1};
     return run(&g, threads);
 }
 
@@ -272,6 +397,6 @@ int panels_gemm(int m, int k, int n, const float *x, const float *wp, const floa
  * exists yet). Returns 0, -1 for a bad shape or dtype, -2 out of memory. */
 int panels_gemm_plain(int m, int k, int n, const float *x, const void *w, int dtype, int transposed, const float *bias, float *y, int threads) {
     if (m < 1 || k < 1 || n < 1 || w == NULL || (dtype != DT_F32 && dtype != DT_BF16)) return -1;
-    Gemm g = {m, k, n, 0, 0, x, NULL, bias, y, w, dtype, transposed, 0};
+    Gemm g = {m, k, n, 0, 0, x, NULL, bias, y, w, dtype, transposed, 0, 1};
     return run(&g, threads);
 }

@@ -1,7 +1,8 @@
 """Weights copied into panels of 16 columns for CPU steps of many rows (``csrc/panels.c``).
 
 The packed copy ``kernels.cpu_packed`` keeps for batched decode steps and prefill, on CPUs
-where it beats oneDNN's blocked copy: AVX2 without AVX-512 (``preferred``). There a batched
+where it beats oneDNN's blocked copy: AVX2 or AVX-512 without AMX (``preferred``; on
+AVX-512 a register tile spans two panels). On AVX2 a batched
 decode step's products wait on memory in oneDNN's kernels (21-73 GFLOP/s at 8-64 rows over
 SmolLM2's 30 layers, against ~120 in cache); a panel is one sequential stream and each of its
 rows feeds a 6 x 16 register tile, 1.3-1.6x faster at 8-64 rows, 1.1x at 256, 0.93x at 2,048
@@ -47,7 +48,7 @@ class Panels:
 @functools.cache
 def preferred() -> bool:
     """The native library is built and this CPU is one where panels beat oneDNN (AVX2 and
-    FMA, no AVX-512)."""
+    FMA, AVX-512 or not, and no AMX: csrc/panels.c ``panels_preferred``)."""
     library = gemv.load_library()
     return library is not None and bool(library.panels_preferred())
 

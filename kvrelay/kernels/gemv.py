@@ -117,6 +117,8 @@ def _declare(library: ctypes.CDLL) -> None:
     plain = [c_int] * 3 + [ptr] * 2 + [c_int] * 2 + [ptr] * 2 + [c_int]
     library.panels_gemm_plain.argtypes = plain
     library.panels_gemm_plain.restype = c_int
+    library.panels_allow_avx512.argtypes = [c_int]
+    library.panels_allow_avx512.restype = c_int
 
 
 def set_threads(threads: int) -> int:
@@ -176,9 +178,15 @@ def widens_bfloat16() -> bool:
 
 
 def widened(x: torch.Tensor) -> bool:
-    """Whether torch's products with ``x`` (a CPU bfloat16 tensor where ``widens_bfloat16``)
-    are computed on float32 copies here."""
-    return x.dtype == torch.bfloat16 and x.device.type == "cpu" and widens_bfloat16()
+    """Whether torch's products with ``x`` (a CPU bfloat16 tensor) are computed on float32
+    copies here: where ``widens_bfloat16``, and where the packed copies are kvrelay's panels
+    (float32 for a bfloat16 model too), so that a step on the plain weights sums as the
+    copies do."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return False
+    from kvrelay.kernels import cpu_panels  # it imports this module
+
+    return widens_bfloat16() or cpu_panels.chosen()
 
 
 def _widened_linear(
