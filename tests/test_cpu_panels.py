@@ -149,3 +149,24 @@ def test_the_avx512_tile_gives_the_avx2_tiles_sums_bit_for_bit(rows: int, n: int
     for wide, narrow in zip(runs[0], runs[1], strict=True):
         assert torch.equal(wide, narrow)
     torch.testing.assert_close(runs[0][0], torch.addmm(bias, x, w_kn), rtol=1e-5, atol=1e-3)
+
+
+def test_panels_are_preferred_where_bfloat16_is_no_faster_than_float32() -> None:
+    """The choice follows the CPU: AVX2 and FMA, no AMX, and AVX512-BF16's dot products (timed
+    once against float32 multiply-adds; 0 where the CPU has none) under 1.25x their flops."""
+    from pathlib import Path
+
+    from kvrelay.kernels import gemv
+
+    library = gemv.load_library()
+    flags = set()
+    if Path("/proc/cpuinfo").exists():
+        line = next(
+            ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")
+        )
+        flags = set(line.split())
+    ratio = library.panels_bf16_dot_ratio()
+    assert ratio == library.panels_bf16_dot_ratio()  # measured once
+    assert (ratio > 0) == ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags)
+    want = {"avx2", "fma"} <= flags and "amx_bf16" not in flags and ratio < 1.25
+    assert bool(library.panels_preferred()) == want == cpu_panels.preferred()

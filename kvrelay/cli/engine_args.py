@@ -38,7 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser, from_env: bool = False) -> None:
         "unset: when the copy fits in a quarter of the memory available, on a thread after "
         "the engine starts, 1: always, before it starts, 0: never; env "
         "KVRELAY_CPU_PACKED_KERNEL: the copy's kind, panels (kvrelay's, the faster on AVX2 and "
-        "AVX-512 CPUs without AMX), onednn, or auto: panels on a CPU with AVX2 and no AMX]",
+        "AVX-512 CPUs whose bfloat16 is no faster than float32), onednn, or auto: panels on "
+        "such a CPU]",
     )
     if from_env:
         envs.add_option(p, "KVRELAY_DEVICE")

@@ -39,6 +39,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
@@ -65,16 +66,70 @@
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
+#if KV_X86
+/* Multiply-add rate of a register-only loop (12 independent chains, `iters` rounds): float32
+ * FMAs (bf16 = 0, 32 flops an instruction) or AVX512-BF16 dot products (64), in flops a
+ * nanosecond. */
+__attribute__((target("avx512f,avx512bf16"), noinline)) static double dot_rate(int bf16, long iters) {
+    volatile float seed = 1e-3f;
+    __m512 acc[12];
+    for (int i = 0; i < 12; i++) acc[i] = _mm512_set1_ps(seed * (float)i);
+    const __m512 a = _mm512_set1_ps(seed), b = _mm512_set1_ps(seed * 2.f);
+    const __m512bh ah = _mm512_cvtne2ps_pbh(a, a), bh = _mm512_cvtne2ps_pbh(b, b);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long n = 0; n < iters; n++) {
+        if (bf16)
+#pragma GCC unroll 12
+            for (int i = 0; i < 12; i++) acc[i] = _mm512_dpbf16_ps(acc[i], ah, bh);
+        else
+#pragma GCC unroll 12
+            for (int i = 0; i < 12; i++) acc[i] = _mm512_fmadd_ps(a, acc[i], b);
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    float sink = 0.f;
+    for (int i = 0; i < 12; i++) sink += _mm512_reduce_add_ps(acc[i]);
+    seed = sink; /* the loops' results are used */
+    const double ns = (double)(t1.tv_sec - t0.tv_sec) * 1e9 + (double)(t1.tv_nsec - t0.tv_nsec);
+    return (double)iters * 12 * (bf16 ? 64 : 32) / (ns > 0 ? ns : 1);
+}
+#else
+static double dot_rate(int bf16, long iters) {
+    (void)bf16, (void)iters;
+    return 0;
+}
+#endif
+
+/* How many times float32 multiply-adds' flops AVX512-BF16's dot products compute (best of
+ * three ~0.1 ms timings of each; 0 without AVX512-BF16), measured once: on the Zen 4 EPYC of
+ * BENCHMARKS.md oneDNN's bfloat16 ran the offline workload 1.8x as fast as its float32, on
+ * the Xeon the dot products issue at half the rate (80 against 161 GFLOP/s a core). */
+double panels_bf16_dot_ratio(void) {
+    static double ratio = -1;
+    if (ratio < 0) {
+        double f32 = 0, bf16 = 0;
+        if (KV_X86 && kv_use_avx512_bf16()) {
+            for (int i = 0; i < 3; i++) {
+                const double f = dot_rate(0, 20000), b = dot_rate(1, 20000);
+                f32 = f > f32 ? f : f32, bf16 = b > bf16 ? b : bf16;
+            }
+        }
+        ratio = f32 > 0 ? bf16 / f32 : 0;
+    }
+    return ratio;
+}
+
 /* True where the panels are the faster copy: AVX2 and FMA (AVX-512 too: its tile spans two
- * panels), and no AMX, where oneDNN's bfloat16 kernels run on the tiles' matrix unit and stay
- * the choice. Without AMX, oneDNN's bfloat16 is no faster than float32 multiply-adds on
- * widened weights (AVX512-BF16's dot product issues at half their rate on the Xeon of
- * BENCHMARKS.md), and its float32 kernels wait on memory at 8-64 rows. */
+ * panels), unless the CPU computes bfloat16 faster than float32, where oneDNN's bfloat16
+ * kernels stay the choice: AMX (matrix tiles), or AVX512-BF16 dot products that outrun
+ * float32 multiply-adds by a quarter (panels_bf16_dot_ratio). Elsewhere oneDNN's bfloat16 is no faster than
+ * float32 multiply-adds on widened weights, and its float32 kernels wait on memory at 8-64
+ * rows. */
 int panels_preferred(void) {
 #if KV_X86
     unsigned a = 0, b = 0, c = 0, d = 0;
     const int amx = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1u); /* AMX-BF16 */
-    return kv_use_avx2() && !amx;
+    return kv_use_avx2() && !amx && panels_bf16_dot_ratio() < 1.25;
 #else
     return 0;
 #endif

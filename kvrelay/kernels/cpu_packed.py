@@ -1,7 +1,7 @@
 """Packed copies of the weights for CPU steps of more than ``gemv.MAX_ROWS`` rows: oneDNN's
-blocked layout, or kvrelay's panels (``kernels.cpu_panels``) on an AVX2 or AVX-512 CPU
-without AMX, where oneDNN's float32 kernels wait on memory at 8-64 rows and its bfloat16 ones
-are no faster than float32 (``kernel``, ``KVRELAY_CPU_PACKED_KERNEL``).
+blocked layout, or kvrelay's panels (``kernels.cpu_panels``) on an AVX2 or AVX-512 CPU whose
+bfloat16 computes no faster than float32 (no AMX, slow or no AVX512-BF16), where oneDNN's
+float32 kernels wait on memory at 8-64 rows (``kernel``, ``KVRELAY_CPU_PACKED_KERNEL``).
 
 A batched decode step or a prefill multiplies many rows by each weight. torch's ``mm`` on a
 plain weight packs the weight's panels on every call (MKL in float32; oneDNN reorders a
@@ -54,7 +54,8 @@ Packed = torch.Tensor | Panels  # oneDNN's blocked copy, or kvrelay's panels
 def kernel() -> str:
     """The packed copies' kind: ``"panels"`` (``kernels.cpu_panels``, where ``chosen``) or
     ``"onednn"``, as ``KVRELAY_CPU_PACKED_KERNEL`` says (auto: panels where they are the
-    faster, an AVX2 or AVX-512 CPU without AMX, and the native library is built)."""
+    faster, an AVX2 or AVX-512 CPU whose bfloat16 is no faster than float32, and the native
+    library is built: ``cpu_panels.preferred``)."""
     return "panels" if cpu_panels.chosen() else "onednn"
 
 

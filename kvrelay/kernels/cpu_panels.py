@@ -1,8 +1,8 @@
 """Weights copied into panels of 16 columns for CPU steps of many rows (``csrc/panels.c``).
 
 The packed copy ``kernels.cpu_packed`` keeps for batched decode steps and prefill, on CPUs
-where it beats oneDNN's blocked copy: AVX2 or AVX-512 without AMX (``preferred``; on
-AVX-512 a register tile spans two panels). On AVX2 a batched
+where it beats oneDNN's blocked copy: AVX2 or AVX-512 where bfloat16 is no faster than
+float32 (``preferred``; on AVX-512 a register tile spans two panels). On AVX2 a batched
 decode step's products wait on memory in oneDNN's kernels (21-73 GFLOP/s at 8-64 rows over
 SmolLM2's 30 layers, against ~120 in cache); a panel is one sequential stream and each of its
 rows feeds a 6 x 16 register tile, 1.3-1.6x faster at 8-64 rows, 1.1x at 256, 0.93x at 2,048
@@ -48,9 +48,21 @@ class Panels:
 @functools.cache
 def preferred() -> bool:
     """The native library is built and this CPU is one where panels beat oneDNN (AVX2 and
-    FMA, AVX-512 or not, and no AMX: csrc/panels.c ``panels_preferred``)."""
+    FMA, AVX-512 or not, and bfloat16 no faster than float32: no AMX, and AVX512-BF16's dot
+    products, where there, under 1.25x the flops of float32 multiply-adds, timed once;
+    csrc/panels.c ``panels_preferred``). Logged with the ratio."""
     library = gemv.load_library()
-    return library is not None and bool(library.panels_preferred())
+    if library is None:
+        return False
+    chosen = bool(library.panels_preferred())
+    ratio = library.panels_bf16_dot_ratio()
+    dots = f"AVX512-BF16 dot products at {ratio:.2f}x float32 multiply-adds' flops"
+    logger.info(
+        "packed copies' kernel on this CPU: %s (%s)",
+        "kvrelay's panels" if chosen else "oneDNN",
+        dots if ratio else "no AVX512-BF16",
+    )
+    return chosen
 
 
 def available() -> bool:

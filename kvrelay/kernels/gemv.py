@@ -110,6 +110,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.gemv_allow_avx512.restype = ctypes.c_int
     library.kv_use_avx512_bf16.restype = ctypes.c_int
     library.panels_preferred.restype = c_int  # panels.c, for kernels/cpu_panels.py
+    library.panels_bf16_dot_ratio.restype = ctypes.c_double
     library.panels_pack.argtypes = [c_int, c_int, ptr, c_int, c_int, ptr]
     library.panels_pack.restype = None
     library.panels_gemm.argtypes = [c_int] * 3 + [ptr] * 4 + [c_int]
