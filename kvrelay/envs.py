@@ -226,7 +226,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
          "1.3-1.6x oneDNN's speed at 8-64 rows on an AVX2 CPU, where oneDNN's kernels wait on "
          "memory; on AVX-512, a tile over two panels), onednn (oneDNN's blocked layout), or "
          "auto: panels on a CPU with AVX2 where bfloat16 computes no faster than float32 (no "
-         "AMX; AVX512-BF16 dot products, timed once, under 1.25x float32's flops), else onednn", commands=("serve",), choices=("auto", "panels", "onednn")),
+         "AMX; AVX512-BF16 dot products, timed once, under 1.25x float32's flops), else onednn",
+         commands=("serve",), choices=("auto", "panels", "onednn")),
     _var("KVRELAY_GRAMMAR_WARM_UP", bool, True,
          "a worker builds the grammar compiler's tokenizer tables (xgrammar, which imports "
          "transformers: ~2.5 s of CPU) on a thread as it starts serving, so that the first "
