@@ -63,11 +63,6 @@
 #ifndef SPREAD_TILES
 #define SPREAD_TILES 4 /* up to this many tiles a block, each asks for a share of the next panel */
 #endif
-#ifndef SPREAD_TILES512
-#define SPREAD_TILES512 16 /* the same for the AVX-512 tile: every tile of a block of up to MC_FROM
-                              rows (64-128 rows: 1.08-1.24x paired, BENCHMARKS "Packed panels on
-                              AVX-512") */
-#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1 };
 
@@ -383,9 +378,7 @@ static void run_chunk(void *ctx, int c) {
              * few, asked for nothing (1.09-1.29x at 9-18 rows when the host is busy,
              * 1.18-1.27x when it is quiet). Spread over more tiles it hurt in the host's busy
              * spells (0.72-0.89x at 64-2,048 rows; BENCHMARKS "Panels: the next panel's
-             * lines spread over the tiles") with the AVX2 tile; with the AVX-512 tile, every
-             * tile of the block takes its share (SPREAD_TILES512): 1.08-1.24x at 64-128 rows,
-             * on the Xeon in slow spells and quick ones */
+             * lines spread over the tiles") */
             const int pn = p + w, next_panels = g->np - pn < w ? g->np - pn : w;
             const char *next = g->wp != NULL && g->m <= MC_FROM && u + 1 < u1 ? (const char *)(g->wp + (size_t)pn * g->k * NR) : NULL;
             const int next_lines = next != NULL ? g->k * next_panels : 0;
@@ -396,9 +389,8 @@ static void run_chunk(void *ctx, int c) {
                 const int prefetch = g->wp != NULL && r == m0;
                 /* this tile's share of the next panels' lines: all of them for the first
                  * tile of a block of more than SPREAD_TILES tiles, else an even share */
-                const int spread = tiles <= (w > 1 ? SPREAD_TILES512 : SPREAD_TILES);
-                const int l0 = spread ? (int)((long)t * next_lines / tiles) : 0;
-                const int l1 = spread ? (int)((long)(t + 1) * next_lines / tiles) : t == 0 ? next_lines : 0;
+                const int l0 = tiles > SPREAD_TILES ? 0 : (int)((long)t * next_lines / tiles);
+                const int l1 = tiles > SPREAD_TILES ? (t == 0 ? next_lines : 0) : (int)((long)(t + 1) * next_lines / tiles);
                 const char *share = next != NULL && l1 > l0 ? next + (size_t)l0 * 64 : NULL;
 #if KV_X86
                 if (w == 2) {
