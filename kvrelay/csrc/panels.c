@@ -442,7 +442,7 @@ static int run(Gemm *g, int threads) {
  * a bad shape. */
 int panels_gemm(int m, int k, int n, const float *x, const float *wp, const float *bias, float *y, int threads) {
     if (m < 1 || k < 1 || n < 1 || wp == NULL) return -1;
-    Gemm g = {m, k, n, 0, 0, x, wp, bias, y, NULL, DT_F32, 1, 0, 1};
+    Gemm g = {m, k, n, 0, 0, x, wp, bias, y, NULL, DT_F32, 1, 0}; /* run() sets wide */
     return run(&g, threads);
 }
 
@@ -452,6 +452,6 @@ int panels_gemm(int m, int k, int n, const float *x, const float *wp, const floa
  * exists yet). Returns 0, -1 for a bad shape or dtype, -2 out of memory. */
 int panels_gemm_plain(int m, int k, int n, const float *x, const void *w, int dtype, int transposed, const float *bias, float *y, int threads) {
     if (m < 1 || k < 1 || n < 1 || w == NULL || (dtype != DT_F32 && dtype != DT_BF16)) return -1;
-    Gemm g = {m, k, n, 0, 0, x, NULL, bias, y, w, dtype, transposed, 0, 1};
+    Gemm g = {m, k, n, 0, 0, x, NULL, bias, y, w, dtype, transposed, 0};
     return run(&g, threads);
 }
